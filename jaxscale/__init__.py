@@ -1,0 +1,1 @@
+"""jaxscale: a config-driven JAX/Flax trainer."""

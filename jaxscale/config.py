@@ -1,0 +1,263 @@
+"""Config defaults, loading and validation.
+
+A config file is a Python file whose `get_config()` returns an `ml_collections.ConfigDict` built on
+`default_config()`. Every check a user's config must pass lives in `validate`, which raises
+`ConfigError` with the key, the bad value and the fix, before anything is compiled or written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxscale.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
+LOGICAL_AXES = (
+    "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+)
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots")
+DATA_SOURCES = ("stdlib", "synthetic")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key jaxscale understands, with its default. Config files start from this."""
+    c = ml_collections.ConfigDict()
+
+    c.train = dict(
+        steps=200,
+        seed=0,
+        batch_size=16,  # global, in sequences
+        seq_len=128,
+        microbatches=1,  # gradient accumulation: the batch is split into this many parts
+        log_every=10,
+        eval_every=100,  # 0 disables periodic eval
+        eval_batches=4,
+    )
+    # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
+    # across slices / hosts connected by the data-centre network.
+    c.mesh = dict(data=-1, fsdp=1, tensor=1, pipeline=1,
+                  dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1))
+    # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
+    c.sharding = dict(rules=dict(
+        batch=("data", "fsdp"),
+        length=(),
+        embed=("fsdp",),
+        heads=("tensor",),
+        kv_heads=("tensor",),
+        head_dim=(),
+        mlp=("tensor",),
+        vocab=("tensor",),
+        layers=(),
+    ))
+    c.model = dict(
+        name="llama",
+        vocab_size=259,  # the byte tokenizer: 256 bytes + pad, bos, eos
+        vocab_multiple=128,  # the embedding is padded to a multiple of this (shards evenly)
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        mlp_dim=768,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        remat="none",  # none | full | save_dots
+    )
+    c.optim = dict(
+        lr=3e-3,
+        warmup_steps=20,
+        min_lr_ratio=0.1,  # cosine decays to lr * min_lr_ratio at train.steps
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,  # not applied to norms and biases
+        grad_clip=1.0,  # global-norm clipping; 0 disables
+    )
+    c.precision = dict(
+        compute_dtype="bfloat16",  # matmuls and activations; params/optimizer stay float32
+        # Dynamic loss scaling, used only with float16 compute.
+        loss_scale_init=2.0 ** 15,
+        loss_scale_growth_interval=2000,
+    )
+    c.data = dict(
+        source="stdlib",  # stdlib: this Python's own .py files; synthetic: random tokens
+        eval_fraction=0.02,  # share of documents held out for eval
+        workers=0,  # grain worker processes; 0 reads in the main process
+        prefetch=2,  # batches prepared ahead of the step
+    )
+    return c
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """Imports `path` and returns its `get_config()`."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass --config=configs/NAME.py")
+    spec = importlib.util.spec_from_file_location("jaxscale_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a broken config file is the user's to fix
+        raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} has no get_config(); define one returning "
+                          "jaxscale.config.default_config() with your changes")
+    return module.get_config()
+
+
+def padded_vocab_size(model: ml_collections.ConfigDict) -> int:
+    m = model.vocab_multiple
+    return -(-model.vocab_size // m) * m
+
+
+def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
+    """The length of each logical axis under `config`, used to check it divides its mesh axes."""
+    m, t = config.model, config.train
+    return dict(
+        batch=t.batch_size // max(t.microbatches, 1),  # what one microbatch shards
+        length=t.seq_len,
+        embed=m.d_model,
+        heads=m.n_heads,
+        kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        mlp=m.mlp_dim,
+        vocab=padded_vocab_size(m),
+        layers=m.n_layers,
+    )
+
+
+def resolve_mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int,
+                       num_slices: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+    """Returns (ici, dcn) axis sizes with every -1 filled in.
+
+    `num_slices` is how many DCN-connected granules (slices or hosts) the devices form; their
+    product of `mesh.dcn.*` must equal it, and the ICI sizes must fill one granule.
+    """
+    dcn = {a: int(mesh.dcn[a]) for a in MESH_AXES}
+    for a, v in dcn.items():
+        if v < 1:
+            raise ConfigError(f"mesh.dcn.{a}={v} must be >= 1")
+    if math.prod(dcn.values()) != num_slices:
+        raise ConfigError(
+            f"mesh.dcn sizes {dcn} multiply to {math.prod(dcn.values())} but there are "
+            f"{num_slices} slices/hosts; make their product {num_slices}")
+    per_slice = num_devices // num_slices
+    ici = {a: int(mesh[a]) for a in MESH_AXES}
+    free = [a for a, v in ici.items() if v == -1]
+    for a, v in ici.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{a}={v} must be a positive size or -1 (take the rest)")
+    if len(free) > 1:
+        raise ConfigError(f"mesh axes {free} are all -1; at most one axis may take the rest")
+    fixed = math.prod(v for v in ici.values() if v != -1)
+    if free:
+        if per_slice % fixed:
+            raise ConfigError(
+                f"mesh sizes {ici} leave no whole size for mesh.{free[0]}: {per_slice} devices "
+                f"per slice are not divisible by {fixed}; change the fixed mesh sizes")
+        ici[free[0]] = per_slice // fixed
+    if math.prod(ici.values()) != per_slice:
+        raise ConfigError(
+            f"mesh sizes {ici} multiply to {math.prod(ici.values())} but there are {per_slice} "
+            f"devices{' per slice' if num_slices > 1 else ''}; make the product {per_slice} or "
+            "set one axis to -1")
+    if ici["pipeline"] * dcn["pipeline"] != 1:
+        raise ConfigError(
+            f"mesh.pipeline={ici['pipeline']} (dcn {dcn['pipeline']}): pipeline parallelism is "
+            "not implemented yet; set mesh.pipeline=1 and use data/fsdp/tensor")
+    return ici, dcn
+
+
+def _unknown_keys(config: Any, defaults: Any, prefix: str = "") -> list[str]:
+    unknown = []
+    for key in config.keys():
+        path = f"{prefix}{key}"
+        if key not in defaults:
+            unknown.append(path)
+        elif isinstance(defaults[key], ml_collections.ConfigDict) and path != "sharding.rules":
+            if not isinstance(config[key], ml_collections.ConfigDict):
+                raise ConfigError(f"config key {path!r} must be a group of keys, got "
+                                  f"{config[key]!r}")
+            unknown += _unknown_keys(config[key], defaults[key], path + ".")
+    return unknown
+
+
+def _check_positive(config, *keys: str) -> None:
+    for key in keys:
+        group, name = key.split(".")
+        value = config[group][name]
+        if not value > 0:
+            raise ConfigError(f"{key}={value!r} must be > 0")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1) -> None:
+    """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices."""
+    unknown = _unknown_keys(config, default_config())
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}; check the spelling against "
+                          "jaxscale/config.py:default_config()")
+    _check_positive(config, "train.steps", "train.batch_size", "train.seq_len",
+                    "train.microbatches", "train.log_every", "optim.lr", "model.vocab_size",
+                    "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                    "model.head_dim", "model.mlp_dim", "model.vocab_multiple")
+    t, m = config.train, config.model
+    if t.eval_every < 0 or t.eval_batches < 0:
+        raise ConfigError("train.eval_every and train.eval_batches must be >= 0")
+    if not 0 <= config.optim.warmup_steps:
+        raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
+    if not 0 <= config.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be in [0, 1]")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"train.microbatches={t.microbatches} does not divide train.batch_size="
+            f"{t.batch_size}; pick a divisor of {t.batch_size}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                          "lower train.seq_len or raise model.max_seq_len")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
+                          f"{m.n_heads} (grouped-query attention)")
+    if m.name != "llama":
+        raise ConfigError(f"model.name={m.name!r} is unknown; the available model is 'llama'")
+    if m.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
+    if config.precision.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
+                          f"unknown; use one of {COMPUTE_DTYPES}")
+    if config.data.source not in DATA_SOURCES:
+        raise ConfigError(f"data.source={config.data.source!r} is unknown; use one of "
+                          f"{DATA_SOURCES}")
+    if not 0 < config.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={config.data.eval_fraction} must be in (0, 1)")
+
+    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
+    _check_rules(config, {a: ici[a] * dcn[a] for a in MESH_AXES})
+
+
+def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    rules = config.sharding.rules
+    for name in rules.keys():
+        if name not in LOGICAL_AXES:
+            raise ConfigError(f"sharding.rules has unknown logical axis {name!r}; known axes: "
+                              f"{LOGICAL_AXES}")
+    sizes = logical_axis_sizes(config)
+    for name in LOGICAL_AXES:
+        axes = tuple(rules[name]) if name in rules else ()
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(f"sharding.rules.{name} names mesh axis {axis!r}; mesh axes "
+                                  f"are {MESH_AXES}")
+        shards = math.prod(mesh_shape[a] for a in axes)
+        if sizes[name] % shards:
+            where = "x".join(f"mesh.{a}={mesh_shape[a]}" for a in axes)
+            raise ConfigError(
+                f"logical axis {name!r} has size {sizes[name]}, not divisible by {where} "
+                f"(= {shards}) it is sharded over; change the mesh or the size, or set "
+                f"sharding.rules.{name} to shard it over fewer axes")

@@ -1,0 +1,44 @@
+"""The device mesh: axes `data`, `fsdp`, `tensor`, `pipeline`, each an ICI size times a DCN factor."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import ml_collections
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+from jaxscale.config import MESH_AXES, resolve_mesh_shape
+
+
+def dcn_granules(mesh_config: ml_collections.ConfigDict, devices) -> int:
+    """How many DCN-connected granules the mesh spans: 1 unless a `mesh.dcn` factor asks for more,
+    then the number of TPU slices, or of hosts where devices have no slice."""
+    if all(int(mesh_config.dcn[a]) == 1 for a in MESH_AXES):
+        return 1
+    if hasattr(devices[0], "slice_index"):
+        return len({d.slice_index for d in devices})
+    return len({d.process_index for d in devices})
+
+
+def build_mesh(mesh_config: ml_collections.ConfigDict, devices=None) -> Mesh:
+    """Builds the Mesh described by `config.mesh` over `devices` (default: all devices).
+
+    With every DCN factor 1 the whole mesh is laid out as if ICI-connected; otherwise
+    `create_hybrid_device_mesh` keeps the fast axes inside a slice and the DCN factors across them.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    granules = dcn_granules(mesh_config, devices)
+    ici, dcn = resolve_mesh_shape(mesh_config, len(devices), granules)
+    ici_shape = [ici[a] for a in MESH_AXES]
+    if granules > 1:
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici_shape, [dcn[a] for a in MESH_AXES], devices,
+            process_is_granule=not hasattr(devices[0], "slice_index"))
+    elif devices[0].platform == "cpu":
+        # CPU devices have no physical topology; keep their order so that process-local devices
+        # stay contiguous along the leading axes.
+        device_array = np.array(devices).reshape(ici_shape)
+    else:
+        device_array = mesh_utils.create_device_mesh(ici_shape, devices)
+    return Mesh(device_array, MESH_AXES)

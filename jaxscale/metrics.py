@@ -1,0 +1,203 @@
+"""Training throughput (tokens/s, model FLOPs, MFU) and the metric writers used by process 0.
+
+A `MetricsWriter` sends each step's scalars to three places: a compact line on the console, one
+JSON object per line in `<workdir>/metrics.jsonl` (easy to load with pandas, survives a crash), and
+TensorBoard event files in `<workdir>/tensorboard/`.
+"""
+
+import json
+import os
+import re
+import sys
+from time import monotonic
+
+import tensorboardX
+
+# Dense (no sparsity) bf16 peak, TFLOP/s per device, from the vendors' datasheets.
+PEAK_BF16_TFLOPS = {
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H200": 989.0,
+    "A100": 312.0,
+    "TPU v4": 275.0,
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v6e": 918.0,
+}
+
+# `jax.Device.device_kind` strings -> table keys, searched in order (the more specific first:
+# "H100 PCIe" before any H100, "TPU v5 lite" before the bare "TPU v5" that JAX reports for v5p).
+_DEVICE_KIND_PATTERNS = (
+    (r"h100.*pcie", "H100 PCIe"),
+    (r"h100", "H100 SXM"),
+    (r"h200", "H200"),
+    (r"a100", "A100"),
+    (r"tpu v4\b(?! ?lite)", "TPU v4"),
+    (r"tpu v5 ?(lite|e)", "TPU v5e"),
+    (r"tpu v5p?\b", "TPU v5p"),
+    (r"tpu v6 ?(lite|e)", "TPU v6e"),
+)
+
+_BAR_WIDTH = 30
+# Redraw the progress bar at most this often (seconds): fast steps would otherwise spend their
+# time writing to the terminal.
+_BAR_MIN_INTERVAL = 0.1
+
+
+def flops_per_token(*, num_params: int, n_layers: int, n_heads: int, head_dim: int,
+                    seq_len: int) -> float:
+    """Training FLOPs per token, forward plus backward (PaLM, appendix B).
+
+    `6 * num_params` counts the weight matmuls (2 FLOPs per multiply-add, forward once, backward
+    twice); `12 * n_layers * n_heads * head_dim * seq_len` counts the attention score and value
+    matmuls, which have no parameters. `num_params` must be the parameters that take part in
+    matmuls: leave out the input embedding table when it is untied from the output projection,
+    because a lookup costs no FLOPs.
+    """
+    return 6.0 * num_params + 12.0 * n_layers * n_heads * head_dim * seq_len
+
+
+def peak_flops_per_device(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of this kind, or None for CPUs and unknown chips."""
+    kind = device_kind.lower()
+    for pattern, chip in _DEVICE_KIND_PATTERNS:
+        if re.search(pattern, kind):
+            return PEAK_BF16_TFLOPS[chip] * 1e12
+    return None
+
+
+def throughput(*, steps: int, seconds: float, tokens_per_step: int, flops_per_token: float,
+               num_devices: int, peak_flops_per_device: float | None) -> dict:
+    """Speed over `steps` steps that took `seconds`; `mfu` only when the peak is known."""
+    if steps <= 0 or seconds <= 0:
+        raise ValueError(f"throughput needs steps > 0 and seconds > 0, got {steps=} {seconds=}")
+    tokens_per_sec = steps * tokens_per_step / seconds
+    flops_per_sec_per_device = tokens_per_sec / num_devices * flops_per_token
+    result = {
+        "step_time": seconds / steps,
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_device": tokens_per_sec / num_devices,
+        "tflops_per_device": flops_per_sec_per_device / 1e12,
+    }
+    if peak_flops_per_device:
+        result["mfu"] = flops_per_sec_per_device / peak_flops_per_device
+    return result
+
+
+def is_interactive(stream) -> bool:
+    """True when `stream` is a terminal, where redrawing a line with `\\r` makes sense."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False
+
+
+def _format_value(name: str, value: float | int) -> str:
+    if name.endswith("mfu"):
+        return f"{value:.1%}"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"
+
+
+def _format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _to_scalar(value) -> float | int:
+    """A Python number from an int, float, numpy or JAX scalar (JSON can't encode the others)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return float(value)
+
+
+class MetricsWriter:
+    """Writes metrics to the console, `metrics.jsonl` and TensorBoard; a no-op when not enabled.
+
+    Only process 0 should pass `enabled=True`: the files are shared by all hosts of a run.
+    """
+
+    def __init__(self, workdir: str, *, enabled: bool, total_steps: int, stream=sys.stdout):
+        self._enabled = enabled
+        self._total_steps = total_steps
+        self._stream = stream
+        self._interactive = is_interactive(stream)
+        self._bar_length = 0  # characters of the bar now on screen; 0 when none is
+        self._bar_start = None  # (step, time) of the first progress() call
+        self._last_draw = float("-inf")
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        # Append, so a resumed run keeps the lines of the run it continues.
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
+        """Record `metrics` at `step`; keys get `prefix` (e.g. "eval_") in the console and JSONL."""
+        if not self._enabled:
+            return
+        scalars = {prefix + name: _to_scalar(value) for name, value in metrics.items()}
+        self._clear_bar()
+        fields = [f"step {step}"] + [f"{k} {_format_value(k, v)}" for k, v in scalars.items()]
+        print(" | ".join(fields), file=self._stream, flush=True)
+        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self._jsonl.flush()  # a crash must not lose the lines before it
+        tag_group = prefix.rstrip("_") or "train"
+        for name in metrics:
+            self._tensorboard.add_scalar(f"{tag_group}/{name}", scalars[prefix + name], step)
+        self._tensorboard.flush()
+
+    def progress(self, step: int) -> None:
+        """Redraw the one-line progress bar; only on a terminal, so logs stay free of `\\r`."""
+        if not (self._enabled and self._interactive):
+            return
+        now = monotonic()
+        if self._bar_start is None:
+            self._bar_start = (step, now)
+        if now - self._last_draw < _BAR_MIN_INTERVAL and step < self._total_steps:
+            return
+        self._last_draw = now
+        line = self._bar_line(step, now)
+        # Pad with spaces to wipe the rest of a longer previous bar.
+        self._stream.write("\r" + line.ljust(self._bar_length))
+        self._stream.flush()
+        self._bar_length = len(line)
+
+    def _bar_line(self, step: int, now: float) -> str:
+        fraction = min(max(step / self._total_steps, 0.0), 1.0) if self._total_steps else 1.0
+        filled = round(fraction * _BAR_WIDTH)
+        bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
+        # Rate since the first call, not since step 0: a resumed run starts in the middle.
+        start_step, start_time = self._bar_start
+        elapsed = now - start_time
+        rate = (step - start_step) / elapsed if elapsed > 0 else 0.0
+        if rate > 0:
+            eta = _format_duration(max(self._total_steps - step, 0) / rate)
+        else:
+            eta = "?"
+        return f"[{bar}] {step}/{self._total_steps} | {rate:.2f} steps/s | ETA {eta}"
+
+    def _clear_bar(self) -> None:
+        if self._bar_length:
+            self._stream.write("\r" + " " * self._bar_length + "\r")
+            self._bar_length = 0
+
+    def close(self) -> None:
+        """Flush and close the files; safe to call twice."""
+        if not self._enabled:
+            return
+        if self._bar_length:
+            self._stream.write("\n")  # leave the finished bar on screen, the prompt below it
+            self._bar_length = 0
+        self._stream.flush()
+        self._jsonl.close()
+        self._tensorboard.close()
+        self._enabled = False
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

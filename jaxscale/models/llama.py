@@ -1,0 +1,118 @@
+"""A Llama-style decoder: embedding, scanned pre-norm blocks (GQA attention + SwiGLU), RMSNorm, head.
+
+The blocks are created stacked along a leading `layers` axis and run with `jax.lax.scan`, so compile
+time does not grow with depth; `remat` chooses what the backward pass recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxscale.config import padded_vocab_size
+from jaxscale.models.layers import MLP, Attention, RMSNorm, param
+from jaxscale.sharding import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep the outputs of weight matmuls (no batch dimension in the dot), recompute the rest:
+    # norms, activations and the attention scores, which are cheap in FLOPs and big in memory.
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int  # padded: the embedding's row count
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+    dtype: str = "bfloat16"  # compute dtype
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> "LlamaConfig":
+        m = config.model
+        return cls(vocab_size=padded_vocab_size(m), d_model=m.d_model, n_layers=m.n_layers,
+                   n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                   mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                   tie_embeddings=m.tie_embeddings, remat=m.remat,
+                   dtype=config.precision.compute_dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        # Residual-branch outputs start small so the residual stream's scale does not grow with
+        # depth (GPT-2 / Llama practice).
+        out_stddev = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                              cfg.rope_theta, out_stddev, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "embed"))
+
+
+class Llama(nnx.Module):
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens [batch, length] int -> float32 logits [batch, length, vocab_size].
+
+        `positions` restart at 0 in each packed document and `segment_ids` keep attention inside a
+        document; both default to one unpacked sequence per row.
+        """
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+
+        block_def, block_state = nnx.split(self.blocks)
+
+        def run_block(x, layer_state):
+            return nnx.merge(block_def, layer_state)(x, positions, segment_ids), None
+
+        if REMAT_POLICIES[cfg.remat] is not None:
+            run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[cfg.remat],
+                                       prevent_cse=False)
+        x, _ = jax.lax.scan(run_block, x, block_state)
+
+        x = self.final_norm(x)
+        head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))

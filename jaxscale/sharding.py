@@ -1,0 +1,73 @@
+"""Logical axis names -> mesh axes.
+
+Model code names the axes of its parameters and activations (`embed`, `heads`, ...). A rules table
+maps each logical name to the mesh axes it is split over. The trainer installs the mesh and rules
+with `use_rules`; `constrain` then pins activations to the resulting sharding, and is a no-op when no
+rules are installed (a plain single-device call of the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Mapping, Sequence
+
+import jax
+import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+Rules = Mapping[str, tuple[str, ...]]
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "jaxscale_sharding_rules", default=None)
+
+
+def rules_from_config(rules: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:
+    """The config's rules table as plain tuples (a single axis may be written as a string)."""
+    return {name: (axes,) if isinstance(axes, str) else tuple(axes)
+            for name, axes in rules.items()}
+
+
+def logical_to_mesh(logical: Sequence[str | None], rules: Rules) -> P:
+    """PartitionSpec over mesh axes for an array whose dimensions have these logical names.
+
+    A mesh axis already used by an earlier dimension is dropped from later ones: an array can be
+    split over an axis only once (e.g. activations [batch, length, embed] keep `fsdp` on batch).
+    """
+    used: set[str] = set()
+    spec = []
+    for name in logical:
+        axes = tuple(a for a in rules.get(name, ()) if a not in used) if name else ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def tree_shardings(logical_specs: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for a pytree whose leaves are PartitionSpecs of logical names."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh(spec, rules)),
+                        logical_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Sharding of [batch, length] input arrays."""
+    return NamedSharding(mesh, logical_to_mesh(("batch", "length"), rules))
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Rules):
+    """Makes `constrain` shard activations over `mesh` by `rules` inside the block."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pins `x` to the sharding its logical axis names map to (no-op without active rules)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(logical, rules)))

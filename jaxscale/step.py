@@ -1,0 +1,113 @@
+"""The pure train and eval steps: loss, gradients, microbatch accumulation, loss scaling.
+
+A batch is a dict of [batch, length] arrays: `inputs`, `targets`, `loss_mask`, `positions`,
+`segment_ids`. The loss is next-token cross-entropy in float32, averaged over real (unmasked)
+tokens of the whole batch, so k microbatches give exactly the update of one k-times larger batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from jaxscale.sharding import constrain
+from jaxscale.train_state import TrainState, _dynamic_loss_scale
+
+Batch = dict[str, jax.Array]
+BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+
+
+def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of token losses over real tokens, number of real tokens), both float32."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(token_loss * mask), jnp.sum(mask)
+
+
+def _split_microbatches(batch: Batch, k: int) -> Batch:
+    """[B, L] -> [k, B/k, L], microbatch j taking rows j, j+k, ... so every device keeps an equal
+    share of each microbatch and no data moves between devices."""
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        return constrain(x, (None, "batch", "length"))
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
+                    tx: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple]:
+    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call."""
+    k = config.train.microbatches
+    dynamic_scale = _dynamic_loss_scale(config)
+    growth_interval = config.precision.loss_scale_growth_interval
+
+    def scaled_loss_and_grad(params, batch, scale):
+        def scaled(p):
+            total, tokens = summed_loss(graphdef, p, batch)
+            return total * scale, (total, tokens)
+        (_, (total, tokens)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return total, tokens, grads
+
+    def accumulate(params, batch, scale):
+        if k == 1:
+            return scaled_loss_and_grad(params, batch, scale)
+
+        def add_microbatch(carry, microbatch):
+            total, tokens, grads = scaled_loss_and_grad(params, microbatch, scale)
+            acc_total, acc_tokens, acc_grads = carry
+            return (acc_total + total, acc_tokens + tokens,
+                    jax.tree.map(jnp.add, acc_grads, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                 jax.tree.map(jnp.zeros_like, params))
+        (total, tokens, grads), _ = jax.lax.scan(add_microbatch, zeros,
+                                                 _split_microbatches(batch, k))
+        return total, tokens, grads
+
+    def train_step(state: TrainState, batch: Batch):
+        total, tokens, grads = accumulate(state.params, batch, state.loss_scale)
+        denominator = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / (denominator * state.loss_scale), grads)
+        loss = total / denominator
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        # A non-finite step changes nothing but the counters: the update is dropped whole.
+        keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        params = keep_new(new_params, state.params)
+        opt_state = keep_new(new_opt_state, state.opt_state)
+
+        loss_scale, good_steps = state.loss_scale, state.good_steps
+        if dynamic_scale:
+            # float16: halve the scale on overflow; double it after `growth_interval` good steps.
+            grow = finite & (good_steps + 1 >= growth_interval)
+            loss_scale = jnp.where(finite, jnp.where(grow, loss_scale * 2, loss_scale),
+                                   jnp.maximum(loss_scale / 2, 1.0))
+            good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
+
+        metrics = dict(loss=loss, grad_norm=grad_norm, tokens=tokens,
+                       lr=schedule(state.step),
+                       skipped=(~finite).astype(jnp.int32))
+        if dynamic_scale:
+            metrics["loss_scale"] = loss_scale
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                               loss_scale=loss_scale, good_steps=good_steps)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+    """Returns eval_step(params, batch) -> (summed loss, real tokens)."""
+    def eval_step(params, batch: Batch):
+        return summed_loss(graphdef, params, batch)
+    return eval_step
