@@ -22,7 +22,6 @@ LOGICAL_AXES = (
 )
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
-DATA_SOURCES = ("stdlib", "synthetic")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -38,6 +37,8 @@ def default_config() -> ml_collections.ConfigDict:
         log_every=10,
         eval_every=100,  # 0 disables periodic eval
         eval_batches=4,
+        # Stop the run after this many non-finite (skipped) steps in a row.
+        max_bad_steps=20,
     )
     # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
     # across slices / hosts connected by the data-centre network.
@@ -87,11 +88,36 @@ def default_config() -> ml_collections.ConfigDict:
         loss_scale_init=2.0 ** 15,
         loss_scale_growth_interval=2000,
     )
+    # See docs/data.md for the source formats and their keys.
     c.data = dict(
-        source="stdlib",  # stdlib: this Python's own .py files; synthetic: random tokens
-        eval_fraction=0.02,  # share of documents held out for eval
-        workers=0,  # grain worker processes; 0 reads in the main process
+        # A tuple of dicts, mixed by `weight`: stdlib (this Python's own .py files), synthetic
+        # (random tokens), text, jsonl, parquet, array_record, tokens (from jaxscale.data.prepare).
+        sources=(dict(format="stdlib"),),
+        tokenizer="byte",  # byte | a SentencePiece .model | a Hugging Face tokenizer.json
+        add_bos=True,  # frame each document as BOS + text + EOS
+        add_eos=True,
+        bos_token="",  # a learned tokenizer's BOS/EOS token; "" = its own (SentencePiece)
+        eos_token="",
+        packing="concat",  # concat (concat-then-split, no padding) | first_fit (whole documents)
+        max_bad_records=100,  # malformed records a process skips before the run fails
+        on_layout_change="error",  # resuming with other process/worker counts: error | restart
+        workers=-1,  # grain worker processes; 0 reads in the main process; -1 picks by tokenizer
         prefetch=2,  # batches prepared ahead of the step
+    )
+    # See docs/checkpointing.md.
+    c.checkpoint = dict(
+        enabled=True,
+        dir="",  # "" -> <workdir>/checkpoints; any path Orbax writes (local, gs://...)
+        every_steps=100,  # save when the step is a multiple; 0: not by steps
+        every_minutes=0.0,  # save when this long has passed since the last save; 0: not by time
+        keep=3,  # the newest checkpoints kept
+        keep_every_steps=0,  # also keep for good each checkpoint whose step is a multiple; 0: none
+        # Start from another run's checkpoint (its workdir, checkpoint folder or one step folder)
+        # when this run has none of its own yet.
+        restore_from="",
+        restore_params_only=False,  # with restore_from: params only (fine-tuning), from step 0
+        compilation_cache=True,  # JAX's persistent compilation cache: restarts skip compiling
+        compilation_cache_dir="",  # "" -> <workdir>/compilation_cache
     )
     return c
 
@@ -231,14 +257,59 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     if config.precision.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")
-    if config.data.source not in DATA_SOURCES:
-        raise ConfigError(f"data.source={config.data.source!r} is unknown; use one of "
-                          f"{DATA_SOURCES}")
-    if not 0 < config.data.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction={config.data.eval_fraction} must be in (0, 1)")
+    _check_data(config)
+    _check_checkpoint(config)
 
     ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
     _check_rules(config, {a: ici[a] * dcn[a] for a in MESH_AXES})
+
+
+def _check_data(config: ml_collections.ConfigDict) -> None:
+    # Imported here: the data package pulls in grain, which config loading does not need.
+    from jaxscale.data import LAYOUT_CHANGES
+    from jaxscale.data.packing import METHODS
+    from jaxscale.data.sources import source_specs
+    from jaxscale.data.tokenizers import tokenizer_from_config
+
+    d, m = config.data, config.model
+    source_specs(config)
+    if d.packing not in METHODS:
+        raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {METHODS}")
+    if d.on_layout_change not in LAYOUT_CHANGES:
+        raise ConfigError(f"data.on_layout_change={d.on_layout_change!r} is unknown; use one of "
+                          f"{LAYOUT_CHANGES}")
+    if d.workers < -1:
+        raise ConfigError(f"data.workers={d.workers} must be >= 0 (0 reads in the main process) "
+                          "or -1 (chosen by tokenizer)")
+    if d.max_bad_records < 0:
+        raise ConfigError(f"data.max_bad_records={d.max_bad_records} must be >= 0 (0: the first "
+                          "malformed record stops the run)")
+    if d.prefetch < 0:
+        raise ConfigError(f"data.prefetch={d.prefetch} must be >= 0 (0 disables prefetching)")
+    vocab = tokenizer_from_config(config).vocab_size
+    if vocab > m.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab} ids; set model.vocab_size >= {vocab}")
+
+
+def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
+    c = config.checkpoint
+    if config.train.max_bad_steps < 1:
+        raise ConfigError(f"train.max_bad_steps={config.train.max_bad_steps} must be >= 1")
+    for key in ("every_steps", "every_minutes", "keep_every_steps"):
+        if c[key] < 0:
+            raise ConfigError(f"checkpoint.{key}={c[key]} must be >= 0 (0 turns it off)")
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1: the newest checkpoint is the "
+                          "one a restart resumes from")
+    if c.keep_every_steps and (not c.every_steps or c.keep_every_steps % c.every_steps):
+        raise ConfigError(
+            f"checkpoint.keep_every_steps={c.keep_every_steps} must be a multiple of "
+            f"checkpoint.every_steps={c.every_steps}, or no saved step would ever be kept; "
+            "make it a multiple or set it to 0")
+    if c.restore_params_only and not c.restore_from:
+        raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH "
+                          "(the checkpoint whose params to start from)")
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

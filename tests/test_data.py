@@ -9,19 +9,21 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import default_config
-from jaxscale.data import Input, make_input, packing, pipeline, sources
+from jaxscale.data import make_input, packing, pipeline, sources
 from jaxscale.data.tokenizers import ByteTokenizer
 from jaxscale.errors import JaxscaleError
 
 BOS = ByteTokenizer.bos_id
+EOS = ByteTokenizer.eos_id
 
 
-def small_config(source="stdlib", seed=0):
+def small_config(source="stdlib", seed=0, **data):
     config = default_config()
     config.train.batch_size = 8
     config.train.seq_len = 64
     config.train.seed = seed
-    config.data.source = source
+    config.data.sources = (dict(format=source),)
+    config.data.update(data)
     return config
 
 
@@ -100,14 +102,41 @@ def test_packed_rows_are_consistent(batch_sharding, source):
             assert batch["segment_ids"].max() > 1
 
 
-def test_padding_is_masked():
-    documents = grain.MapDataset.source([np.full(5, 7, np.int32)])
-    pairs = packing.next_token_pairs(documents, BOS, ByteTokenizer.eos_id).to_iter_dataset()
-    (row,) = list(packing.concat_then_split(pairs, seq_len=10))
+def packed_rows(documents, method, seq_len, rows_at_once=1):
+    pairs = grain.MapDataset.source(documents).map(packing.NextTokenPairs(BOS, EOS))
+    return list(packing.pack(pairs.to_iter_dataset(), method, seq_len, rows_at_once))
+
+
+@pytest.mark.parametrize("method", packing.METHODS)
+def test_padding_is_masked(method):
+    (row,) = packed_rows([np.full(5, 7, np.int32)], method, seq_len=10)
     np.testing.assert_array_equal(row["segment_ids"], [1] * 6 + [0] * 4)
     np.testing.assert_array_equal(row["loss_mask"], [1] * 6 + [0] * 4)
     np.testing.assert_array_equal(row["inputs"][:6], [BOS, 7, 7, 7, 7, 7])
-    np.testing.assert_array_equal(row["targets"][:6], [7, 7, 7, 7, 7, ByteTokenizer.eos_id])
+    np.testing.assert_array_equal(row["targets"][:6], [7, 7, 7, 7, 7, EOS])
+
+
+def test_first_fit_keeps_documents_whole():
+    lengths = [3, 7, 2, 6, 9, 1, 4, 20]
+    documents = [np.full(n, 10 + i, np.int32) for i, n in enumerate(lengths)]
+    rows = packed_rows(documents, "first_fit", seq_len=10, rows_at_once=4)
+    pieces = {}
+    for row in rows:
+        for segment in range(1, row["segment_ids"].max() + 1):
+            inputs = row["inputs"][row["segment_ids"] == segment]
+            pieces.setdefault(int(inputs.max()), []).append(len(inputs))
+    pieces = {k: sorted(v) for k, v in pieces.items()}
+    # Each document shorter than a row sits whole in one row (its pairs: length + 1); the
+    # 20-token one is cut into row-sized pieces.
+    assert pieces == {10 + i: [n + 1] for i, n in enumerate(lengths[:-1])} | {17: [1, 10, 10]}
+
+
+def test_concat_leaves_no_padding_between_documents():
+    documents = [np.full(n, 10 + i, np.int32) for i, n in enumerate([3, 7, 2, 6, 9, 1, 4, 20])]
+    rows = packed_rows(documents, "concat", seq_len=10)
+    assert all(r["loss_mask"].all() for r in rows[:-1])
+    assert sum(int(r["loss_mask"].sum()) for r in rows) == sum(n + 1 for n in
+                                                               [3, 7, 2, 6, 9, 1, 4, 20])
 
 
 def test_attention_mask_is_causal_and_within_segments():
@@ -128,13 +157,16 @@ def test_eval_files_are_disjoint_from_train_files():
     _, paths = sources.stdlib_files()
     assert paths == sorted(paths) and len(paths) > 100
     assert not any("site-packages" in p for p in paths)
-    held_out = {p for p in paths if sources.in_eval_split(p, 0.02)}
+    mask = sources.held_out(paths, [1] * len(paths), 0.02)
+    held_out = {p for p, m in zip(paths, mask) if m}
     assert 0 < len(held_out) < 0.05 * len(paths)
     # The split depends on the name only, not on which other files exist.
-    assert held_out == {p for p in reversed(paths[::2] + paths[1::2])
-                        if sources.in_eval_split(p, 0.02)}
-    train = pipeline.documents(small_config(), "train", ByteTokenizer())
-    evaluation = pipeline.documents(small_config(), "eval", ByteTokenizer())
+    shuffled = list(reversed(paths[::2] + paths[1::2]))
+    assert held_out == {p for p, m in zip(shuffled, sources.held_out(shuffled, [1] * len(paths),
+                                                                      0.02)) if m}
+    spec = sources.source_specs(small_config())[0]
+    train = sources.source_documents(spec, "train", ByteTokenizer(), small_config())
+    evaluation = sources.source_documents(spec, "eval", ByteTokenizer(), small_config())
     assert len(train) + len(evaluation) == len(paths)
     assert len(evaluation) == len(held_out)
 
@@ -163,44 +195,83 @@ def test_restored_state_resumes_at_the_next_batch(batch_sharding, source):
     resumed.close()
 
 
-def test_state_restores_between_documents(batch_sharding):
-    # Documents that end exactly at a row's end leave no remainder in the packer's state; that
-    # state must survive JSON too (grain compares its slices with tuples).
-    documents = grain.MapDataset.source([np.full(7, i, np.int32) for i in range(3, 40)])
-    pairs = packing.next_token_pairs(documents, BOS, ByteTokenizer.eos_id)
-
-    def rows():
-        return packing.concat_then_split(pairs.to_iter_dataset(), seq_len=8).batch(8)
-
-    it = Input(rows(), batch_sharding, process_count=1, workers=0)
+def test_state_restores_between_documents(batch_sharding, tmp_path):
+    # 7-byte documents framed by BOS/EOS make exactly one 8-token row each, so every state is
+    # taken with nothing left over in the packer; that state must survive JSON too (grain
+    # compares its slices with tuples).
+    path = tmp_path / "docs.txt"
+    path.write_text("".join(f"line{i:03d}\n" for i in range(200)))
+    config = small_config()
+    config.data.sources = (dict(format="text", path=str(path), document="line"),)
+    config.train.seq_len = 8
+    it = make_input(config, "train", batch_sharding)
     next(it)
     state = json.loads(json.dumps(it.get_state()))
     expected = jax.device_get(next(it))
-    resumed = Input(rows(), batch_sharding, process_count=1, workers=0)
+    it.close()
+    assert (expected["segment_ids"] == 1).all()
+    resumed = make_input(config, "train", batch_sharding)
     resumed.set_state(state)
     assert_same([expected], [jax.device_get(next(resumed))])
+    resumed.close()
 
 
-def test_state_from_another_process_count_is_refused(batch_sharding):
-    it = make_input(small_config(), "train", batch_sharding)
-    state = it.get_state()
+def saved_under_two_processes(config, batch_sharding):
+    """A state as if saved by a 2-process run, plus the batches after it in this 1-process run."""
+    it = make_input(config, "train", batch_sharding)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    continuation = jax.device_get(next(it))
+    it.close()
     state["process_count"] = 2
-    with pytest.raises(JaxscaleError, match="process_count=2"):
+    return state, continuation
+
+
+def test_resume_with_another_process_count_is_refused_by_default(batch_sharding):
+    config = small_config("synthetic")
+    state, _ = saved_under_two_processes(config, batch_sharding)
+    it = make_input(config, "train", batch_sharding)
+    with pytest.raises(JaxscaleError, match="process_count 2 -> 1.*on_layout_change='restart'"):
         it.set_state(state)
     it.close()
 
 
-@pytest.mark.parametrize("source", ["stdlib", "synthetic"])
+def test_resume_with_another_process_count_can_restart_deterministically(batch_sharding):
+    config = small_config("synthetic", on_layout_change="restart")
+    state, continuation = saved_under_two_processes(config, batch_sharding)
+    runs = []
+    for _ in range(2):
+        it = make_input(config, "train", batch_sharding)
+        it.set_state(state)
+        runs.append([jax.device_get(next(it)) for _ in range(2)])
+        # The restarted order is itself checkpointable like any other.
+        resumed_state = json.loads(json.dumps(it.get_state()))
+        after = jax.device_get(next(it))
+        it.close()
+        it = make_input(config, "train", batch_sharding)
+        it.set_state(resumed_state)
+        assert_same([after], [jax.device_get(next(it))])
+        it.close()
+    assert_same(runs[0], runs[1])
+    assert not np.array_equal(runs[0][0]["inputs"], continuation["inputs"])
+    assert resumed_state["stream"] == state["batches"] == 3
+
+
 @pytest.mark.parametrize("process_count", [1, 2, 4])
-def test_process_shards_are_disjoint_and_cover_all_documents(source, process_count):
-    config = small_config(source)
-    everything = pipeline.documents(config, "train", ByteTokenizer())
-    # Documents are identified by their position in the one epoch every process lists.
-    indices = grain.MapDataset.range(len(everything))
-    shards = [list(pipeline.process_shard(indices, i, process_count))
+def test_process_shards_are_disjoint_and_cover_all_documents(process_count):
+    # Documents are identified by their position in the one epoch every process lists; an odd
+    # count checks the uneven split too.
+    documents = grain.MapDataset.range(1001)
+    shards = [list(pipeline.process_shard(documents, i, process_count))
               for i in range(process_count)]
-    seen = [i for shard in shards for i in shard]
-    assert sorted(seen) == list(range(len(everything)))
+    assert sorted(i for shard in shards for i in shard) == list(range(1001))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_too_few_documents_for_the_processes():
+    with pytest.raises(JaxscaleError, match="too few"):
+        pipeline.process_shard(grain.MapDataset.range(2), 2, 4)
 
 
 @pytest.mark.parametrize("process_count", [2, 4])

@@ -8,44 +8,76 @@ document into the next and nothing but padding needs masking.
 
 from __future__ import annotations
 
-import functools
-
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+METHODS = ("concat", "first_fit")
 # The features packed together; grain adds `<name>_segment_ids` and `<name>_positions` for each.
 _PACKED = ("inputs", "targets")
 
 
-def _framed_pairs(bos_id: int, eos_id: int, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    document = np.concatenate([[bos_id], tokens, [eos_id]]).astype(np.int32)
-    return {"inputs": document[:-1], "targets": document[1:]}
+class NextTokenPairs:
+    """Token ids -> {"inputs", "targets"} of the document framed as `bos + ids + eos`.
+
+    `bos_id`/`eos_id` of None frame nothing on that side. Passes None (a skipped record) through
+    and turns documents too short to predict anything into None too.
+    """
+
+    def __init__(self, bos_id: int | None, eos_id: int | None):
+        self._bos = [] if bos_id is None else [bos_id]
+        self._eos = [] if eos_id is None else [eos_id]
+
+    def __call__(self, tokens: np.ndarray | None) -> dict[str, np.ndarray] | None:
+        if tokens is None or len(tokens) + len(self._bos) + len(self._eos) < 2:
+            return None
+        document = np.concatenate([self._bos, tokens, self._eos]).astype(np.int32)
+        return {"inputs": document[:-1], "targets": document[1:]}
 
 
-def next_token_pairs(documents: grain.MapDataset, bos_id: int, eos_id: int) -> grain.MapDataset:
-    """Frames each token array as `bos + tokens + eos` and splits it into inputs and targets."""
-    return documents.map(functools.partial(_framed_pairs, bos_id, eos_id))
+class _Chunks(grain.experimental.FlatMapTransform):
+    """Cuts a document into pieces of at most `length` (first-fit needs every piece to fit)."""
+
+    max_fan_out = 1  # only used by MapDataset flat maps; this one runs on an IterDataset
+
+    def __init__(self, length: int):
+        self._length = length
+
+    def flat_map(self, pairs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        n = len(pairs["inputs"])
+        return [{k: v[start:start + self._length] for k, v in pairs.items()}
+                for start in range(0, n, self._length)]
 
 
 def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    segment_ids = packed["inputs_segment_ids"]
+    segment_ids = packed["inputs_segment_ids"].astype(np.int32)
     return {
         "inputs": packed["inputs"],
         "targets": packed["targets"],
         "segment_ids": segment_ids,
-        "positions": packed["inputs_positions"],
+        "positions": packed["inputs_positions"].astype(np.int32),
         "loss_mask": (segment_ids != 0).astype(np.float32),
     }
 
 
-def concat_then_split(pairs: grain.IterDataset, seq_len: int) -> grain.IterDataset:
-    """Concatenates documents and cuts the stream into rows of `seq_len`: no padding except at the
-    very end of a finite stream; a document cut at a row's end continues, at position 0, in the
-    next row."""
-    packed = grain.experimental.ConcatThenSplitIterDataset(
-        pairs, length_struct={name: seq_len for name in _PACKED})
+def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int
+         ) -> grain.IterDataset:
+    """Packs next-token pairs into rows of `seq_len`.
+
+    concat: concatenates documents and cuts the stream every `seq_len` tokens — no padding; a
+      document cut at a row's end continues, from position 0, in the next row.
+    first_fit: places whole documents (longer ones cut into `seq_len` pieces first) into the
+      first of `rows_at_once` rows with room, and pads the rest — no document is split across
+      rows unless it is longer than a row.
+    """
+    lengths = {name: seq_len for name in _PACKED}
+    if method == "concat":
+        packed = grain.experimental.ConcatThenSplitIterDataset(pairs, length_struct=lengths)
+    else:
+        pieces = grain.experimental.FlatMapIterDataset(pairs, _Chunks(seq_len))
+        packed = grain.experimental.FirstFitPackIterDataset(
+            pieces, length_struct=lengths, num_packing_bins=rows_at_once, shuffle_bins=False)
     return packed.map(_row)
 
 

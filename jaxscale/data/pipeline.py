@@ -1,34 +1,33 @@
-"""The grain pipeline of one process: its shard of documents -> packed rows -> local batches."""
+"""The grain pipeline of one process: its shard of each source -> mixture -> packed batches.
+
+    per source: documents of the split -> this process's shard -> shuffled per epoch -> repeated
+    weighted mixture -> [worker processes: read, tokenize, frame] -> drop skipped records
+    -> pack into rows -> batch -> prefetch on a thread
+"""
 
 from __future__ import annotations
 
 import grain
 import ml_collections
+import numpy as np
+from absl import flags
 
 from jaxscale.data import packing, sources
-from jaxscale.data.tokenizers import ByteTokenizer
+from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 
 # Documents read ahead by threads in each process (or worker). A document makes many rows, so a
 # small window keeps the packer fed without holding many files in memory.
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
+# With data.workers=-1: worker processes for tokenizers that cost real CPU. A function of the
+# config only (not of the machine), because the iterator state depends on the worker count.
+_AUTO_WORKERS_LEARNED_TOKENIZER = 2
 
 
-def make_tokenizer(config: ml_collections.ConfigDict) -> ByteTokenizer:
-    return ByteTokenizer()
-
-
-def documents(config: ml_collections.ConfigDict, split: str, tokenizer) -> grain.MapDataset:
-    """One epoch of all documents of `split` (every process sees the same dataset)."""
-    if split not in sources.SPLITS:
-        raise ValueError(f"split={split!r}; use one of {sources.SPLITS}")
-    if config.data.source == "stdlib":
-        return sources.stdlib_documents(split, config.data.eval_fraction, tokenizer)
-    if config.data.source == "synthetic":
-        return sources.synthetic_documents(split, config.train.seed, tokenizer,
-                                           max_length=2 * config.train.seq_len)
-    raise ConfigError(f"data.source={config.data.source!r} is unknown; use 'stdlib' or "
-                      "'synthetic'")
+def resolved_workers(config: ml_collections.ConfigDict, tokenizer) -> int:
+    if config.data.workers >= 0:
+        return config.data.workers
+    return 0 if isinstance(tokenizer, ByteTokenizer) else _AUTO_WORKERS_LEARNED_TOKENIZER
 
 
 def process_shard(dataset: grain.MapDataset, process_index: int,
@@ -49,22 +48,57 @@ def local_batch_size(config: ml_collections.ConfigDict, process_count: int) -> i
     return batch_size // process_count
 
 
+def _shuffle_seed(seed: int, source: int, stream: int) -> int:
+    return int(np.random.SeedSequence([seed, source, stream]).generate_state(1)[0])
+
+
+def mixture(config: ml_collections.ConfigDict, split: str, process_index: int,
+            process_count: int, tokenizer, stream: int = 0) -> grain.MapDataset:
+    """This process's endless, weighted mixture of its shards of every source's `split`.
+
+    Train: each source's shard is reshuffled every epoch from (train.seed, source, stream, epoch).
+    Eval: fixed order, so every fresh iterator yields the same documents; it repeats too, so any
+    number of eval batches exists. Weights are shares of documents, not of tokens.
+    """
+    if split not in sources.SPLITS:
+        raise ValueError(f"split={split!r}; use one of {sources.SPLITS}")
+    specs = sources.source_specs(config)
+    frame = packing.NextTokenPairs(tokenizer.bos_id if config.data.add_bos else None,
+                                   tokenizer.eos_id if config.data.add_eos else None)
+    shards = []
+    for i, spec in enumerate(specs):
+        shard = process_shard(sources.source_documents(spec, split, tokenizer, config),
+                              process_index, process_count)
+        if split == "train":
+            shard = shard.shuffle(seed=_shuffle_seed(config.train.seed, i, stream))
+        shards.append(shard.repeat().map(frame))
+    if len(shards) == 1:
+        return shards[0]
+    return grain.MapDataset.mix(shards, weights=[spec["weight"] for spec in specs])
+
+
 def local_batches(config: ml_collections.ConfigDict, split: str, process_index: int,
-                  process_count: int) -> grain.IterDataset:
+                  process_count: int, stream: int = 0) -> grain.IterDataset:
     """The endless stream of this process's batches of packed rows, as numpy arrays.
 
-    Train: each epoch reshuffles the shard from (train.seed, epoch). Eval: fixed order, so every
-    fresh iterator yields the same batches; it repeats too, so any number of eval batches exists.
+    `stream` > 0 starts a different, equally deterministic order (see `Input.set_state`).
     """
-    tokenizer = make_tokenizer(config)
-    shard = process_shard(documents(config, split, tokenizer), process_index, process_count)
-    if split == "train":
-        shard = shard.shuffle(seed=config.train.seed)
-    pairs = packing.next_token_pairs(shard.repeat(), tokenizer.bos_id, tokenizer.eos_id)
-    rows = packing.concat_then_split(pairs.to_iter_dataset(_READ_OPTIONS), config.train.seq_len)
-    batches = rows.batch(local_batch_size(config, process_count), drop_remainder=True)
-    if config.data.workers > 0:
-        return batches.mp_prefetch(grain.MultiprocessingOptions(
-            num_workers=config.data.workers, per_worker_buffer_size=config.data.prefetch))
+    tokenizer = tokenizer_from_config(config)
+    documents = mixture(config, split, process_index, process_count, tokenizer, stream)
+    # Skipped records stay None through the workers and are dropped after them, so every worker
+    # count yields the same documents in the same order.
+    pairs = documents.to_iter_dataset(_READ_OPTIONS, allow_nones=True)
+    workers = resolved_workers(config, tokenizer)
+    if workers:
+        # grain's worker start-up reads its absl flags, which only a `python -m jaxscale.train`
+        # run has parsed; elsewhere (tests, notebooks, benchmarks) their defaults are the intent.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        pairs = pairs.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
+                                                               per_worker_buffer_size=16))
+    pairs = pairs.filter(lambda pair: pair is not None)
+    batch = local_batch_size(config, process_count)
+    rows = packing.pack(pairs, config.data.packing, config.train.seq_len, rows_at_once=batch)
+    batches = rows.batch(batch, drop_remainder=True)
     return grain.experimental.ThreadPrefetchIterDataset(
         batches, prefetch_buffer_size=config.data.prefetch)

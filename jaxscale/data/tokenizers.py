@@ -1,8 +1,18 @@
-"""Tokenizers: text -> token ids, with the special ids the pipeline frames documents with."""
+"""Tokenizers: text -> token ids, plus the BOS/EOS ids the pipeline frames documents with.
+
+`data.tokenizer` is "byte" (no file, 259 ids), a SentencePiece `.model` file or a Hugging Face
+`tokenizer.json`. Learned tokenizers load from local files only; nothing is downloaded.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+
+import ml_collections
 import numpy as np
+
+from jaxscale.errors import ConfigError
 
 
 class ByteTokenizer:
@@ -11,6 +21,7 @@ class ByteTokenizer:
     Ids 0-2 are reserved so that padding (0) is never a real token.
     """
 
+    name = "byte"
     pad_id = 0
     bos_id = 1
     eos_id = 2
@@ -24,3 +35,101 @@ class ByteTokenizer:
     def decode(self, ids: np.ndarray) -> bytes:
         ids = np.asarray(ids)
         return (ids[ids >= self._offset] - self._offset).astype(np.uint8).tobytes()
+
+
+def _as_text(text: str | bytes) -> str:
+    # Learned tokenizers work on Unicode; a stray invalid byte should not cost the document.
+    return text if isinstance(text, str) else text.decode("utf-8", errors="replace")
+
+
+def _file_name(kind: str, path: str) -> str:
+    """Names a tokenizer by its content, so token files can tell whether they match it."""
+    with open(path, "rb") as f:
+        return f"{kind}:{hashlib.sha256(f.read()).hexdigest()[:16]}"
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: str, bos_token: str, eos_token: str):
+        import sentencepiece  # noqa: PLC0415 — optional dependency, only for this tokenizer
+
+        self._model = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.name = _file_name("sentencepiece", path)
+        self.vocab_size = self._model.get_piece_size()
+        self.bos_id = self._special(bos_token, self._model.bos_id(), "bos_token")
+        self.eos_id = self._special(eos_token, self._model.eos_id(), "eos_token")
+
+    def _special(self, token: str, default: int, key: str) -> int:
+        if not token:
+            return default
+        token_id = self._model.piece_to_id(token)
+        if token_id == self._model.unk_id() and token != self._model.id_to_piece(token_id):
+            raise ConfigError(f"data.{key}={token!r} is not in the SentencePiece vocabulary; "
+                              "use one of its pieces or '' for the model's own")
+        return token_id
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        return np.asarray(self._model.encode(_as_text(text)), dtype=np.int32)
+
+
+class HuggingFaceTokenizer:
+    def __init__(self, path: str, bos_token: str, eos_token: str):
+        import tokenizers  # noqa: PLC0415 — optional dependency, only for this tokenizer
+
+        self._tokenizer = tokenizers.Tokenizer.from_file(path)
+        self.name = _file_name("huggingface", path)
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        # tokenizer.json does not say which tokens are BOS/EOS; -1 = not given (checked when used).
+        self.bos_id = self._special(bos_token, "bos_token")
+        self.eos_id = self._special(eos_token, "eos_token")
+
+    def _special(self, token: str, key: str) -> int:
+        if not token:
+            return -1
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ConfigError(f"data.{key}={token!r} is not in the tokenizer's vocabulary; "
+                              "name one of its special tokens, e.g. '<s>' or '</s>'")
+        return token_id
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        encoding = self._tokenizer.encode(_as_text(text), add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int32)
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
+
+
+def tokenizer_from_config(config: ml_collections.ConfigDict) -> Tokenizer:
+    """The tokenizer `config.data` names, with its BOS/EOS checked against add_bos/add_eos."""
+    d = config.data
+    if d.tokenizer == "byte":
+        tokenizer = ByteTokenizer()
+    else:
+        path = os.path.expanduser(d.tokenizer)
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r}: no such file; give 'byte', a "
+                              "SentencePiece .model or a Hugging Face tokenizer.json")
+        if path.endswith(".model"):
+            tokenizer = _load(SentencePieceTokenizer, path, d, "sentencepiece")
+        elif path.endswith(".json"):
+            tokenizer = _load(HuggingFaceTokenizer, path, d, "tokenizers")
+        else:
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r}: unknown kind; a SentencePiece "
+                              "model ends in .model, a Hugging Face tokenizer in .json")
+    for wanted, key in ((d.add_bos, "bos"), (d.add_eos, "eos")):
+        if wanted and getattr(tokenizer, f"{key}_id") < 0:
+            raise ConfigError(f"data.add_{key}=True but tokenizer {d.tokenizer!r} has no "
+                              f"{key.upper()} token; set data.{key}_token to one of its tokens "
+                              f"or data.add_{key}=False")
+    return tokenizer
+
+
+def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tokenizer:
+    try:
+        return kind(path, data.bos_token, data.eos_token)
+    except ImportError:
+        raise ConfigError(f"data.tokenizer={data.tokenizer!r} needs the {package} package; "
+                          "pip install 'jaxscale[data]'") from None
+    except (RuntimeError, OSError, ValueError) as e:  # the libraries' errors for a bad file
+        raise ConfigError(f"data.tokenizer={data.tokenizer!r} cannot be loaded: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -1,0 +1,251 @@
+"""Random access to the records (documents) stored in files of each supported format.
+
+A reader maps a record index over all its files to the document's raw content: text (`bytes` or
+`str`) or token ids (`np.ndarray`). Everything a run could trip over later — a missing field, a
+truncated file — is checked when the reader is built, so it fails at start-up with one line.
+A single bad record found while reading raises `MalformedRecord`, which the pipeline skips and
+counts. Readers open files lazily in whichever process reads, so they pickle cheaply to grain
+workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxscale.errors import JaxscaleError
+
+_SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
+
+
+class MalformedRecord(Exception):
+    """One record cannot be read or parsed; the rest of the data is fine."""
+
+
+class RecordReader:
+    """Record `i` of the concatenation of `files`, each holding `counts[f]` records.
+
+    `keys` name the files stably (relative to the source's root) for the held-out split.
+    """
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str], counts: Sequence[int]):
+        self.files, self.keys = list(files), list(keys)
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self.counts)])
+        self._lock = threading.RLock()
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(file number, record number within that file) of record `index`."""
+        file = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return file, int(index - self._starts[file])
+
+    def __getitem__(self, index: int):
+        file, record = self.locate(index)
+        return self.read(file, record)
+
+    def read(self, file: int, record: int):
+        raise NotImplementedError  # each format reads its own way
+
+    def handle(self, file: int, open_file):
+        """The open handle of `file` in this process, opened on first use by `open_file(path)`."""
+        with self._lock:
+            if file not in self._handles:
+                self._handles[file] = open_file(self.files[file])
+            return self._handles[file]
+
+    def __getstate__(self):
+        # Handles belong to the process that opened them; a worker opens its own.
+        state = dict(self.__dict__)
+        state["_handles"], state["_lock"] = {}, None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+
+class WholeFiles(RecordReader):
+    """One document per file: its bytes."""
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str]):
+        unreadable = [f for f in files if not os.access(f, os.R_OK)]
+        if unreadable:
+            raise JaxscaleError(f"cannot read {unreadable[0]!r} (and {len(unreadable) - 1} more); "
+                                "fix its permissions or leave it out of the source's path")
+        super().__init__(files, keys, [1] * len(files))
+
+    def read(self, file: int, record: int) -> bytes:
+        try:
+            with open(self.files[file], "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise MalformedRecord(f"{self.files[file]}: {e}") from e
+
+
+def line_spans(path: str) -> np.ndarray:
+    """int64[lines, 2] (start, end) byte offsets of the non-empty lines of `path`, without their
+    newline; a last line without a newline counts too."""
+    newlines, size = [], 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_SCAN_CHUNK):
+                newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
+                size += len(chunk)
+    except OSError as e:
+        raise JaxscaleError(f"cannot read {path!r}: {e}; fix the file or leave it out") from e
+    ends = np.concatenate(newlines + [[size]]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    spans = np.stack([starts, ends], axis=1)
+    return spans[ends > starts]
+
+
+class Lines(RecordReader):
+    """One document per non-empty line; `parse(line_bytes, where)` turns a line into content."""
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str]):
+        spans = [line_spans(f) for f in files]
+        super().__init__(files, keys, [len(s) for s in spans])
+        self._spans = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
+
+    def line(self, file: int, record: int) -> bytes:
+        start, end = self._spans[self._starts[file] + record]
+        fd = self.handle(file, lambda path: os.open(path, os.O_RDONLY))
+        data = os.pread(fd, int(end - start), int(start))  # no shared seek position: thread-safe
+        if len(data) != end - start:
+            raise MalformedRecord(f"{self.files[file]} line {record + 1}: file shrank while read")
+        return data
+
+    def read(self, file: int, record: int) -> bytes:
+        return self.line(file, record)
+
+
+class JsonLines(Lines):
+    """One document per line of JSON: the string in field `text_field`."""
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str], text_field: str):
+        super().__init__(files, keys)
+        self.text_field = text_field
+        # A field name that is wrong everywhere is a config mistake, not a bad record: check the
+        # first record of the first non-empty file.
+        first = int(np.argmax(self.counts > 0)) if len(self) else None
+        if first is not None:
+            try:
+                self.read(first, 0)
+            except MalformedRecord as e:
+                raise JaxscaleError(f"{e}; set the source's text_field to the field holding "
+                                    "the text") from None
+
+    def read(self, file: int, record: int) -> str:
+        where = f"{self.files[file]} line {record + 1}"
+        try:
+            value = json.loads(self.line(file, record))
+        except ValueError as e:
+            raise MalformedRecord(f"{where}: not JSON ({e})") from e
+        if not isinstance(value, dict) or self.text_field not in value:
+            fields = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise MalformedRecord(f"{where}: no text field {self.text_field!r} (has {fields})")
+        text = value[self.text_field]
+        if not isinstance(text, str):
+            raise MalformedRecord(f"{where}: field {self.text_field!r} is "
+                                  f"{type(text).__name__}, not a string")
+        return text
+
+
+class ArrayRecords(RecordReader):
+    """One document per ArrayRecord record: its bytes, the document's UTF-8 text."""
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str]):
+        counts = [len(self._open(f)) for f in files]
+        super().__init__(files, keys, counts)
+
+    @staticmethod
+    def _open(path: str):
+        import grain  # noqa: PLC0415 — array_record loads only for sources that use it
+
+        try:
+            return grain.sources.ArrayRecordDataSource([path])
+        except Exception as e:  # array_record raises plain RuntimeError/ValueError on bad files
+            raise JaxscaleError(f"cannot open ArrayRecord file {path!r}: "
+                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                                "is it complete and an ArrayRecord file?") from None
+
+    def read(self, file: int, record: int) -> bytes:
+        try:
+            return self.handle(file, self._open)[record]
+        except Exception as e:  # a damaged chunk inside an otherwise good file
+            raise MalformedRecord(f"{self.files[file]} record {record}: {e}") from e
+
+
+class ParquetRows(RecordReader):
+    """One document per Parquet row: the string in column `text_field`.
+
+    Rows are read a row group at a time and the last few groups are kept, because a shuffled
+    order jumps between groups; for large shuffled corpora, tokenize once with
+    `python -m jaxscale.data.prepare` instead.
+    """
+
+    _CACHED_GROUPS = 4
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str], text_field: str):
+        pq = _pyarrow_parquet()
+        counts, group_rows = [], []
+        for path in files:
+            try:
+                metadata = pq.ParquetFile(path).metadata
+            except Exception as e:  # pyarrow raises ArrowInvalid/OSError on truncated files
+                raise JaxscaleError(f"cannot read Parquet file {path!r}: {e}; is it complete?") \
+                    from None
+            names = metadata.schema.names
+            if text_field not in names:
+                raise JaxscaleError(f"Parquet file {path!r} has no column {text_field!r} (has "
+                                    f"{names}); set the source's text_field to the text column")
+            counts.append(metadata.num_rows)
+            group_rows.append(np.cumsum([0] + [metadata.row_group(g).num_rows
+                                               for g in range(metadata.num_row_groups)]))
+        super().__init__(files, keys, counts)
+        self.text_field = text_field
+        self._group_starts = group_rows
+        self._groups: dict[tuple[int, int], list] = {}
+
+    def read(self, file: int, record: int) -> str:
+        group = int(np.searchsorted(self._group_starts[file], record, side="right")) - 1
+        rows = self._group(file, group)
+        text = rows[record - self._group_starts[file][group]]
+        if not isinstance(text, str):
+            raise MalformedRecord(f"{self.files[file]} row {record}: column "
+                                  f"{self.text_field!r} is {type(text).__name__}, not a string")
+        return text
+
+    def _group(self, file: int, group: int) -> list:
+        # One decode at a time: a pyarrow ParquetFile crashes when threads read it at once.
+        with self._lock:
+            rows = self._groups.get((file, group))
+            if rows is None:
+                parquet_file = self.handle(file, _pyarrow_parquet().ParquetFile)
+                rows = parquet_file.read_row_group(group, columns=[self.text_field]) \
+                    .column(0).to_pylist()
+                if len(self._groups) >= self._CACHED_GROUPS:
+                    self._groups.pop(next(iter(self._groups)))
+                self._groups[(file, group)] = rows
+            return rows
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_groups"] = {}
+        return state
+
+
+def _pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq  # noqa: PLC0415 — optional: only Parquet sources need it
+    except ImportError:
+        raise JaxscaleError("Parquet sources need pyarrow; pip install 'jaxscale[data]'") from None
+    return pq

@@ -1,0 +1,92 @@
+"""Pre-tokenized files: documents stored once as token ids, read memory-mapped.
+
+`NAME.bin` is the flat token array (uint16 when the vocabulary fits, else uint32), `NAME.idx.npy`
+the int64 offsets where documents start (plus the end), and `NAME.json` says which tokenizer made
+them, so a run with another tokenizer is refused rather than trained on the wrong ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from jaxscale.data.formats import RecordReader
+from jaxscale.errors import JaxscaleError
+
+FORMAT = "jaxscale-tokens-v1"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def write_token_file(stem: str, documents: Iterable[np.ndarray], vocab_size: int,
+                     tokenizer: str) -> dict:
+    """Writes `stem`.bin/.idx.npy/.json from token arrays, in order; returns the metadata."""
+    dtype = token_dtype(vocab_size)
+    offsets = [0]
+    with open(stem + ".bin", "wb") as f:
+        for tokens in documents:
+            f.write(np.asarray(tokens).astype(dtype).tobytes())
+            offsets.append(offsets[-1] + len(tokens))
+    np.save(stem + ".idx.npy", np.asarray(offsets, dtype=np.int64))
+    meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": vocab_size,
+            "tokenizer": tokenizer, "documents": len(offsets) - 1, "tokens": offsets[-1]}
+    # The metadata goes last: a file set without it is an interrupted write, never read.
+    with open(stem + ".json", "w") as f:
+        json.dump(meta, f, indent=2)
+    return meta
+
+
+def _stem(path: str) -> str:
+    if not path.endswith(".bin"):
+        raise JaxscaleError(f"token file {path!r} should end in .bin (written by "
+                            "`python -m jaxscale.data.prepare`)")
+    return path[:-len(".bin")]
+
+
+def read_metadata(path: str) -> dict:
+    stem = _stem(path)
+    try:
+        with open(stem + ".json") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise JaxscaleError(f"token file {path!r} has no readable {stem}.json ({e}); write it "
+                            "with `python -m jaxscale.data.prepare`") from None
+    if meta.get("format") != FORMAT:
+        raise JaxscaleError(f"{stem}.json is not a {FORMAT} description; rewrite the files with "
+                            "`python -m jaxscale.data.prepare`")
+    return meta
+
+
+class TokenFiles(RecordReader):
+    """One document per entry of each file's offset index, as int32 token ids."""
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str], tokenizer: str):
+        self.offsets, dtypes = [], []
+        for path in files:
+            meta = read_metadata(path)
+            if meta["tokenizer"] != tokenizer:
+                raise JaxscaleError(
+                    f"{path!r} was tokenized with {meta['tokenizer']!r} but data.tokenizer gives "
+                    f"{tokenizer!r}; use the same tokenizer or prepare the files again")
+            offsets = np.load(_stem(path) + ".idx.npy")
+            dtype = np.dtype(meta["dtype"])
+            size = os.path.getsize(path)
+            if size != offsets[-1] * dtype.itemsize or len(offsets) != meta["documents"] + 1:
+                raise JaxscaleError(
+                    f"token file {path!r} is {size} bytes but its index describes "
+                    f"{offsets[-1] * dtype.itemsize}; it is truncated or mismatched — prepare "
+                    "it again")
+            self.offsets.append(offsets)
+            dtypes.append(dtype)
+        super().__init__(files, keys, [len(o) - 1 for o in self.offsets])
+        self._dtypes = dtypes
+
+    def read(self, file: int, record: int) -> np.ndarray:
+        tokens = self.handle(file, lambda path: np.memmap(path, self._dtypes[file], mode="r"))
+        start, end = self.offsets[file][record], self.offsets[file][record + 1]
+        return tokens[start:end].astype(np.int32)

@@ -1,0 +1,124 @@
+"""Bad input: every mistake is one `error:` line, exit status 2, before anything is compiled."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxscale.config import default_config, resolve_mesh_shape, validate
+from jaxscale.errors import ConfigError
+from tests.helpers import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def expect_error(config, match, devices=8):
+    with pytest.raises(ConfigError, match=match):
+        validate(config, devices)
+
+
+def test_defaults_are_valid_on_one_and_eight_devices():
+    validate(default_config(), 1)
+    validate(default_config(), 8)
+
+
+@pytest.mark.parametrize("mesh", [dict(data=8), dict(data=2, fsdp=2, tensor=2),
+                                  dict(data=1, fsdp=4, tensor=2), dict(fsdp=8, data=1)])
+def test_tiny_config_fits_every_test_mesh(mesh):
+    config = default_config()
+    config.mesh.update(mesh)
+    validate(config, 8)
+
+
+def test_minus_one_takes_the_remaining_devices():
+    config = default_config()
+    config.mesh.update(data=-1, fsdp=2, tensor=2)
+    ici, dcn = resolve_mesh_shape(config.mesh, 8)
+    assert ici == dict(data=2, fsdp=2, tensor=2, pipeline=1)
+    assert dcn == dict(data=1, fsdp=1, tensor=1, pipeline=1)
+
+
+def test_dcn_factors_multiply_axes():
+    config = default_config()
+    config.mesh.update(data=1, fsdp=-1)
+    config.mesh.dcn.data = 2
+    ici, dcn = resolve_mesh_shape(config.mesh, 8, num_slices=2)
+    assert ici["fsdp"] == 4 and dcn["data"] == 2
+
+
+def test_unknown_key():
+    config = default_config()
+    config.train.stepz = 3
+    expect_error(config, "unknown config key 'train.stepz'")
+
+
+def test_mesh_product_differs_from_device_count():
+    config = default_config()
+    config.mesh.update(data=3, fsdp=1)
+    expect_error(config, "multiply to 3 but there are 8 devices")
+
+
+def test_heads_not_divisible_by_tensor():
+    config = default_config()
+    config.mesh.update(data=1, fsdp=1, tensor=8)
+    expect_error(config, "'kv_heads' has size 4, not divisible by mesh.tensor=8")
+
+
+def test_batch_not_divisible_by_data_and_fsdp():
+    config = default_config()
+    config.train.batch_size = 12
+    config.mesh.update(data=4, fsdp=2)
+    expect_error(config, "'batch' has size 12, not divisible by mesh.data=4xmesh.fsdp=2")
+
+
+def test_microbatches_must_divide_batch():
+    config = default_config()
+    config.train.microbatches = 5
+    expect_error(config, "train.microbatches=5 does not divide train.batch_size=16")
+
+
+@pytest.mark.parametrize("key,value", [("optim.lr", 0.0), ("optim.lr", -1e-3),
+                                       ("train.steps", 0), ("train.steps", -5)])
+def test_non_positive_values(key, value):
+    config = default_config()
+    group, name = key.split(".")
+    config[group][name] = value
+    expect_error(config, f"{key}={value} must be > 0")
+
+
+def test_pipeline_is_not_implemented_yet():
+    config = default_config()
+    config.mesh.update(data=4, pipeline=2)
+    expect_error(config, "pipeline parallelism is not implemented yet")
+
+
+def test_rule_naming_an_unknown_mesh_axis():
+    config = default_config()
+    config.sharding.rules.embed = ("fdsp",)
+    expect_error(config, "names mesh axis 'fdsp'")
+
+
+def run_cli(*args, cwd=REPO):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "jaxscale.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.train.stepz=3"], "bad override"),
+    (["--config.optim.lr=0"], "optim.lr=0.0 must be > 0"),
+    (["--config.train.steps=-1"], "train.steps=-1 must be > 0"),
+    (["--config.mesh.data=3"], "multiply to 3"),
+    (["--config.train.microbatches=3"], "does not divide train.batch_size"),
+    (["--config=configs/nope.py"], "cannot load the config file"),
+    (["--workdir=/proc/jaxscale_cannot_write_here"], "cannot be written"),
+])
+def test_cli_bad_input_is_one_error_line_and_exit_2(args, message, tmp_path):
+    workdir = ["--workdir", str(tmp_path / "run")] if not any("workdir" in a for a in args) else []
+    result = run_cli(*args, *workdir)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
