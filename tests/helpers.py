@@ -31,3 +31,12 @@ def random_batch(config, seed=0):
         inputs=tokens[:, :-1], targets=tokens[:, 1:],
         loss_mask=(segment_ids > 0).astype(np.float32), segment_ids=segment_ids,
         positions=np.broadcast_to(positions, (b, l)).astype(np.int32).copy())
+
+
+def model_attention_mask(segment_ids):
+    """bool[batch, q, k]: what the model lets query q attend to: causal, within its segment."""
+    from jaxscale.models.layers import attention_mask
+
+    length = segment_ids.shape[-1]
+    same_segment = np.asarray(attention_mask(np.asarray(segment_ids)))[:, 0]
+    return same_segment & np.tril(np.ones((length, length), bool))

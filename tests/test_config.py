@@ -8,7 +8,6 @@ import pytest
 
 from jaxscale.config import default_config, resolve_mesh_shape, validate
 from jaxscale.errors import ConfigError
-from tests.helpers import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,6 +12,7 @@ from jaxscale.config import default_config
 from jaxscale.data import make_input, packing, pipeline, sources
 from jaxscale.data.tokenizers import ByteTokenizer
 from jaxscale.errors import JaxscaleError
+from tests.helpers import model_attention_mask
 
 BOS = ByteTokenizer.bos_id
 EOS = ByteTokenizer.eos_id
@@ -141,7 +142,7 @@ def test_concat_leaves_no_padding_between_documents():
 
 def test_attention_mask_is_causal_and_within_segments():
     segment_ids = np.array([[1, 1, 2, 2, 2, 0]])
-    mask = np.asarray(packing.attention_mask_from_segments(segment_ids))[0]
+    mask = model_attention_mask(segment_ids)[0]
     expected = np.array([
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],

@@ -11,9 +11,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import default_config, validate
-from jaxscale.data import make_input, packing, pipeline, prepare, sources, token_files
+from jaxscale.data import make_input, pipeline, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
+from tests.helpers import model_attention_mask
 
 TEXTS = [f"document {i}: " + "abc" * (i % 17) for i in range(120)]
 
@@ -142,7 +143,7 @@ def test_batches_from_a_mixture_never_attend_across_documents(tmp_path):
     it = make_input(config, "train", NamedSharding(mesh, PartitionSpec("data")))
     batch = jax.device_get(next(it))
     it.close()
-    mask = np.asarray(packing.attention_mask_from_segments(batch["segment_ids"]))
+    mask = model_attention_mask(batch["segment_ids"])
     segments = batch["segment_ids"]
     b, q, k = np.nonzero(mask)
     assert (segments[b, q] == segments[b, k]).all() and (k <= q).all()

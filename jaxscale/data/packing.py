@@ -9,8 +9,6 @@ document into the next and nothing but padding needs masking.
 from __future__ import annotations
 
 import grain
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 METHODS = ("concat", "first_fit")
@@ -80,13 +78,3 @@ def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int
             pieces, length_struct=lengths, num_packing_bins=rows_at_once, shuffle_bins=False)
     return packed.map(_row)
 
-
-def attention_mask_from_segments(segment_ids: jax.Array) -> jax.Array:
-    """bool[batch, q, k]: True where query q may attend to key k — causal and within q's segment.
-
-    Padding (segment 0) attends to padding, so no query row is all False (a softmax over nothing).
-    """
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-    length = segment_ids.shape[-1]
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    return same_segment & causal
