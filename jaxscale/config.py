@@ -104,6 +104,9 @@ def default_config() -> ml_collections.ConfigDict:
         workers=-1,  # grain worker processes; 0 reads in the main process; -1 picks by tokenizer
         prefetch=2,  # batches prepared ahead of the step
     )
+    # Multi-process runs (docs/launch.md): how long to wait for every process to join, and how long
+    # a silent process may go before the others are stopped.
+    c.distributed = dict(init_timeout_s=300, heartbeat_timeout_s=100)
     # See docs/checkpointing.md.
     c.checkpoint = dict(
         enabled=True,
@@ -258,6 +261,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")
     _check_data(config)
+    for key in ("init_timeout_s", "heartbeat_timeout_s"):
+        if not config.distributed[key] > 0:
+            raise ConfigError(f"distributed.{key}={config.distributed[key]} must be > 0 seconds")
     _check_checkpoint(config)
 
     ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)

@@ -57,9 +57,14 @@ def _overrides(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> None:
     config, workdir = parse_flags(argv)
-    from jaxscale.trainer import Trainer  # imports JAX; after the flags, so --help stays fast
+    # Import JAX only now, so that --help and flag errors stay fast.
+    from jaxscale import distributed
+    from jaxscale.trainer import Trainer
 
     try:
+        # Before anything touches a device: every process of a multi-host run must join first.
+        distributed.initialize(timeout_s=config.distributed.init_timeout_s,
+                               heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
         Trainer(config, workdir).run()
     except JaxscaleError as e:
         fail(str(e))

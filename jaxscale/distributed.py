@@ -1,0 +1,390 @@
+"""Joining the processes of a multi-host run: which cluster we are in, and `jax.distributed` init.
+
+`detect` reads the environment only (tests call it with fake ones) and picks one mode:
+
+- explicit: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, all three;
+- tpu: GKE TPU pods (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID, MEGASCALE_* for multi-slice), or TPU
+  chips on a Cloud TPU VM, where JAX asks the metadata server;
+- gke: JobSet pods rendered by `jaxscale.launch.gke` (JOBSET_NAME ...): the coordinator is the first
+  pod's stable DNS name, the process id the job index and the pod's completion index;
+- slurm: an srun step (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_PROCID, ...);
+- single: none of these.
+
+`initialize` then meets every peer at a small TCP rendezvous next to the coordinator (its port + 1)
+before calling `jax.distributed.initialize`: JAX's own start-up, when a peer never arrives, aborts
+the process after its timeout without saying who is missing; the rendezvous names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import select
+import socket
+import time
+from collections.abc import Mapping
+
+from jaxscale.errors import JaxscaleError
+
+DEFAULT_INIT_TIMEOUT_S = 300
+# Seconds without a heartbeat after which JAX declares a process dead and stops the others: the
+# bound on how long survivors of a crashed peer keep running.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+# Fixed ports where no scheduler hands one out; every process must compute the same one.
+GKE_COORDINATOR_PORT = 8476
+TPU_COORDINATOR_PORT = 8482  # the port JAX itself uses on TPU pods
+
+EXPLICIT_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+GKE_VARS = ("JOBSET_NAME", "REPLICATED_JOB_NAME", "REPLICATED_JOB_REPLICAS", "JOB_INDEX",
+            "PROCESSES_IN_JOB", "JOB_COMPLETION_INDEX")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """How this process joins the run; `None` fields are left for JAX to find (Cloud TPU VMs)."""
+    mode: str
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    # Devices this process drives; None means all it sees (one process per host).
+    local_device_ids: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        if self.mode == "single":
+            return "single process"
+        if self.num_processes is None:
+            return f"{self.mode}: processes and coordinator discovered by JAX"
+        return (f"{self.mode}: {self.num_processes} processes, coordinator "
+                f"{self.coordinator_address}")
+
+    def announce(self) -> None:
+        """Prints how the run joined, next to the trainer's own start-up lines."""
+        print(f"jaxscale: distributed mode {self.describe()}", flush=True)
+
+
+def detect(environ: Mapping[str, str], *, on_cloud_tpu_vm: bool = False) -> ClusterSpec:
+    """The cluster this process runs in, from its environment.
+
+    `on_cloud_tpu_vm` says TPU chips are attached (a hardware fact, not in the environment).
+    Raises JaxscaleError when the environment is incomplete or contradicts itself.
+    """
+    schedulers = {}
+    if "TPU_WORKER_HOSTNAMES" in environ or on_cloud_tpu_vm:
+        schedulers["tpu"] = _tpu(environ)
+    if "JOBSET_NAME" in environ:
+        schedulers["gke"] = _gke(environ)
+    if "SLURM_JOB_ID" in environ and "SLURM_STEP_NODELIST" in environ:
+        schedulers["slurm"] = _slurm(environ)
+    if "slurm" in schedulers and len(schedulers) > 1:
+        other = sorted(set(schedulers) - {"slurm"})[0]
+        raise JaxscaleError(
+            f"the environment looks like both a Slurm step (SLURM_JOB_ID) and {other} "
+            f"({_marker(other)}); unset the variables of the one this job does not run under")
+    detected = schedulers.get("tpu") or schedulers.get("gke") or schedulers.get("slurm")
+    if "tpu" in schedulers and "gke" in schedulers and detected.coordinator_address:
+        # A GKE TPU pod is also a JobSet pod: the TPU runtime's worker list orders the processes,
+        # and JobSet's stable name for pod 0 of job 0 (worker 0 of slice 0) is the coordinator.
+        host = schedulers["gke"].coordinator_address.rsplit(":", 1)[0]
+        port = detected.coordinator_address.rsplit(":", 1)[1]
+        detected = dataclasses.replace(detected, coordinator_address=f"{host}:{port}")
+
+    if any(v in environ for v in EXPLICIT_VARS):
+        explicit = _explicit(environ)
+        if detected is not None:
+            _check_agreement(explicit, detected)
+        return explicit
+    return detected or ClusterSpec("single", None, 1, 0)
+
+
+def _marker(mode: str) -> str:
+    return {"tpu": "TPU_WORKER_HOSTNAMES or TPU chips", "gke": "JOBSET_NAME"}[mode]
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise JaxscaleError(f"{name}={environ[name]!r} must be an integer") from None
+
+
+def _require(environ: Mapping[str, str], names: tuple[str, ...], what: str, fix: str) -> None:
+    missing = [n for n in names if n not in environ]
+    if missing:
+        raise JaxscaleError(f"{what}, but {', '.join(missing)} "
+                            f"{'is' if len(missing) == 1 else 'are'} not set; {fix}")
+
+
+def _checked(spec: ClusterSpec, id_name: str) -> ClusterSpec:
+    if spec.num_processes < 1:
+        raise JaxscaleError(f"{spec.mode}: the process count {spec.num_processes} must be >= 1")
+    if not 0 <= spec.process_id < spec.num_processes:
+        raise JaxscaleError(f"{spec.mode}: {id_name} gives process id {spec.process_id}, outside "
+                            f"0..{spec.num_processes - 1} for {spec.num_processes} processes")
+    return spec
+
+
+def _explicit(environ: Mapping[str, str]) -> ClusterSpec:
+    set_vars = [v for v in EXPLICIT_VARS if v in environ]
+    _require(environ, EXPLICIT_VARS, f"{', '.join(set_vars)} set",
+             "set all three (coordinator host:port, process count, this process's id) or none")
+    address = environ["JAX_COORDINATOR_ADDRESS"]
+    if not re.fullmatch(r".+:\d+", address):
+        raise JaxscaleError(f"JAX_COORDINATOR_ADDRESS={address!r} must be host:port")
+    spec = ClusterSpec("explicit", address, _int(environ, "JAX_NUM_PROCESSES"),
+                       _int(environ, "JAX_PROCESS_ID"))
+    return _checked(spec, "JAX_PROCESS_ID")
+
+
+def _check_agreement(explicit: ClusterSpec, detected: ClusterSpec) -> None:
+    """Explicit variables may override a scheduler's answer only where they agree with it."""
+    for field, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+        want, have = getattr(detected, field), getattr(explicit, field)
+        if want is not None and want != have:
+            raise JaxscaleError(
+                f"{var}={have} contradicts the {detected.mode} environment, which gives "
+                f"{field.replace('_', ' ')} {want}; unset the JAX_* variables or make them agree")
+
+
+def _tpu(environ: Mapping[str, str]) -> ClusterSpec:
+    if "TPU_WORKER_HOSTNAMES" not in environ:  # a Cloud TPU VM: the metadata server knows
+        return ClusterSpec("tpu", None, None, None)
+    _require(environ, ("TPU_WORKER_ID",), "TPU_WORKER_HOSTNAMES is set",
+             "GKE sets both on TPU pods; set TPU_WORKER_ID to this host's index in the list")
+    workers = environ["TPU_WORKER_HOSTNAMES"].split(",")
+    slices = _int(environ, "MEGASCALE_NUM_SLICES") if "MEGASCALE_NUM_SLICES" in environ else 1
+    slice_id = _int(environ, "MEGASCALE_SLICE_ID") if "MEGASCALE_SLICE_ID" in environ else 0
+    worker_id = _int(environ, "TPU_WORKER_ID")
+    if not 0 <= worker_id < len(workers):
+        raise JaxscaleError(f"TPU_WORKER_ID={worker_id} is outside the {len(workers)} hosts of "
+                            "TPU_WORKER_HOSTNAMES")
+    # Across slices process 0 is worker 0 of slice 0, which MEGASCALE_COORDINATOR_ADDRESS names;
+    # TPU_WORKER_HOSTNAMES lists only this slice's hosts.
+    if (slices > 1 and "MEGASCALE_COORDINATOR_ADDRESS" not in environ
+            and "JOBSET_NAME" not in environ):
+        raise JaxscaleError(f"MEGASCALE_NUM_SLICES={slices} but MEGASCALE_COORDINATOR_ADDRESS is "
+                            "not set; set it to the host of worker 0 of slice 0")
+    host = environ.get("MEGASCALE_COORDINATOR_ADDRESS", workers[0]).split(":")[0]
+    port = environ.get("JAX_COORDINATOR_PORT", TPU_COORDINATOR_PORT)
+    spec = ClusterSpec("tpu", f"{host}:{port}", len(workers) * slices,
+                       slice_id * len(workers) + worker_id)
+    return _checked(spec, "MEGASCALE_SLICE_ID/TPU_WORKER_ID")
+
+
+def _gke(environ: Mapping[str, str]) -> ClusterSpec:
+    _require(environ, GKE_VARS, "JOBSET_NAME is set (a JobSet pod)",
+             "render the JobSet with `python -m jaxscale.launch.gke`, which sets them")
+    jobset, rjob = environ["JOBSET_NAME"], environ["REPLICATED_JOB_NAME"]
+    per_job = _int(environ, "PROCESSES_IN_JOB")
+    # JobSet gives pod <jobset>-<replicated job>-<job index>-<pod index> a DNS name under the
+    # subdomain <jobset>; pod 0 of job 0 exists in every run and keeps its name across restarts.
+    port = environ.get("JAX_COORDINATOR_PORT", GKE_COORDINATOR_PORT)
+    spec = ClusterSpec(
+        "gke", f"{jobset}-{rjob}-0-0.{jobset}:{port}",
+        per_job * _int(environ, "REPLICATED_JOB_REPLICAS"),
+        _int(environ, "JOB_INDEX") * per_job + _int(environ, "JOB_COMPLETION_INDEX"))
+    return _checked(spec, "JOB_INDEX/JOB_COMPLETION_INDEX")
+
+
+def _slurm(environ: Mapping[str, str]) -> ClusterSpec:
+    _require(environ, ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+             "this is a Slurm step (SLURM_STEP_NODELIST)", "start the processes with srun")
+    # Every process derives the same port from the job id; +1 (the rendezvous) stays <= 65535.
+    port = environ.get("JAX_COORDINATOR_PORT", 61440 + _int(environ, "SLURM_JOB_ID") % 4095)
+    nodes = _int(environ, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in environ else 1
+    tasks = _int(environ, "SLURM_NTASKS")
+    # More tasks than nodes means one process per accelerator: each drives the device of its
+    # node-local rank. One task per node drives them all.
+    local = (_int(environ, "SLURM_LOCALID"),) if tasks > nodes else None
+    spec = ClusterSpec("slurm", f"{first_slurm_host(environ['SLURM_STEP_NODELIST'])}:{port}",
+                       tasks, _int(environ, "SLURM_PROCID"), local)
+    return _checked(spec, "SLURM_PROCID")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[003-007,9],cpu1' -> 'gpu003'."""
+    match = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", nodelist)
+    if not match:
+        raise JaxscaleError(f"cannot read the Slurm node list {nodelist!r}")
+    return match.group(1) + (match.group(2) or "")
+
+
+# --- initialisation ------------------------------------------------------------------------------
+
+_joined: ClusterSpec | None = None
+
+
+def initialize(timeout_s: int | None = None,
+               heartbeat_timeout_s: int | None = None) -> ClusterSpec:
+    """Joins this process to the run's other processes and returns how; call it before any JAX
+    device use. Idempotent; process 0 prints the mode.
+
+    `timeout_s` bounds the wait for every peer to arrive (default 300 s); `heartbeat_timeout_s` is
+    how long a silent peer is tolerated before every process stops (default 100 s). Raises
+    JaxscaleError naming the processes that did not arrive.
+    """
+    global _joined
+    if _joined is not None:
+        return _joined
+    spec = detect(os.environ, on_cloud_tpu_vm=_on_cloud_tpu_vm())
+    if spec.mode == "single":
+        spec.announce()
+        _joined = spec
+        return spec
+    import jax
+
+    timeout_s = timeout_s or DEFAULT_INIT_TIMEOUT_S
+    # Cross-process collectives between CPU devices need gloo; it must be chosen before the CPU
+    # backend starts, and changes nothing for accelerators.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    deadline = time.monotonic() + timeout_s
+    if spec.coordinator_address is not None:
+        rendezvous(spec, deadline)
+    remaining = max(1, int(deadline - time.monotonic()))
+    jax.distributed.initialize(
+        coordinator_address=spec.coordinator_address,
+        num_processes=spec.num_processes,
+        process_id=spec.process_id,
+        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+        # Our detection is the single source of truth; JAX's would e.g. give a one-process-per-node
+        # Slurm job a single GPU per node. Only a Cloud TPU VM is left to JAX (metadata server).
+        cluster_detection_method=None if spec.coordinator_address is None else "deactivate",
+        initialization_timeout=remaining,
+        heartbeat_timeout_seconds=heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S)
+    _joined = spec
+    # Not jax.process_index(): that would start the backend before the trainer configures it. On a
+    # Cloud TPU VM the id is JAX's to find, so every worker announces.
+    if spec.process_id in (0, None):
+        spec.announce()
+    return spec
+
+
+def _on_cloud_tpu_vm() -> bool:
+    # JAX's own test (TPU chips on the PCI bus); private, so a layout change reads as "no TPU".
+    try:
+        from jax._src import hardware_utils
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except (ImportError, AttributeError, OSError):
+        return False
+
+
+# --- rendezvous ----------------------------------------------------------------------------------
+
+def rendezvous_address(coordinator_address: str) -> tuple[str, int]:
+    host, port = coordinator_address.rsplit(":", 1)
+    return host.strip("[]"), int(port) + 1
+
+
+def rendezvous(spec: ClusterSpec, deadline: float) -> None:
+    """Returns once all `spec.num_processes` processes have reported in, or raises naming who did
+    not by `deadline` (a time.monotonic() value)."""
+    host, port = rendezvous_address(spec.coordinator_address)
+    if spec.process_id == 0:
+        _gather(spec.num_processes, port, deadline)
+    else:
+        _report(spec, host, port, deadline)
+
+
+def _gather(num_processes: int, port: int, deadline: float) -> None:
+    server = _listen(port)
+    peers: dict[int, socket.socket] = {}
+    try:
+        while len(peers) < num_processes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, num_processes)) - set(peers))
+                _send_all(peers.values(), f"missing {','.join(map(str, missing))}")
+                raise JaxscaleError(
+                    f"process 0 waited for the other {num_processes - 1} processes until the "
+                    f"timeout, but process(es) {missing} never arrived at rendezvous port {port}; "
+                    "check that they were started, and that they can reach this host")
+            if not select.select([server], [], [], min(left, 1.0))[0]:
+                continue
+            conn, _ = server.accept()
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                peer_id, peer_count = map(int, _read_line(conn).split())
+            except (ValueError, OSError):
+                conn.close()  # not one of ours (a port scanner, a health check)
+                continue
+            problem = None
+            if peer_count != num_processes:
+                problem = (f"process {peer_id} expects {peer_count} processes but process 0 "
+                           f"expects {num_processes}; start every process with the same count")
+            elif peer_id in peers or not 0 < peer_id < num_processes:
+                problem = (f"two processes claim id {peer_id}, or it is outside 1.."
+                           f"{num_processes - 1}; give every process its own id")
+            if problem:
+                _send_all([conn, *peers.values()], f"error {problem}")
+                raise JaxscaleError(problem)
+            peers[peer_id] = conn
+        _send_all(peers.values(), "ok")
+    finally:
+        for conn in peers.values():
+            conn.close()
+        server.close()
+
+
+def _listen(port: int) -> socket.socket:
+    try:  # peers may resolve the coordinator's name to IPv4 or IPv6
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        return socket.create_server(("", port))
+    except OSError as e:
+        raise JaxscaleError(
+            f"process 0 cannot listen on rendezvous port {port} (the coordinator port + 1): "
+            f"{e.strerror}; set JAX_COORDINATOR_PORT (or the coordinator address) to a free "
+            "port") from None
+
+
+def _report(spec: ClusterSpec, host: str, port: int, deadline: float) -> None:
+    where = f"{host}:{port}"
+    while True:
+        try:
+            conn = socket.create_connection((host, port),
+                                            timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            break
+        except OSError:  # refused (not listening yet), unknown host (DNS not ready), timeout
+            if time.monotonic() >= deadline:
+                raise JaxscaleError(
+                    f"process {spec.process_id} of {spec.num_processes} could not reach process 0 "
+                    f"(the coordinator) at rendezvous {where} before the timeout; check that "
+                    "process 0 was started and that this host can resolve and reach it") from None
+            time.sleep(0.2)
+    with conn:
+        conn.settimeout(max(0.1, deadline - time.monotonic()) + 5.0)  # process 0 answers first
+        try:
+            conn.sendall(f"{spec.process_id} {spec.num_processes}\n".encode())
+            answer = _read_line(conn)
+        except OSError:
+            answer = ""
+    if answer == "ok":
+        return
+    if answer.startswith("missing "):
+        raise JaxscaleError(
+            f"process 0 gave up waiting: process(es) [{answer.split(' ', 1)[1]}] of "
+            f"{spec.num_processes} never arrived; check that they were started")
+    if answer.startswith("error "):
+        raise JaxscaleError(answer.split(" ", 1)[1])
+    raise JaxscaleError(f"process {spec.process_id} reached process 0 at {where} but got no "
+                        "answer before the timeout")
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1024)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def _send_all(conns, message: str) -> None:
+    for conn in conns:
+        try:
+            conn.sendall(f"{message}\n".encode())
+        except OSError:
+            pass  # that peer is gone; the others still hear the news

@@ -1,0 +1,30 @@
+"""Checks that a training command's config fits a cluster shape, before anything is started:
+
+    python -m jaxscale.launch.fit --devices=16 --granules=2 -- --config=configs/tiny.py \\
+        --config.mesh.dcn.data=2
+
+Prints `ok: ...` and exits 0, or prints `error: ...` and exits 2. Used by launch/tpu/tpu.sh and
+launch/slurm/jaxscale.sbatch; the Python launchers run the same check themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jaxscale.launch.cli import ArgumentParser, check_train_args, positive
+
+
+def main(argv: list[str]) -> None:
+    parser = ArgumentParser(prog="python -m jaxscale.launch.fit",
+                            description="Check a training config against a cluster shape.")
+    parser.add_argument("--devices", type=positive, required=True, help="devices in the run")
+    parser.add_argument("--granules", type=positive, default=1,
+                        help="TPU slices, or hosts where devices have no slices")
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    check_train_args(argv[split + 1:], args.devices, args.granules)
+    print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,149 @@
+"""The local multi-process launcher, and how real processes fail: real CPU processes with gloo."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxscale.errors import RESTART_EXIT_CODE
+from jaxscale.launch.local import Launcher, free_port_pair, process_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = [sys.executable, "-m", "jaxscale.launch.local"]
+CHECK = [sys.executable, "-m", "jaxscale.launch.check"]
+# Launcher: a dead process is noticed within 0.1 s, the others get SIGTERM, then SIGKILL after
+# --grace_s. Without the launcher, JAX stops the survivors after the heartbeat timeout.
+GRACE_S = 3
+HEARTBEAT_S = 5
+SLACK_S = 10  # process start-up and teardown on a loaded 2-core machine
+
+
+def run(cmd, timeout=120):
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_processes_sum_across_all_eight_devices():
+    result = run([*LAUNCH, "--processes=2", "--devices_per_process=4",
+                  "--module=jaxscale.launch.check", "--", "--steps=2"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for i in (0, 1):
+        assert f"[{i}] process {i} of 2" in result.stdout
+        assert f"[{i}] step 1: sum over 8 devices = 12 (ok)" in result.stdout
+    assert ("[0] jaxscale: distributed mode explicit: 2 processes, coordinator 127.0.0.1:"
+            in result.stdout)
+
+
+def _start_check_processes(steps: int):
+    """Two check processes under the launcher; returns (launcher, pid of process 1)."""
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--processes=2", "--devices_per_process=2", f"--grace_s={GRACE_S}",
+         "--module=jaxscale.launch.check", "--", f"--steps={steps}", "--interval_s=0.2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    for line in launcher.stdout:
+        if m := re.match(r"\[(\d)\] process \d of 2 \(pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+        if line.startswith("[1] step 1:"):  # both joined and summing
+            return launcher, pids[1]
+    raise AssertionError(f"the processes never started: {launcher.stderr.read()}")
+
+
+def test_kill_9_of_one_process_stops_the_others_within_the_grace_period():
+    launcher, pid = _start_check_processes(steps=1000)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = launcher.communicate(timeout=GRACE_S + SLACK_S)
+    assert time.monotonic() - killed_at < GRACE_S + SLACK_S
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert "error: process 1 was killed by SIGKILL; all 2 processes have stopped" in stderr
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_9_without_a_launcher_ends_the_survivor_within_the_heartbeat_timeout(victim):
+    port = free_port_pair()
+    procs = [subprocess.Popen(
+        [*CHECK, "--steps=1000", "--interval_s=0.2", f"--heartbeat_timeout_s={HEARTBEAT_S}"],
+        cwd=REPO, env=process_env(dict(os.environ), i, 2, 2, port), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    survivor = procs[1 - victim]
+    for line in survivor.stdout:
+        if line.startswith("step 1:"):
+            break
+    procs[victim].kill()
+    killed_at = time.monotonic()
+    output = survivor.communicate(timeout=HEARTBEAT_S + SLACK_S)[0]
+    assert time.monotonic() - killed_at < HEARTBEAT_S + SLACK_S
+    assert survivor.returncode != 0
+    # JAX's coordination service says why: the dead peer's heartbeats stopped, or its socket closed.
+    assert "Terminating process because the JAX distributed service detected fatal errors" in output
+    procs[victim].wait()
+
+
+def test_a_process_that_never_arrives_is_named():
+    env = process_env(dict(os.environ), 0, 2, 1, free_port_pair())
+    result = subprocess.run([*CHECK, "--init_timeout_s=2"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: process 0 waited for the other 1 processes until the timeout, but process(es) "
+        "[1] never arrived")
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_launcher_exits_with_restart_code_when_every_process_asks_to_restart(capsys):
+    slow_restart = f"import sys, time; time.sleep(1); sys.exit({RESTART_EXIT_CODE})"
+    quick_restart = f"import sys; sys.exit({RESTART_EXIT_CODE})"
+    launcher = Launcher([_python(quick_restart), _python(slow_restart)], [dict(os.environ)] * 2,
+                        grace_s=30)
+    assert launcher.wait() == RESTART_EXIT_CODE  # process 1 got time to finish saving
+    assert "waiting up to 30 s for the others" in capsys.readouterr().err
+
+
+def test_launcher_stops_the_others_when_one_fails(capsys):
+    start = time.monotonic()
+    sleeper, failure = _python("import time; time.sleep(60)"), _python("import sys; sys.exit(3)")
+    launcher = Launcher([sleeper, failure], [dict(os.environ)] * 2, grace_s=5)
+    assert launcher.wait() == 3
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert "process 1 exited with status 3; stopping the others" in err
+    assert "error: process 1 exited with status 3; all 2 processes have stopped" in err
+
+
+def test_launcher_prefixes_each_line_with_its_process(capsys):
+    launcher = Launcher([_python("print('a'); print('b')"), _python("print('c')")],
+                        [dict(os.environ)] * 2, grace_s=5)
+    assert launcher.wait() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["[0] a", "[0] b", "[1] c"]
+
+
+def test_each_process_gets_its_own_device_count_and_identity():
+    env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1"},
+                      1, 2, 4, 5000)
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=4"]
+    assert (env["JAX_COORDINATOR_ADDRESS"], env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == (
+        "127.0.0.1:5000", "2", "1")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--processes=0"], "argument --processes: 0 must be >= 1"),
+    (["--processes=2", "--devices_per_process=1", "--", "--config=configs/tiny.py",
+      "--config.mesh.dcn.data=3"], "mesh.dcn sizes"),
+    (["--processes=3", "--devices_per_process=2", "--", "--config=configs/tiny.py",
+      "--config.mesh.data=4"], "mesh"),
+    (["--", "--config=configs/missing.py"], "config"),
+])
+def test_bad_input_is_one_error_line_before_anything_starts(args, message):
+    result = run([*LAUNCH, *args], timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
