@@ -6,7 +6,8 @@ import time
 import pytest
 
 from jaxscale import distributed
-from jaxscale.distributed import ClusterSpec, detect, first_slurm_host, rendezvous
+from jaxscale.distributed import ClusterSpec, detect, first_slurm_host
+from jaxscale.rendezvous import rendezvous
 from jaxscale.errors import JaxscaleError
 from jaxscale.launch.local import free_port_pair
 
