@@ -12,7 +12,8 @@
 
 `initialize` then meets every peer at a small TCP rendezvous next to the coordinator (its port + 1)
 before calling `jax.distributed.initialize`: JAX's own start-up, when a peer never arrives, aborts
-the process after its timeout without saying who is missing; the rendezvous (jaxscale/rendezvous.py) names them.
+the process after its timeout without saying who is missing; the rendezvous
+(jaxscale/rendezvous.py) names them.
 """
 
 from __future__ import annotations
