@@ -1,6 +1,6 @@
 """How much faster the input pipeline delivers tokens than the train step consumes them.
 
-    python benchmarks/input_pipeline.py [--config=configs/tiny.py] [--batches=200]
+    python benchmarks/input_pipeline.py [--config=configs/tiny.py] [--batches=200] [--batch_size=N]
 
 Measures, in one run on this machine: tokens/s the pipeline delivers (as global arrays, the way
 the trainer takes them) from the byte-tokenized stdlib corpus and from the same corpus
@@ -57,9 +57,12 @@ def main() -> None:
     parser.add_argument("--config", default=os.path.join(_REPO, "configs", "tiny.py"))
     parser.add_argument("--batches", type=int, default=200, help="batches timed per pipeline")
     parser.add_argument("--steps", type=int, default=20, help="train steps timed")
+    parser.add_argument("--batch_size", type=int, default=0,
+                        help="train.batch_size, i.e. row streams (0: the config's)")
     args = parser.parse_args()
 
     config = load_config_file(args.config)
+    config.train.batch_size = args.batch_size or config.train.batch_size
     config.data.sources = (dict(format="stdlib"),)
     config.data.tokenizer = "byte"
     with tempfile.TemporaryDirectory() as workdir:

@@ -100,8 +100,9 @@ def default_config() -> ml_collections.ConfigDict:
         eos_token="",
         packing="concat",  # concat (concat-then-split, no padding) | first_fit (whole documents)
         max_bad_records=100,  # malformed records a process skips before the run fails
-        on_layout_change="error",  # resuming with other process/worker counts: error | restart
-        workers=-1,  # grain worker processes; 0 reads in the main process; -1 picks by tokenizer
+        # Threads reading and tokenizing the row streams; 0 reads on the prefetch thread; -1: 0
+        # for the byte tokenizer, 4 for learned ones. Batches are the same for any value.
+        workers=-1,
         prefetch=2,  # batches prepared ahead of the step
     )
     # Multi-process runs (docs/launch.md): how long to wait for every process to join, and how long
@@ -272,7 +273,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
 
 def _check_data(config: ml_collections.ConfigDict) -> None:
     # Imported here: the data package pulls in grain, which config loading does not need.
-    from jaxscale.data import LAYOUT_CHANGES
     from jaxscale.data.packing import METHODS
     from jaxscale.data.sources import source_specs
     from jaxscale.data.tokenizers import tokenizer_from_config
@@ -281,12 +281,9 @@ def _check_data(config: ml_collections.ConfigDict) -> None:
     source_specs(config)
     if d.packing not in METHODS:
         raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {METHODS}")
-    if d.on_layout_change not in LAYOUT_CHANGES:
-        raise ConfigError(f"data.on_layout_change={d.on_layout_change!r} is unknown; use one of "
-                          f"{LAYOUT_CHANGES}")
     if d.workers < -1:
-        raise ConfigError(f"data.workers={d.workers} must be >= 0 (0 reads in the main process) "
-                          "or -1 (chosen by tokenizer)")
+        raise ConfigError(f"data.workers={d.workers} must be >= 0 reader threads (0 reads on the "
+                          "prefetch thread) or -1 (chosen by tokenizer)")
     if d.max_bad_records < 0:
         raise ConfigError(f"data.max_bad_records={d.max_bad_records} must be >= 0 (0: the first "
                           "malformed record stops the run)")

@@ -217,73 +217,83 @@ def test_state_restores_between_documents(batch_sharding, tmp_path):
     resumed.close()
 
 
-def saved_under_two_processes(config, batch_sharding):
-    """A state as if saved by a 2-process run, plus the batches after it in this 1-process run."""
-    it = make_input(config, "train", batch_sharding)
-    for _ in range(3):
-        next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    continuation = jax.device_get(next(it))
-    it.close()
-    state["process_count"] = 2
-    return state, continuation
-
-
-def test_resume_with_another_process_count_is_refused_by_default(batch_sharding):
+def test_resume_with_another_batch_size_is_refused(batch_sharding):
     config = small_config("synthetic")
-    state, _ = saved_under_two_processes(config, batch_sharding)
     it = make_input(config, "train", batch_sharding)
-    with pytest.raises(JaxscaleError, match="process_count 2 -> 1.*on_layout_change='restart'"):
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    it.close()
+    config.train.batch_size = 16
+    it = make_input(config, "train", batch_sharding)
+    with pytest.raises(JaxscaleError, match="8 row streams.*batch_size is now 16"):
         it.set_state(state)
     it.close()
 
 
-def test_resume_with_another_process_count_can_restart_deterministically(batch_sharding):
-    config = small_config("synthetic", on_layout_change="restart")
-    state, continuation = saved_under_two_processes(config, batch_sharding)
-    runs = []
-    for _ in range(2):
-        it = make_input(config, "train", batch_sharding)
-        it.set_state(state)
-        runs.append([jax.device_get(next(it)) for _ in range(2)])
-        # The restarted order is itself checkpointable like any other.
-        resumed_state = json.loads(json.dumps(it.get_state()))
-        after = jax.device_get(next(it))
-        it.close()
-        it = make_input(config, "train", batch_sharding)
-        it.set_state(resumed_state)
-        assert_same([after], [jax.device_get(next(it))])
-        it.close()
-    assert_same(runs[0], runs[1])
-    assert not np.array_equal(runs[0][0]["inputs"], continuation["inputs"])
-    assert resumed_state["stream"] == state["batches"] == 3
-
-
-@pytest.mark.parametrize("process_count", [1, 2, 4])
-def test_process_shards_are_disjoint_and_cover_all_documents(process_count):
-    # Documents are identified by their position in the one epoch every process lists; an odd
+@pytest.mark.parametrize("streams", [1, 2, 7])
+def test_row_stream_shares_are_disjoint_and_cover_all_documents(streams):
+    # Documents are identified by their position in the one epoch every stream lists; an odd
     # count checks the uneven split too.
     documents = grain.MapDataset.range(1001)
-    shards = [list(pipeline.process_shard(documents, i, process_count))
-              for i in range(process_count)]
-    assert sorted(i for shard in shards for i in shard) == list(range(1001))
-    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    shares = [list(pipeline.stream_share(documents, stream, streams))
+              for stream in range(streams)]
+    assert sorted(i for share in shares for i in share) == list(range(1001))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_too_few_documents_for_the_processes():
-    with pytest.raises(JaxscaleError, match="too few"):
-        pipeline.process_shard(grain.MapDataset.range(2), 2, 4)
+def test_with_fewer_documents_than_streams_each_stream_reads_all_from_its_own_start():
+    shares = [list(pipeline.stream_share(grain.MapDataset.range(3), stream, 8))
+              for stream in range(8)]
+    assert shares[:4] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
 
 
-@pytest.mark.parametrize("process_count", [2, 4])
-def test_each_process_makes_its_share_of_the_batch(process_count):
-    config = small_config("synthetic")
-    firsts = []
-    for index in range(process_count):
-        it = iter(pipeline.local_batches(config, "train", index, process_count))
-        batch = next(it)
+def test_this_process_holds_every_row_of_a_one_process_mesh(batch_sharding):
+    it = make_input(small_config("synthetic"), "train", batch_sharding)
+    assert it.rows == list(range(8))
+    it.close()
+
+
+def process_rows(batch_size, process_count):
+    """The rows each of `process_count` processes holds: contiguous blocks, as on the trainer's
+    meshes (`jaxscale.data.pipeline.local_rows` reads them from the sharding)."""
+    share = batch_size // process_count
+    return [range(p * share, (p + 1) * share) for p in range(process_count)]
+
+
+def global_batches(config, process_count, n, states=None):
+    """`n` global batches as `process_count` processes would build them (each from its streams'
+    positions in `states`, if given), and the union of their states after: what
+    `Input.get_state` gathers."""
+    per_process, union = [], {}
+    for rows in process_rows(config.train.batch_size, process_count):
+        it = iter(pipeline.local_batches(config, "train", rows))
+        if states is not None:
+            it.set_state({str(row): states[str(row)] for row in rows})
+        per_process.append([next(it) for _ in range(n)])
+        union.update(it.get_state())
         it.close()
-        assert batch["inputs"].shape == (config.train.batch_size // process_count,
-                                         config.train.seq_len)
-        firsts.append(batch["inputs"].tobytes())
-    assert len(set(firsts)) == process_count
+    batches = [{name: np.concatenate([local[step][name] for local in per_process])
+                for name in per_process[0][step]} for step in range(n)]
+    return batches, union
+
+
+MIXTURE = (dict(format="stdlib", weight=1), dict(format="synthetic", weight=3))
+
+
+@pytest.mark.parametrize("method", packing.METHODS)
+@pytest.mark.parametrize("sources_", [(dict(format="stdlib"),), MIXTURE],
+                         ids=["stdlib", "mixture"])
+def test_global_batches_do_not_depend_on_the_process_count(method, sources_):
+    config = small_config(packing=method, sources=sources_)
+    one_process, _ = global_batches(config, 1, 3)
+    for process_count in (2, 4):
+        assert_same(one_process, global_batches(config, process_count, 3)[0])
+
+
+@pytest.mark.parametrize("method", packing.METHODS)
+def test_a_state_saved_under_some_process_count_resumes_under_another(method):
+    config = small_config(packing=method, sources=MIXTURE)
+    uninterrupted, _ = global_batches(config, 1, 6)
+    _, saved = global_batches(config, 2, 3)
+    for process_count in (1, 4):
+        assert_same(uninterrupted[3:], global_batches(config, process_count, 3, saved)[0])

@@ -109,14 +109,14 @@ def test_separate_eval_path(tmp_path):
     assert decoded(config, "eval") == ["held out"]
 
 
-@pytest.mark.parametrize("process_count", [1, 2, 4])
-def test_process_shards_of_a_source_hold_each_document_once(tmp_path, process_count):
+@pytest.mark.parametrize("streams", [1, 2, 8])
+def test_row_stream_shares_of_a_source_hold_each_document_once(tmp_path, streams):
     config = config_with(write_jsonl(tmp_path / "texts.jsonl"))
     documents = sources.source_documents(sources.source_specs(config)[0], "train",
                                          ByteTokenizer(), config)
     seen = [ByteTokenizer().decode(d).decode()
-            for i in range(process_count)
-            for d in pipeline.process_shard(documents, i, process_count)]
+            for stream in range(streams)
+            for d in pipeline.stream_share(documents, stream, streams)]
     assert sorted(seen) == sorted(decoded(config, "train"))
 
 
@@ -126,13 +126,13 @@ def test_mixture_follows_the_weights(tmp_path):
     b.write_text("".join(json.dumps({"text": f"b{i}"}) + "\n" for i in range(70)))
     config = config_with(dict(format="jsonl", path=str(a), weight=3),
                          dict(format="jsonl", path=str(b), weight=1))
-    mixed = pipeline.mixture(config, "train", 0, 1, ByteTokenizer())
+    mixed = pipeline.mixture(config, "train", 0, ByteTokenizer())
     # Framed pairs: the first input is BOS, the second the source's letter.
     letters = [chr(mixed[i]["inputs"][1] - 3) for i in range(400)]
     share = letters.count("a") / len(letters)
     assert abs(share - 0.75) < 0.05
     # Deterministic for a seed: the same mixture again.
-    again = pipeline.mixture(config, "train", 0, 1, ByteTokenizer())
+    again = pipeline.mixture(config, "train", 0, ByteTokenizer())
     assert letters == [chr(again[i]["inputs"][1] - 3) for i in range(400)]
 
 
@@ -226,7 +226,6 @@ def test_bad_parquet_fails_with_one_line(tmp_path):
     (dict(sources=(dict(format="text", path="x", document="page"),)), "document='page'"),
     (dict(tokenizer="/no/such/tokenizer.model"), "no such file"),
     (dict(packing="best"), "packing='best' is unknown"),
-    (dict(on_layout_change="ignore"), "on_layout_change='ignore'"),
     (dict(workers=-2), "workers=-2"),
 ])
 def test_config_mistakes_fail_validation(change, message):
@@ -270,21 +269,19 @@ def huggingface_tokenizer(tmp_path_factory):
 
 
 def test_sentencepiece_tokenizer(tmp_path, sentencepiece_model):
-    config = config_with(write_jsonl(tmp_path / "t.jsonl"), tokenizer=sentencepiece_model,
-                         workers=0)
+    config = config_with(write_jsonl(tmp_path / "t.jsonl"), tokenizer=sentencepiece_model)
     tokenizer = tokenizer_from_config(config)
     assert tokenizer.vocab_size == 40 and (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
     ids = tokenizer.encode(TEXTS[5])
     assert ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < 40
     config.model.vocab_size = 40
     validate(config, 8)
-    rows = next(iter(pipeline.local_batches(config, "train", 0, 1)))
+    rows = next(iter(pipeline.local_batches(config, "train", range(8))))
     assert rows["inputs"].max() < 40 and (rows["inputs"] == 1).any()
 
 
 def test_huggingface_tokenizer(tmp_path, huggingface_tokenizer):
-    config = config_with(write_jsonl(tmp_path / "t.jsonl"), tokenizer=huggingface_tokenizer,
-                         workers=0)
+    config = config_with(write_jsonl(tmp_path / "t.jsonl"), tokenizer=huggingface_tokenizer)
     assert "has no BOS token; set data.bos_token" in one_line_error(
         ConfigError, lambda: tokenizer_from_config(config))
     config.data.update(bos_token="<s>", eos_token="</s>")
@@ -327,7 +324,7 @@ def test_prepare_command_line_reports_errors_in_one_line(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_worker_processes_give_the_same_batches_and_resume(tmp_path):
+def test_reader_threads_give_the_same_batches_and_resume(tmp_path):
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data"))
 
@@ -335,14 +332,15 @@ def test_worker_processes_give_the_same_batches_and_resume(tmp_path):
         return [np.asarray(next(it)["inputs"]) for _ in range(n)]
 
     config = config_with(write_jsonl(tmp_path / "t.jsonl"), workers=0)
-    in_process = make_input(config, "train", sharding)
-    expected = batches(in_process, 4)
-    in_process.close()
-    config.data.workers = 1
-    with_workers = make_input(config, "train", sharding)
-    got = batches(with_workers, 2)
-    state = json.loads(json.dumps(with_workers.get_state()))
-    with_workers.close()
+    on_prefetch_thread = make_input(config, "train", sharding)
+    expected = batches(on_prefetch_thread, 4)
+    on_prefetch_thread.close()
+    config.data.workers = 3
+    with_threads = make_input(config, "train", sharding)
+    got = batches(with_threads, 2)
+    state = json.loads(json.dumps(with_threads.get_state()))
+    with_threads.close()
+    config.data.workers = 0
     resumed = make_input(config, "train", sharding)
     resumed.set_state(state)
     got += batches(resumed, 2)

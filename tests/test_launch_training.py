@@ -62,10 +62,6 @@ def test_two_processes_train_together(two_process_run):
     assert "[1] step" not in output  # only process 0 reports
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the data pipeline gives each process every process_count-th document "
-    "(jaxscale/data/pipeline.py:process_shard) and packs its own rows, so the global batch depends "
-    "on the process count"))
 def test_losses_equal_one_process_with_eight_devices(two_process_run, tmp_path):
     workdir, _ = two_process_run
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
@@ -76,8 +72,11 @@ def test_losses_equal_one_process_with_eight_devices(two_process_run, tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     two, one = losses(workdir), losses(tmp_path)
     assert sorted(one) == sorted(two)
+    # The first steps agree to the last bit, which only the same batches give; gradients summed
+    # across processes (gloo) round in another order than within one, and that difference grows
+    # to ~4e-5 by step 30.
     for step in one:
-        assert one[step] == pytest.approx(two[step], rel=1e-5), step
+        assert one[step] == pytest.approx(two[step], rel=1e-4), step
 
 
 def children(pid: int) -> list[int]:

@@ -4,7 +4,7 @@
     batch = next(it)          # dict of global jax.Arrays, [train.batch_size, train.seq_len]
     state = it.get_state()    # small, JSON-serializable; store it with the checkpoint
     it.set_state(state)       # the next batch is the one an uninterrupted run would get
-    it.close()                # stops prefetch threads and worker processes
+    it.close()                # stops the prefetch and reader threads
 
 Batch keys: `inputs`, `targets` (int32 next-token pairs), `loss_mask` (float32, 0 on padding),
 `segment_ids` (int32, 1, 2, ... per packed document, 0 on padding), `positions` (int32, from 0 in
@@ -13,37 +13,36 @@ each document). See docs/data.md.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
 
-from jaxscale.data.pipeline import local_batches, resolved_workers
-from jaxscale.data.tokenizers import tokenizer_from_config
+from jaxscale.data.pipeline import local_batches, local_rows
 from jaxscale.errors import JaxscaleError
 
 __all__ = ["Input", "make_input"]
 
-_STATE_VERSION = 1
-LAYOUT_CHANGES = ("error", "restart")
+_STATE_VERSION = 2
 
 
 class Input:
-    """One process's batches of `split`, as global arrays laid out by `batch_sharding`."""
+    """One process's batches of `split`, as global arrays laid out by `batch_sharding`.
+
+    Row r of every global batch comes from row stream r (see pipeline.py); this process builds
+    the streams of the rows `batch_sharding` places on its devices.
+    """
 
     def __init__(self, config: ml_collections.ConfigDict, split: str,
-                 batch_sharding: jax.sharding.NamedSharding, process_index: int,
-                 process_count: int):
-        self._config, self._split, self._sharding = config, split, batch_sharding
-        self._process_index, self._process_count = process_index, process_count
-        self._workers = resolved_workers(config, tokenizer_from_config(config))
+                 batch_sharding: jax.sharding.Sharding):
+        self._config, self._sharding = config, batch_sharding
+        self._batch_size = config.train.batch_size
+        self.rows = local_rows(batch_sharding, self._batch_size, config.train.seq_len)
+        self._iterator = iter(local_batches(config, split, self.rows))
         self._batches = 0
-        self._start(stream=0)
-
-    def _start(self, stream: int) -> None:
-        self._stream = stream
-        self._iterator = iter(local_batches(self._config, self._split, self._process_index,
-                                            self._process_count, stream))
 
     def __iter__(self) -> Input:
         return self
@@ -55,50 +54,60 @@ class Input:
                 for name, array in local.items()}
 
     def get_state(self) -> dict[str, Any]:
+        """The position of every row stream, on every process.
+
+        With several processes this gathers the streams of all of them (every process must call
+        it, as every process saves a checkpoint), so a checkpoint resumes under any process
+        count: each process takes the streams of its rows from whichever state it reads.
+        """
         return {
             "version": _STATE_VERSION,
-            "process_count": self._process_count,
-            "workers": self._workers,
+            "batch_size": self._batch_size,
             "batches": self._batches,  # the same on every process: they step together
-            "stream": self._stream,
-            "pipeline": self._iterator.get_state(),
+            "streams": _from_all_processes(self._iterator.get_state()),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Resumes where `state` was taken.
-
-        Each process reads its own shard and grain workers split it further, so a position saved
-        under another process or worker count names other data. Then, by data.on_layout_change:
-        "error" refuses; "restart" starts a new deterministic order (a function of train.seed
-        and the batch count, so every process agrees), which may repeat or skip documents of the
-        interrupted epoch.
-        """
+        """Resumes where `state` was taken: the next batch is the one an uninterrupted run would
+        get, whatever the process count, mesh or `data.workers` then and now."""
         if state.get("version") != _STATE_VERSION:
             raise JaxscaleError(f"data iterator state version {state.get('version')!r} is not "
                                 f"{_STATE_VERSION}; it was written by another jaxscale version")
-        self._batches = state["batches"]
-        saved = {"process_count": state["process_count"], "workers": state["workers"]}
-        now = {"process_count": self._process_count, "workers": self._workers}
-        if saved == now:
-            if state["stream"] != self._stream:
-                self.close()
-                self._start(state["stream"])
-            self._iterator.set_state(_slices_as_tuples(state["pipeline"]))
-            return
-        if self._config.data.on_layout_change != "restart":
-            changed = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in saved if saved[k] != now[k])
+        if state["batch_size"] != self._batch_size:
             raise JaxscaleError(
-                f"cannot resume the data exactly: {changed}; resume with the saved counts, or "
-                "set data.on_layout_change='restart' to continue in a new deterministic order")
-        self.close()
-        self._start(stream=state["batches"])
+                f"cannot resume the data: the checkpoint has {state['batch_size']} row streams "
+                f"(train.batch_size) but train.batch_size is now {self._batch_size}; resume with "
+                "the saved batch size, or start a new run from its parameters "
+                "(checkpoint.restore_from with checkpoint.restore_params_only=True)")
+        missing = [row for row in self.rows if str(row) not in state["streams"]]
+        if missing:
+            raise JaxscaleError(f"the data state lacks the positions of rows {missing[:8]}; it "
+                                "was not written by Input.get_state")
+        self._batches = state["batches"]
+        self._iterator.set_state({str(row): _slices_as_tuples(state["streams"][str(row)])
+                                  for row in self.rows})
 
     def close(self) -> None:
-        """Stops prefetch threads and worker processes."""
+        """Stops the prefetch and reader threads."""
         self._iterator.close()
         # Dropping the iterator now lets grain's own finalizer run while the interpreter is whole;
         # at exit it would fail noisily on torn-down modules.
         del self._iterator
+
+
+def _from_all_processes(streams: dict[str, Any]) -> dict[str, Any]:
+    """The union of every process's {row: stream state}: each process holds only its own."""
+    if jax.process_count() == 1:
+        return streams
+    mine = np.frombuffer(json.dumps(streams).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int64(mine.size)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:mine.size] = mine
+    everyone = np.asarray(multihost_utils.process_allgather(padded))
+    union = {}
+    for encoded, size in zip(everyone, sizes):
+        union.update(json.loads(encoded[:size].tobytes()))
+    return union
 
 
 def _slices_as_tuples(state: Any) -> Any:
@@ -113,6 +122,6 @@ def _slices_as_tuples(state: Any) -> Any:
 
 
 def make_input(config: ml_collections.ConfigDict, split: str,
-               batch_sharding: jax.sharding.NamedSharding) -> Input:
+               batch_sharding: jax.sharding.Sharding) -> Input:
     """The `split` ("train" or "eval") input of this process, per `config.data`."""
-    return Input(config, split, batch_sharding, jax.process_index(), jax.process_count())
+    return Input(config, split, batch_sharding)

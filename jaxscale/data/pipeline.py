@@ -1,27 +1,34 @@
-"""The grain pipeline of one process: its shard of each source -> mixture -> packed batches.
+"""Row streams: the global batch as `train.batch_size` independent streams of packed rows.
 
-    per source: documents of the split -> this process's shard -> shuffled per epoch -> repeated
-    weighted mixture -> [worker processes: read, tokenize, frame] -> drop skipped records
-    -> pack into rows -> batch -> prefetch on a thread
+    per source: documents of the split -> stream r's share (r, r+S, r+2S, ...) -> shuffled per
+    epoch -> repeated; weighted mixture -> read, tokenize, frame -> drop skipped records
+    -> pack into rows -> one row per step
+
+Row r of every global batch comes from stream r, whichever process builds it, so the global batch
+is a function of (config, step) alone. A process builds only the streams of the rows it holds.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Sequence
+from typing import Any
+
 import grain
+import jax
 import ml_collections
 import numpy as np
-from absl import flags
 
 from jaxscale.data import packing, sources
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
-from jaxscale.errors import ConfigError, JaxscaleError
 
-# Documents read ahead by threads in each process (or worker). A document makes many rows, so a
-# small window keeps the packer fed without holding many files in memory.
-_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
-# With data.workers=-1: worker processes for tokenizers that cost real CPU. A function of the
-# config only (not of the machine), because the iterator state depends on the worker count.
-_AUTO_WORKERS_LEARNED_TOKENIZER = 2
+# Each stream reads synchronously: hundreds of streams with reader threads each would be thousands
+# of threads. Parallelism comes from reading different streams at once (`data.workers`).
+_SYNCHRONOUS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+# With data.workers=-1: reader threads for tokenizers that cost real CPU (they release the GIL).
+_AUTO_WORKERS_LEARNED_TOKENIZER = 4
+# first_fit: the rows a stream fills at once. More rows pad less but hold more documents back.
+FIRST_FIT_ROWS = 8
 
 
 def resolved_workers(config: ml_collections.ConfigDict, tokenizer) -> int:
@@ -30,75 +37,119 @@ def resolved_workers(config: ml_collections.ConfigDict, tokenizer) -> int:
     return 0 if isinstance(tokenizer, ByteTokenizer) else _AUTO_WORKERS_LEARNED_TOKENIZER
 
 
-def process_shard(dataset: grain.MapDataset, process_index: int,
-                  process_count: int) -> grain.MapDataset:
-    """Every `process_count`-th document from `process_index`: disjoint shards that cover all."""
-    shard = dataset[process_index::process_count]
-    if len(shard) == 0:
-        raise JaxscaleError(f"the data has {len(dataset)} documents, too few to give each of "
-                            f"{process_count} processes one; add data or use fewer processes")
-    return shard
+def local_rows(batch_sharding: jax.sharding.Sharding, batch_size: int, seq_len: int
+               ) -> list[int]:
+    """The global rows this process holds, in the order `make_array_from_process_local_data`
+    expects them: ascending."""
+    rows = set()
+    for index in batch_sharding.addressable_devices_indices_map((batch_size, seq_len)).values():
+        rows.update(range(batch_size)[index[0]])
+    return sorted(rows)
 
 
-def local_batch_size(config: ml_collections.ConfigDict, process_count: int) -> int:
-    batch_size = config.train.batch_size
-    if batch_size % process_count:
-        raise ConfigError(f"train.batch_size={batch_size} is not divisible by the {process_count} "
-                          "processes; make it a multiple of the process count")
-    return batch_size // process_count
+def stream_share(documents: grain.MapDataset, stream: int, streams: int) -> grain.MapDataset:
+    """Documents `stream`, `stream + streams`, ...: disjoint shares that cover every document.
+
+    With fewer documents than streams, every stream reads all of them, starting at a different
+    one, so rows still differ.
+    """
+    n = len(documents)
+    if n >= streams:
+        return documents[stream::streams]
+    start = stream % n
+    return documents.repeat(2)[start:start + n]
 
 
 def _shuffle_seed(seed: int, source: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed, source, stream]).generate_state(1)[0])
 
 
-def mixture(config: ml_collections.ConfigDict, split: str, process_index: int,
-            process_count: int, tokenizer, stream: int = 0) -> grain.MapDataset:
-    """This process's endless, weighted mixture of its shards of every source's `split`.
+def mixture(config: ml_collections.ConfigDict, split: str, stream: int, tokenizer,
+            documents: Sequence[grain.MapDataset] | None = None) -> grain.MapDataset:
+    """Stream `stream`'s endless, weighted mixture of its share of every source's `split`.
 
-    Train: each source's shard is reshuffled every epoch from (train.seed, source, stream, epoch).
-    Eval: fixed order, so every fresh iterator yields the same documents; it repeats too, so any
-    number of eval batches exists. Weights are shares of documents, not of tokens.
+    Train: each share is reshuffled every epoch from (train.seed, source, stream, epoch). Eval:
+    fixed order, so every fresh iterator yields the same documents; it repeats too, so any number
+    of eval batches exists. Weights are shares of documents, not of tokens. `documents`: every
+    source's documents of `split`, when the caller has them already (listing is not free).
     """
     if split not in sources.SPLITS:
         raise ValueError(f"split={split!r}; use one of {sources.SPLITS}")
     specs = sources.source_specs(config)
+    if documents is None:
+        documents = [sources.source_documents(spec, split, tokenizer, config) for spec in specs]
     frame = packing.NextTokenPairs(tokenizer.bos_id if config.data.add_bos else None,
                                    tokenizer.eos_id if config.data.add_eos else None)
-    shards = []
-    for i, spec in enumerate(specs):
-        shard = process_shard(sources.source_documents(spec, split, tokenizer, config),
-                              process_index, process_count)
+    shares = []
+    for i, source in enumerate(documents):
+        share = stream_share(source, stream, config.train.batch_size)
         if split == "train":
-            shard = shard.shuffle(seed=_shuffle_seed(config.train.seed, i, stream))
-        shards.append(shard.repeat().map(frame))
-    if len(shards) == 1:
-        return shards[0]
-    return grain.MapDataset.mix(shards, weights=[spec["weight"] for spec in specs])
+            share = share.shuffle(seed=_shuffle_seed(config.train.seed, i, stream))
+        shares.append(share.repeat().map(frame))
+    if len(shares) == 1:
+        return shares[0]
+    return grain.MapDataset.mix(shares, weights=[spec["weight"] for spec in specs])
 
 
-def local_batches(config: ml_collections.ConfigDict, split: str, process_index: int,
-                  process_count: int, stream: int = 0) -> grain.IterDataset:
-    """The endless stream of this process's batches of packed rows, as numpy arrays.
-
-    `stream` > 0 starts a different, equally deterministic order (see `Input.set_state`).
-    """
-    tokenizer = tokenizer_from_config(config)
-    documents = mixture(config, split, process_index, process_count, tokenizer, stream)
-    # Skipped records stay None through the workers and are dropped after them, so every worker
-    # count yields the same documents in the same order.
-    pairs = documents.to_iter_dataset(_READ_OPTIONS, allow_nones=True)
-    workers = resolved_workers(config, tokenizer)
-    if workers:
-        # grain's worker start-up reads its absl flags, which only a `python -m jaxscale.train`
-        # run has parsed; elsewhere (tests, notebooks, benchmarks) their defaults are the intent.
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        pairs = pairs.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
-                                                               per_worker_buffer_size=16))
+def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, tokenizer,
+               documents: Sequence[grain.MapDataset]) -> grain.IterDataset:
+    """The endless rows of stream `stream`: row `stream` of every global batch, from every
+    source's `documents` of `split`."""
+    pairs = mixture(config, split, stream, tokenizer, documents).to_iter_dataset(
+        _SYNCHRONOUS, allow_nones=True)
     pairs = pairs.filter(lambda pair: pair is not None)
-    batch = local_batch_size(config, process_count)
-    rows = packing.pack(pairs, config.data.packing, config.train.seq_len, rows_at_once=batch)
-    batches = rows.batch(batch, drop_remainder=True)
+    return packing.pack(pairs, config.data.packing, config.train.seq_len,
+                        rows_at_once=FIRST_FIT_ROWS)
+
+
+def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[int]
+                  ) -> grain.IterDataset:
+    """The endless batches of global rows `rows` (numpy, stacked in that order), prefetched on a
+    thread. Its state is {str(row): that stream's state}."""
+    tokenizer = tokenizer_from_config(config)
+    documents = [sources.source_documents(spec, split, tokenizer, config)
+                 for spec in sources.source_specs(config)]
+    streams = {row: row_stream(config, split, row, tokenizer, documents) for row in rows}
+    batches = _StackedRows(streams, resolved_workers(config, tokenizer))
     return grain.experimental.ThreadPrefetchIterDataset(
         batches, prefetch_buffer_size=config.data.prefetch)
+
+
+class _StackedRows(grain.IterDataset):
+    """One row from each stream per element, stacked."""
+
+    def __init__(self, streams: dict[int, grain.IterDataset], workers: int):
+        super().__init__(list(streams.values()))
+        self._rows, self._workers = list(streams), workers
+
+    def __iter__(self) -> _StackedRowsIterator:
+        return _StackedRowsIterator(self._rows, [iter(s) for s in self.parents], self._workers)
+
+
+class _StackedRowsIterator(grain.DatasetIterator):
+
+    def __init__(self, rows: list[int], streams: list[grain.DatasetIterator], workers: int):
+        super().__init__(streams)
+        self._keys = [str(row) for row in rows]
+        # Each stream is read by one thread at a time and its rows are stacked in row order, so
+        # the batches are the same for any number of threads.
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers) if workers else None
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._pool is None:
+            rows = [next(stream) for stream in self._parents]
+        else:
+            rows = list(self._pool.map(next, self._parents))
+        return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+
+    def get_state(self) -> dict[str, Any]:
+        return {key: stream.get_state() for key, stream in zip(self._keys, self._parents)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for key, stream in zip(self._keys, self._parents):
+            stream.set_state(state[key])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        super().close()

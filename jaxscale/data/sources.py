@@ -148,10 +148,7 @@ def _reader(spec: dict, pattern: str, where: str, tokenizer) -> formats.RecordRe
 
 
 class _Documents:
-    """Record index -> token ids, or None for a malformed record (skipped and counted).
-
-    A callable object rather than a closure so that grain can pickle it to worker processes.
-    """
+    """Record index -> token ids, or None for a malformed record (skipped and counted)."""
 
     def __init__(self, reader, tokenizer, source_name: str, max_bad_records: int):
         self._reader, self._tokenizer = reader, tokenizer
