@@ -37,8 +37,8 @@ def tpu(*args):
 def test_tpu_dry_run_prints_every_command_of_a_multislice_spot_run():
     result = tpu("up", "--name=run1", "--zone=us-east5-a", "--project=proj",
                  "--accelerator_type=v5p-16", "--slices=2", "--spot", "--dry_run", "--",
-                 "--config=configs/tiny.py", "--workdir=gs://bucket/run1",
-                 "--config.mesh.dcn.data=2")
+                 "--config=configs/tiny.py", "--workdir=runs/run1",
+                 "--config.checkpoint.dir=gs://bucket/run1", "--config.mesh.dcn.data=2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "ok: the config fits 16 devices in 2 hosts/slices"
@@ -54,7 +54,8 @@ def test_tpu_dry_run_prints_every_command_of_a_multislice_spot_run():
         ssh = f"gcloud compute tpus tpu-vm ssh {slice_name} {where} --worker=all --command="
         starts = [line for line in lines if line.startswith(ssh)]
         assert len(starts) == 3  # install, start training, stream logs
-        assert "jaxscale.train\\ --config=configs/tiny.py\\ --workdir=gs://bucket/run1" in starts[1]
+        assert ("jaxscale.train\\ --config=configs/tiny.py\\ --workdir=runs/run1\\ "
+                "--config.checkpoint.dir=gs://bucket/run1") in starts[1]
     assert all(line.startswith(("ok:", "gcloud ", "tar ")) for line in lines)
 
 

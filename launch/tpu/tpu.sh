@@ -2,7 +2,8 @@
 # Train jaxscale on a Cloud TPU VM slice (or several: multi-slice), through queued resources.
 #
 #   launch/tpu/tpu.sh up --name=run1 --zone=us-east5-a --accelerator_type=v5p-16 [--slices=2] \
-#       [--spot] [--dry_run] -- --config=configs/tiny.py --workdir=gs://BUCKET/run1
+#       [--spot] [--dry_run] -- --config=configs/tiny.py --workdir=runs/run1 \
+#       --config.checkpoint.dir=gs://BUCKET/run1
 #
 # Commands:
 #   create   ask for the slice(s) as a queued resource and wait until it is ACTIVE
@@ -19,7 +20,7 @@
 # mesh.dcn.* factors to multiply to N (e.g. --config.mesh.dcn.data=N). The TPU runtime tells every
 # worker its slice; jaxscale.distributed then finds all processes without further flags.
 # Spot slices (--spot) can be reclaimed at any time: a preempted run saves a checkpoint to the
-# --workdir bucket, and `delete` then `up` with the same --workdir resumes it (docs/launch.md).
+# checkpoint.dir bucket, and `delete` then `up` with the same flags resumes it (docs/launch.md).
 set -euo pipefail
 
 usage() {
@@ -130,7 +131,7 @@ devices_per_slice() {
 # Fails (exit 2) before anything is created if the config's mesh does not fit the slices.
 check_config() {
   [[ -n "$ACCELERATOR_TYPE" ]] || die "--accelerator_type is required, e.g. v5p-16"
-  [[ ${#TRAIN_ARGS[@]} -gt 0 ]] || die "pass the training flags after --, e.g. -- --config=configs/tiny.py --workdir=gs://BUCKET/$NAME"
+  [[ ${#TRAIN_ARGS[@]} -gt 0 ]] || die "pass the training flags after --, e.g. -- --config=configs/tiny.py --workdir=runs/$NAME --config.checkpoint.dir=gs://BUCKET/$NAME"
   python3 -m jaxscale.launch.fit --devices=$(($(devices_per_slice) * SLICES)) \
     --granules="$SLICES" -- "${TRAIN_ARGS[@]}"
 }
@@ -180,7 +181,7 @@ cmd_install() {
   on_all_workers "set -e; rm -rf ~/$REMOTE_DIR && mkdir -p ~/$REMOTE_DIR && \
 tar -xzf ~/jaxscale.tar.gz -C ~/$REMOTE_DIR && python3 -m pip install --user --quiet uv && \
 ~/.local/bin/uv venv --quiet --python 3.11 ~/$REMOTE_DIR/.venv && \
-~/.local/bin/uv pip install --quiet --python ~/$REMOTE_DIR/.venv/bin/python -e ~/$REMOTE_DIR 'jax[tpu]'"
+~/.local/bin/uv pip install --quiet --python ~/$REMOTE_DIR/.venv/bin/python -e ~/$REMOTE_DIR 'jax[tpu]' gcsfs"
 }
 
 cmd_run() {
@@ -190,7 +191,7 @@ cmd_run() {
 }
 
 start_training() {
-  [[ ${#TRAIN_ARGS[@]} -gt 0 ]] || die "pass the training flags after --, e.g. -- --config=configs/tiny.py --workdir=gs://BUCKET/$NAME"
+  [[ ${#TRAIN_ARGS[@]} -gt 0 ]] || die "pass the training flags after --, e.g. -- --config=configs/tiny.py --workdir=runs/$NAME --config.checkpoint.dir=gs://BUCKET/$NAME"
   local quoted
   quoted="$(printf '%q ' "${TRAIN_ARGS[@]}")"
   # nohup: the run outlives this terminal; `logs` reattaches to it. supervise restarts the run on
