@@ -1,14 +1,16 @@
 """The training loop, readable top to bottom.
 
 `Trainer(config, workdir)` validates the config and builds everything that needs no compilation (mesh,
-shardings, optimizer). `run()` creates the sharded state, then loops: next batch -> train step ->
-metrics on logging steps -> eval on eval steps. Nothing is fetched from the devices on steps that do
-not log, so the host keeps running ahead of the accelerators.
+shardings, optimizer). `run()` restores the newest checkpoint or creates the sharded state, then
+loops: next batch -> train step -> preemption check -> async checkpoint when due -> metrics on
+logging steps -> eval on eval steps. Nothing is fetched from the devices on steps that neither log
+nor save, so the host keeps running ahead of the accelerators.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -17,16 +19,21 @@ import time
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxscale import metrics as metrics_lib
+from jaxscale.bad_steps import BadSteps
+from jaxscale.checkpoint import Checkpoints, restore_from
 from jaxscale.config import validate
-from jaxscale.data import make_input
+from jaxscale.data import Input, make_input
 from jaxscale.errors import ConfigError
+from jaxscale.goodput import RunClock
 from jaxscale.mesh import build_mesh, dcn_granules
 from jaxscale.optim import make_optimizer
+from jaxscale.preemption import Preempted, PreemptionWatch
 from jaxscale.sharding import batch_sharding, rules_from_config, use_rules
 from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
-from jaxscale.train_state import init_state, model_spec, state_shardings
+from jaxscale.train_state import TrainState, init_state, model_spec, state_shardings
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -42,17 +49,34 @@ def prepare_workdir(workdir: str) -> None:
                           "--workdir=<a folder you can write>") from e
 
 
+def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Points JAX's persistent compilation cache at this run's folder (or turns it off): a restarted
+    run loads its compiled programs instead of compiling them again."""
+    c = config.checkpoint
+    cache_dir = None
+    if c.compilation_cache:
+        cache_dir = c.compilation_cache_dir or os.path.join(workdir, "compilation_cache")
+    compilation_cache.set_cache_dir(cache_dir)
+    # JAX opens the cache once per process; reopen it in case an earlier run here used another.
+    compilation_cache.reset_cache()
+
+
+def devices_kind(mesh) -> str:
+    return mesh.devices.flat[0].device_kind
+
+
 class Trainer:
     """Trains `config` in `workdir`: `Trainer(config, workdir).run()`."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
         self.start_time = time.perf_counter()
-        devices = jax.devices()
+        devices = list(devices if devices is not None else jax.devices())
         validate(config, len(devices), dcn_granules(config.mesh, devices))
         self.config, self.workdir = config, workdir
         self.is_primary = jax.process_index() == 0
         if self.is_primary:
             prepare_workdir(workdir)
+        use_compilation_cache(config, workdir)
 
         self.mesh = build_mesh(config.mesh, devices)
         self.rules = rules_from_config(config.sharding.rules)
@@ -61,17 +85,23 @@ class Trainer:
                                                 self.model.logical_specs)
 
         init = functools.partial(init_state, config, self.tx)
-        self.state_shardings = state_shardings(jax.eval_shape(init, 0), self.model, self.tx,
-                                               self.mesh, self.rules)
+        abstract_state = jax.eval_shape(init, 0)
+        self.state_shardings = state_shardings(abstract_state, self.model, self.tx, self.mesh,
+                                               self.rules)
+        # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
+        # that wrote it.
+        self.abstract_state = jax.tree.map(
+            lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+            abstract_state, self.state_shardings)
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
         batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
-        self._init = jax.jit(init, out_shardings=self.state_shardings)
-        self._train_step = jax.jit(
+        self.init_state = jax.jit(init, out_shardings=self.state_shardings)
+        self.train_step = jax.jit(
             self._with_rules(make_train_step(config, self.model.graphdef, self.tx,
                                              self.schedule)),
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self._eval_step = jax.jit(
+        self.eval_step = jax.jit(
             self._with_rules(make_eval_step(self.model.graphdef)),
             in_shardings=(self.state_shardings.params, batch_shardings))
 
@@ -81,7 +111,7 @@ class Trainer:
         self.flops_per_token = metrics_lib.flops_per_token(
             num_params=matmul_params, n_layers=m.n_layers, n_heads=m.n_heads,
             head_dim=m.head_dim, seq_len=t.seq_len)
-        self.peak_flops = metrics_lib.peak_flops_per_device(devices[0].device_kind)
+        self.peak_flops = metrics_lib.peak_flops_per_device(devices_kind(self.mesh))
 
     def _with_rules(self, fn):
         """Traces `fn` with this run's mesh and rules active, so the model's `constrain` works."""
@@ -96,29 +126,37 @@ class Trainer:
             print(message, flush=True)
 
     def run(self) -> dict[str, float]:
-        """Trains for `train.steps` steps; returns the last logged metrics."""
+        """Trains to `train.steps`, resuming from the newest checkpoint; returns the last logged
+        metrics. When preempted, saves and raises `Preempted` (exit status 42: restart me)."""
         config, t = self.config, self.config.train
         self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
-                 f"{dict(self.mesh.shape)} on {jax.device_count()} {jax.devices()[0].device_kind} "
+                 f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
                  f"device(s), {jax.process_count()} process(es)")
         if self.is_primary:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2))
 
-        state = self._init(t.seed)
         train_input = make_input(config, "train", self.batch_sharding)
-        window = _Window(self)
         logged: dict[str, float] = {}
-        with metrics_lib.MetricsWriter(self.workdir, enabled=self.is_primary,
-                                       total_steps=t.steps) as writer:
+        with Checkpoints(config, self.workdir) as checkpoints, PreemptionWatch() as preemption, \
+                metrics_lib.MetricsWriter(self.workdir, enabled=self.is_primary,
+                                          total_steps=t.steps) as writer:
+            state, window = self.restore_or_init(checkpoints, train_input)
+            run = _Run(checkpoints, train_input, window, BadSteps(t.max_bad_steps), writer)
             for step in range(int(state.step), t.steps):
                 with window.waiting_for_data():
                     batch = next(train_input)
-                state, step_metrics = self._train_step(state, batch)
-                window.add(step_metrics)
+                state, step_metrics = self.train_step(state, batch)
                 done = step + 1
-                if done % t.log_every == 0 or done == t.steps:
-                    logged = window.summary()
+                window.add(step_metrics)
+                run.bad_steps.add(done, step_metrics["skipped"])
+                if preemption.reached(done):
+                    self.stop_for_restart(done, state, run)
+                if checkpoints.due(done, log_step=self.logs(done)) or done == t.steps:
+                    self.save(done, state, run)
+                if self.logs(done):
+                    run.bad_steps.in_a_row()  # raises TooManyBadSteps
+                    logged = {**window.summary(), **checkpoints.take_metrics()}
                     writer.write(done, logged)
                 if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                     with window.paused():
@@ -126,18 +164,86 @@ class Trainer:
                     writer.write(done, eval_metrics, prefix="eval_")
                     logged.update({f"eval_{k}": v for k, v in eval_metrics.items()})
                 writer.progress(done)
+            checkpoints.wait()
+            final_save = checkpoints.take_metrics()  # the last save's total time, known only now
+            if final_save:
+                writer.write(t.steps, final_save)
         return logged
+
+    def logs(self, step: int) -> bool:
+        t = self.config.train
+        return step % t.log_every == 0 or step == t.steps
+
+    def restore_or_init(self, checkpoints: Checkpoints,
+                        train_input: Input) -> tuple[TrainState, _Window]:
+        """The newest good checkpoint of this run, else `checkpoint.restore_from`, else a fresh
+        state; with the window that times the steps from here on."""
+        c, seed = self.config.checkpoint, self.config.train.seed
+        run_clock = RunClock(self.workdir, enabled=self.is_primary)
+        own = checkpoints.restore_newest(self.abstract_state)
+        restored = own
+        if own is None and c.restore_from:
+            restored = restore_from(c.restore_from, self.abstract_state,
+                                    params_only=c.restore_params_only)
+        if restored is None:
+            return self.init_state(seed), _Window(self, run_clock, restarts=run_clock.restarts)
+        self.say(f"restored {restored.path} in {restored.seconds:.1f}s"
+                 f"{' (params only)' if restored.train is None else ''}")
+        # Another run's productive time is not this run's.
+        window = _Window(self, run_clock, restarts=run_clock.restarts,
+                         restore_seconds=restored.seconds,
+                         productive_seconds=own.meta["productive_seconds"] if own else 0.0)
+        if restored.train is None:  # fine-tuning: fresh optimizer from step 0, data from the start
+            return self.init_state(seed)._replace(params=restored.params), window
+        train_input.set_state(restored.data_state)
+        return TrainState(params=restored.params, **restored.train), window
+
+    def save(self, step: int, state: TrainState, run: _Run) -> bool:
+        """Starts an async checkpoint of `step`; False when `step` was not finite, in which case the
+        save moves to the next finite step, so no checkpoint follows a non-finite one."""
+        if not run.checkpoints.enabled:
+            return False
+        if run.bad_steps.in_a_row():  # also waits for the step, so its time counts as step time
+            run.checkpoints.postpone()
+            self.say(f"step {step} was not finite: its checkpoint waits for a finite step")
+            return False
+        with run.window.paused():
+            meta = dict(step=step, seed=self.config.train.seed,
+                        productive_seconds=run.window.productive_seconds(),
+                        config=json.loads(self.config.to_json_best_effort()))
+            run.checkpoints.save(step, state, run.train_input.get_state(), meta)
+        return True
+
+    def stop_for_restart(self, step: int, state: TrainState, run: _Run) -> None:
+        """Preempted: save `step` (every process agreed on it), wait until the checkpoint is
+        durable, log the steps since the last log line and exit with the "restart me" status."""
+        saved = self.save(step, state, run)
+        with run.window.paused():
+            run.checkpoints.wait()
+        run.writer.write(step, {**run.window.summary(), **run.checkpoints.take_metrics()})
+        self.say(f"preempted at step {step}: {'checkpoint saved' if saved else 'no checkpoint'}"
+                 "; exiting to be restarted")
+        raise Preempted(step)
 
     def evaluate(self, params) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
         eval_input = make_input(self.config, "eval", self.batch_sharding)
         total, tokens = 0.0, 0.0
         for _ in range(self.config.train.eval_batches):
-            batch_loss, batch_tokens = self._eval_step(params, next(eval_input))
+            batch_loss, batch_tokens = self.eval_step(params, next(eval_input))
             total, tokens = total + batch_loss, tokens + batch_tokens
         loss = float(total / max(float(tokens), 1.0))
         return {"loss": loss, "perplexity": float(np.exp(loss))}
 
+
+@dataclasses.dataclass
+class _Run:
+    """What one `Trainer.run()` works with, besides the state."""
+    checkpoints: Checkpoints
+    train_input: Input
+    window: _Window
+    bad_steps: BadSteps
+    writer: metrics_lib.MetricsWriter
 
 
 class _Window:
@@ -145,16 +251,23 @@ class _Window:
 
     Step metrics stay on the device until `summary()`, the one device->host sync per window. The
     first step of a run is timed alone (it includes compilation) and reported as
-    `time_to_first_step`; throughput covers the later steps of the window only.
+    `time_to_first_step`, with the other `first_line` metrics (restarts, restore time); throughput
+    covers the later steps of the window only. Timed step time adds up to the run's productive
+    time, the numerator of goodput.
     """
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, run_clock: RunClock, productive_seconds: float = 0.0,
+                 **first_line: float):
         self.trainer = trainer
+        self.run_clock = run_clock
         self.metrics: list[dict] = []
         self.timed_steps = 0
         self.start: float | None = None  # None until the first step has finished
         self.data_wait = 0.0
-        self.time_to_first_step: float | None = None
+        # Productive seconds of earlier processes of this run (from the checkpoint) and of the
+        # windows this process has closed.
+        self.productive = productive_seconds
+        self.first_line = first_line  # reported on the first log line, with time_to_first_step
 
     @contextlib.contextmanager
     def waiting_for_data(self):
@@ -175,10 +288,17 @@ class _Window:
         if self.start is None:
             jax.block_until_ready(step_metrics)
             self.start = time.perf_counter()
-            self.time_to_first_step = self.start - self.trainer.start_time
+            self.first_line["time_to_first_step"] = self.start - self.trainer.start_time
             self.data_wait = 0.0
         else:
             self.timed_steps += 1
+
+    def productive_seconds(self) -> float:
+        """Step time of the whole run so far: compilation, restoring, eval and checkpoint blocking
+        excluded; steps an earlier process did after its last checkpoint excluded too."""
+        if self.start is None:
+            return self.productive
+        return self.productive + time.perf_counter() - self.start
 
     def summary(self) -> dict[str, float]:
         fetched = jax.device_get(self.metrics)
@@ -187,17 +307,19 @@ class _Window:
         summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
         if "loss_scale" in fetched[-1]:
             summary["loss_scale"] = float(fetched[-1]["loss_scale"])
+        now = time.perf_counter()
         if self.timed_steps:
-            seconds = time.perf_counter() - self.start
+            seconds = now - self.start
             t = self.trainer.config.train
             summary.update(metrics_lib.throughput(
                 steps=self.timed_steps, seconds=seconds, tokens_per_step=t.batch_size * t.seq_len,
-                flops_per_token=self.trainer.flops_per_token, num_devices=jax.device_count(),
+                flops_per_token=self.trainer.flops_per_token, num_devices=self.trainer.mesh.size,
                 peak_flops_per_device=self.trainer.peak_flops))
             summary["data_wait_fraction"] = self.data_wait / seconds
-        if self.time_to_first_step is not None:
-            summary["time_to_first_step"] = self.time_to_first_step
-            self.time_to_first_step = None
+        self.productive += now - self.start
+        summary["goodput"] = self.run_clock.goodput(self.productive)
+        summary.update(self.first_line)
+        self.first_line = {}
         self.metrics, self.timed_steps, self.data_wait = [], 0, 0.0
-        self.start = time.perf_counter()
+        self.start = now
         return summary
