@@ -1,7 +1,7 @@
 """The training loop, readable top to bottom.
 
-`Trainer(config, workdir)` validates the config and builds everything that needs no compilation (mesh,
-shardings, optimizer). `run()` restores the newest checkpoint or creates the sharded state, then
+`Trainer(config, workdir)` validates the config and builds everything that needs no compilation
+(mesh, shardings, optimizer). `run()` restores the newest checkpoint or creates the sharded state, then
 loops: next batch -> train step -> preemption check -> async checkpoint when due -> metrics on
 logging steps -> eval on eval steps. Nothing is fetched from the devices on steps that neither log
 nor save, so the host keeps running ahead of the accelerators.
@@ -38,6 +38,9 @@ from jaxscale.train_state import TrainState, init_state, model_spec, state_shard
 
 def prepare_workdir(workdir: str) -> None:
     """Creates `workdir` and proves it is writable, before anything is compiled."""
+    if "://" in workdir:
+        raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted folder. "
+                          "Put checkpoints in a bucket with --config.checkpoint.dir=gs://...")
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, f".write_probe_{os.getpid()}")
@@ -106,8 +109,9 @@ class Trainer:
             in_shardings=(self.state_shardings.params, batch_shardings))
 
         m, t = config.model, config.train
-        matmul_params = self.model.num_params - (0 if m.tie_embeddings else
-                                                 int(np.prod(self.model.abstract_params["embed"].shape)))
+        # The input embedding is a lookup, not a matmul, unless it doubles as the output head.
+        embedding = self.model.abstract_params["embed"].size
+        matmul_params = self.model.num_params - (0 if m.tie_embeddings else embedding)
         self.flops_per_token = metrics_lib.flops_per_token(
             num_params=matmul_params, n_layers=m.n_layers, n_heads=m.n_heads,
             head_dim=m.head_dim, seq_len=t.seq_len)
@@ -136,9 +140,10 @@ class Trainer:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2))
 
-        train_input = make_input(config, "train", self.batch_sharding)
         logged: dict[str, float] = {}
-        with Checkpoints(config, self.workdir) as checkpoints, PreemptionWatch() as preemption, \
+        with contextlib.closing(make_input(config, "train", self.batch_sharding)) as train_input, \
+                Checkpoints(config, self.workdir) as checkpoints, \
+                PreemptionWatch() as preemption, \
                 metrics_lib.MetricsWriter(self.workdir, enabled=self.is_primary,
                                           total_steps=t.steps) as writer:
             state, window = self.restore_or_init(checkpoints, train_input)
@@ -227,11 +232,11 @@ class Trainer:
 
     def evaluate(self, params) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
-        eval_input = make_input(self.config, "eval", self.batch_sharding)
         total, tokens = 0.0, 0.0
-        for _ in range(self.config.train.eval_batches):
-            batch_loss, batch_tokens = self.eval_step(params, next(eval_input))
-            total, tokens = total + batch_loss, tokens + batch_tokens
+        with contextlib.closing(make_input(self.config, "eval", self.batch_sharding)) as batches:
+            for _ in range(self.config.train.eval_batches):
+                batch_loss, batch_tokens = self.eval_step(params, next(batches))
+                total, tokens = total + batch_loss, tokens + batch_tokens
         loss = float(total / max(float(tokens), 1.0))
         return {"loss": loss, "perplexity": float(np.exp(loss))}
 
@@ -302,7 +307,9 @@ class _Window:
 
     def summary(self) -> dict[str, float]:
         fetched = jax.device_get(self.metrics)
-        summary = {k: float(np.mean([m[k] for m in fetched])) for k in ("loss", "grad_norm")}
+        # Averages over the steps that counted: a skipped step's inf/NaN would hide the others.
+        finite = [m for m in fetched if not m["skipped"]] or fetched
+        summary = {k: float(np.mean([m[k] for m in finite])) for k in ("loss", "grad_norm")}
         summary["lr"] = float(fetched[-1]["lr"])
         summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
         if "loss_scale" in fetched[-1]:

@@ -13,7 +13,8 @@ from flax import nnx
 from jaxscale.sharding import constrain
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], stddev: float) -> nnx.Param:
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],
+          stddev: float) -> nnx.Param:
     """A float32 normal-initialised parameter annotated with logical axis names."""
     init = jax.nn.initializers.normal(stddev)
     return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes)
@@ -30,6 +31,17 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * self.scale[...]).astype(x.dtype)
+
+
+def float32_accumulating(dtype: jnp.dtype) -> jnp.dtype:
+    """The input dtype for a product that must accumulate in float32 (attention, logits).
+
+    XLA:CPU has no float16 x float16 -> float32 dot, so there float16 inputs are widened; GPUs,
+    the real home of float16 training, keep them.
+    """
+    if dtype == jnp.float16 and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -80,9 +92,10 @@ class Attention(nnx.Module):
         k = constrain(apply_rope(k, positions, self.rope_theta),
                       ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids),
-                                           is_causal=True)
-        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt))
+        wide = float32_accumulating(dt)
+        out = jax.nn.dot_product_attention(q.astype(wide), k.astype(wide), v.astype(wide),
+                                           mask=attention_mask(segment_ids), is_causal=True)
+        return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o[...].astype(dt))
 
 
 class MLP(nnx.Module):

@@ -1,4 +1,4 @@
-"""A Llama-style decoder: embedding, scanned pre-norm blocks (GQA attention + SwiGLU), RMSNorm, head.
+"""A Llama-style decoder: embedding, scanned pre-norm blocks (GQA attention + SwiGLU), norm, head.
 
 The blocks are created stacked along a leading `layers` axis and run with `jax.lax.scan`, so compile
 time does not grow with depth; `remat` chooses what the backward pass recomputes.
@@ -15,7 +15,7 @@ import ml_collections
 from flax import nnx
 
 from jaxscale.config import padded_vocab_size
-from jaxscale.models.layers import MLP, Attention, RMSNorm, param
+from jaxscale.models.layers import MLP, Attention, RMSNorm, float32_accumulating, param
 from jaxscale.sharding import constrain
 
 REMAT_POLICIES = {
@@ -113,6 +113,7 @@ class Llama(nnx.Module):
 
         x = self.final_norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype),
+        wide = float32_accumulating(dtype)
+        logits = jnp.einsum("btd,dv->btv", x.astype(wide), head.astype(wide),
                             preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))
