@@ -1,4 +1,9 @@
-"""Errors a user can cause. The CLI prints them as one `error: ...` line and exits with status 2."""
+"""Errors a user can cause, and the exit statuses jaxscale's processes and launchers agree on.
+
+The CLI prints a user error as one `error: ...` line and exits with status 2.
+"""
+
+import signal
 
 USAGE_EXIT_CODE = 2
 
@@ -13,3 +18,17 @@ class ConfigError(JaxscaleError):
 # A run that stopped on purpose to be restarted (preemption, SIGTERM): it saved a checkpoint and
 # launchers (supervise, Slurm requeue, JobSet restart policy) should start it again.
 RESTART_EXIT_CODE = 42
+
+
+def describe_exit(status: int) -> str:
+    """How a child process ended, from its `Popen.returncode` (negative: killed by a signal)."""
+    if status < 0:
+        return f"was killed by {signal.Signals(-status).name}"
+    if status == RESTART_EXIT_CODE:
+        return f"exited with status {status} (restart me)"
+    return f"exited with status {status}"
+
+
+def shell_exit_status(status: int) -> int:
+    """A child's `Popen.returncode` as a shell reports it: a signal death becomes 128 + signal."""
+    return 128 - status if status < 0 else status

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from jaxscale.errors import RESTART_EXIT_CODE, USAGE_EXIT_CODE
+from jaxscale.errors import RESTART_EXIT_CODE, USAGE_EXIT_CODE, describe_exit, shell_exit_status
 
 # A run that lived this long before crashing was healthy: the next crash starts a fresh backoff.
 HEALTHY_RUN_SECONDS = 600.0
@@ -31,19 +31,6 @@ HEALTHY_RUN_SECONDS = 600.0
 
 def log(message: str) -> None:
     print(f"supervise: {message}", file=sys.stderr, flush=True)
-
-
-def describe(status: int) -> str:
-    if status < 0:
-        return f"killed by {signal.Signals(-status).name}"
-    if status == RESTART_EXIT_CODE:
-        return f"asked to be restarted (status {status})"
-    return f"crashed (status {status})"
-
-
-def exit_status(status: int) -> int:
-    """A child's status as this process's exit status (a signal death as 128 + signal)."""
-    return 128 - status if status < 0 else status
 
 
 class Supervisor:
@@ -71,11 +58,11 @@ class Supervisor:
             self.child = subprocess.Popen(self.command, process_group=0)
             status = self.child.wait()
             if status in (0, USAGE_EXIT_CODE) or self.stopping:
-                return exit_status(status)
+                return shell_exit_status(status)
             if restarts == self.max_restarts:
-                log(f"run {describe(status)}; no restarts left (--max_restarts="
+                log(f"run {describe_exit(status)}; no restarts left (--max_restarts="
                     f"{self.max_restarts}), giving up")
-                return exit_status(status)
+                return shell_exit_status(status)
             restarts += 1
             delay = 0.0
             if status != RESTART_EXIT_CODE:
@@ -83,10 +70,10 @@ class Supervisor:
                 crashes_in_a_row = 1 if healthy else crashes_in_a_row + 1
                 delay = min(self.backoff_seconds * 2 ** (crashes_in_a_row - 1),
                             self.max_backoff_seconds)
-            log(f"run {describe(status)}; restart {restarts}/{self.max_restarts} in {delay:g}s")
+            log(f"run {describe_exit(status)}; restart {restarts}/{self.max_restarts} in {delay:g}s")
             time.sleep(delay)
             if self.stopping:  # told to stop while waiting: nothing to forward, nothing to save
-                return exit_status(status)
+                return shell_exit_status(status)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

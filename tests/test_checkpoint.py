@@ -253,6 +253,9 @@ class PoisonedInput:
     def set_state(self, state):
         self.inner.set_state(state)
 
+    def close(self):
+        self.inner.close()
+
 
 def poison(monkeypatch, bad_steps):
     import jaxscale.trainer

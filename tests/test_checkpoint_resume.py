@@ -66,7 +66,7 @@ def losses(workdir):
 
 @pytest.mark.slow
 def test_a_run_stopped_by_sigterm_resumes_with_bitwise_the_same_losses(tmp_path):
-    steps = 200
+    steps = 40
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     code, output = train(flags(straight, steps))
     assert code == 0, output[-3000:]

@@ -20,7 +20,7 @@ from jaxscale.errors import RESTART_EXIT_CODE
 pytestmark = pytest.mark.slow  # each run compiles the model: ~40 s on a 2-core machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 30
+STEPS = 12
 SMALL = ["--config=configs/tiny.py", f"--config.train.steps={STEPS}", "--config.train.log_every=1",
          "--config.train.seq_len=32", "--config.train.batch_size=8", "--config.train.eval_every=0",
          "--config.model.n_layers=1", "--config.model.d_model=64", "--config.model.n_heads=2",
@@ -74,7 +74,7 @@ def test_losses_equal_one_process_with_eight_devices(two_process_run, tmp_path):
     assert sorted(one) == sorted(two)
     # The first steps agree to the last bit, which only the same batches give; gradients summed
     # across processes (gloo) round in another order than within one, and that difference grows
-    # to ~4e-5 by step 30.
+    # (to ~4e-5 by step 30).
     for step in one:
         assert one[step] == pytest.approx(two[step], rel=1e-4), step
 
@@ -126,10 +126,11 @@ def test_sigterm_to_one_process_checkpoints_all_and_resumes_to_the_same_losses(
     assert stopped_at < STEPS, "the run finished before the SIGTERM took effect"
     saved = os.path.join(tmp_path, "checkpoints", str(stopped_at))
     assert os.path.isdir(saved), os.listdir(os.path.join(tmp_path, "checkpoints"))
-    for item in ("params", "train"):
-        for process in (0, 1):  # every process wrote its own shards of the state
+    for process in (0, 1):  # every process wrote its own shards of the state, and its data position
+        for item in ("params", "train"):
             shards = os.path.join(saved, item, f"ocdbt.process_{process}", "d")
             assert os.listdir(shards), shards
+        assert os.path.isfile(os.path.join(saved, "data", f"process_{process}.json"))
 
     resumed = launch(tmp_path, compiled_in=reference_dir)
     output = resumed.communicate(timeout=600)[0]

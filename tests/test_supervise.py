@@ -46,14 +46,14 @@ def supervise(tmp_path, *statuses, max_restarts=3):
 def test_a_run_asking_for_restarts_is_restarted_at_once_until_it_finishes(tmp_path):
     code, starts, log = supervise(tmp_path, "42", "42", "0")
     assert (code, starts) == (0, 3)
-    assert "run asked to be restarted (status 42); restart 1/3 in 0s" in log
+    assert "run exited with status 42 (restart me); restart 1/3 in 0s" in log
     assert "restart 2/3 in 0s" in log
 
 
 def test_crashes_are_restarted_with_a_growing_backoff_until_no_restarts_are_left(tmp_path):
     code, starts, log = supervise(tmp_path, "1", max_restarts=2)
     assert (code, starts) == (1, 3)
-    assert "run crashed (status 1); restart 1/2 in 0.01s" in log
+    assert "run exited with status 1; restart 1/2 in 0.01s" in log
     assert "restart 2/2 in 0.02s" in log
     assert "no restarts left (--max_restarts=2), giving up" in log
 
@@ -61,7 +61,7 @@ def test_crashes_are_restarted_with_a_growing_backoff_until_no_restarts_are_left
 def test_a_killed_run_is_restarted(tmp_path):
     code, starts, log = supervise(tmp_path, "kill", "0")
     assert (code, starts) == (0, 2)
-    assert "run killed by SIGKILL; restart 1/3" in log
+    assert "run was killed by SIGKILL; restart 1/3" in log
 
 
 def test_a_usage_error_is_not_restarted(tmp_path):

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from jaxscale.errors import RESTART_EXIT_CODE
+from jaxscale.errors import RESTART_EXIT_CODE, describe_exit, shell_exit_status
 from jaxscale.launch.cli import ArgumentParser, check_train_args, positive
 
 POLL_S = 0.1
@@ -84,19 +84,6 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
     }
 
 
-def describe_status(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    if code == RESTART_EXIT_CODE:
-        return f"exited with status {code} (restart me)"
-    return f"exited with status {code}"
-
-
-def exit_code_of(code: int) -> int:
-    """A child's status as a shell would report it (128 + signal for a killed process)."""
-    return 128 - code if code < 0 else code
-
-
 class Launcher:
     """Starts one process per command, prefixes their output, and stops them all together."""
 
@@ -150,10 +137,10 @@ class Launcher:
                 if code == RESTART_EXIT_CODE:
                     # A coordinated preemption: the others are saving the same step and exit on
                     # their own; they get the grace period to do it.
-                    self.say(f"process {i} {describe_status(code)}; waiting up to "
+                    self.say(f"process {i} {describe_exit(code)}; waiting up to "
                              f"{self.grace_s:g} s for the others")
                 else:
-                    self.say(f"process {i} {describe_status(code)}; stopping the others")
+                    self.say(f"process {i} {describe_exit(code)}; stopping the others")
                     self.signal_all(signal.SIGTERM)
             elif time.monotonic() > kill_at:
                 self.say(f"processes still running after {self.grace_s:g} s; killing them")
@@ -169,9 +156,9 @@ class Launcher:
         if failure is None:
             return 0
         i, code = failure
-        print(f"error: process {i} {describe_status(code)}; all {len(codes)} processes have "
+        print(f"error: process {i} {describe_exit(code)}; all {len(codes)} processes have "
               "stopped", file=sys.stderr)
-        return exit_code_of(code)
+        return shell_exit_status(code)
 
 
 def main(argv: list[str]) -> int:
