@@ -51,7 +51,9 @@ class Restored(NamedTuple):
 
 
 def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
-    return config.checkpoint.dir or os.path.join(workdir, CHECKPOINT_SUBDIR)
+    path = config.checkpoint.dir or os.path.join(workdir, CHECKPOINT_SUBDIR)
+    # Orbax refuses relative paths; a URL (gs://...) is absolute already.
+    return path if "://" in path else os.path.abspath(path)
 
 
 class Checkpoints:

@@ -217,7 +217,7 @@ _joined: ClusterSpec | None = None
 def initialize(timeout_s: int | None = None,
                heartbeat_timeout_s: int | None = None) -> ClusterSpec:
     """Joins this process to the run's other processes and returns how; call it before any JAX
-    device use. Idempotent; process 0 prints the mode.
+    device use. Idempotent; process 0 of a multi-process run prints the mode.
 
     `timeout_s` bounds the wait for every peer to arrive (default 300 s); `heartbeat_timeout_s` is
     how long a silent peer is tolerated before every process stops (default 100 s). Raises
@@ -227,8 +227,7 @@ def initialize(timeout_s: int | None = None,
     if _joined is not None:
         return _joined
     spec = detect(os.environ, on_cloud_tpu_vm=_on_cloud_tpu_vm())
-    if spec.mode == "single":
-        spec.announce()
+    if spec.mode == "single":  # nothing to join, nothing worth a line of output
         _joined = spec
         return spec
     import jax
