@@ -70,8 +70,8 @@ def time_steps(run_step, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10, help="alternating timing rounds")
     args, overrides = parser.parse_known_args()
     config = default_config()
     for override in overrides:  # --config.train.seq_len=64 style

@@ -1,4 +1,4 @@
-"""The device mesh: axes `data`, `fsdp`, `tensor`, `pipeline`, each an ICI size times a DCN factor."""
+"""Device mesh: axes `data`, `fsdp`, `tensor`, `pipeline`; each an ICI size times a DCN factor."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Model code names the axes of its parameters and activations (`embed`, `heads`, ...). A rules table
 maps each logical name to the mesh axes it is split over. The trainer installs the mesh and rules
-with `use_rules`; `constrain` then pins activations to the resulting sharding, and is a no-op when no
-rules are installed (a plain single-device call of the model).
+with `use_rules`; `constrain` then pins activations to the resulting sharding, and is a no-op when
+no rules are installed (a plain single-device call of the model).
 """
 
 from __future__ import annotations

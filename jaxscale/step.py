@@ -48,35 +48,37 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     dynamic_scale = _dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
-    def scaled_loss_and_grad(params, batch, scale):
+    def loss_and_grad(params, batch, multiplier):
+        """(summed token loss, gradient of the summed loss times `multiplier`)."""
         def scaled(p):
-            total, tokens = summed_loss(graphdef, p, batch)
-            return total * scale, (total, tokens)
-        (_, (total, tokens)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        return total, tokens, grads
+            total, _ = summed_loss(graphdef, p, batch)
+            return total * multiplier, total
+        (_, total), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return total, grads
 
-    def accumulate(params, batch, scale):
+    def accumulate(params, batch, multiplier):
         if k == 1:
-            return scaled_loss_and_grad(params, batch, scale)
+            return loss_and_grad(params, batch, multiplier)
 
         def add_microbatch(carry, microbatch):
-            total, tokens, grads = scaled_loss_and_grad(params, microbatch, scale)
-            acc_total, acc_tokens, acc_grads = carry
-            return (acc_total + total, acc_tokens + tokens,
-                    jax.tree.map(jnp.add, acc_grads, grads)), None
+            total, grads = loss_and_grad(params, microbatch, multiplier)
+            acc_total, acc_grads = carry
+            return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-                 jax.tree.map(jnp.zeros_like, params))
-        (total, tokens, grads), _ = jax.lax.scan(add_microbatch, zeros,
-                                                 _split_microbatches(batch, k))
-        return total, tokens, grads
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (total, grads), _ = jax.lax.scan(add_microbatch, zeros, _split_microbatches(batch, k))
+        return total, grads
 
     def train_step(state: TrainState, batch: Batch):
-        total, tokens, grads = accumulate(state.params, batch, state.loss_scale)
+        tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # real tokens, whole batch
         denominator = jnp.maximum(tokens, 1.0)
-        grads = jax.tree.map(lambda g: g / (denominator * state.loss_scale), grads)
+        # Differentiating loss * scale / tokens gives the mean-loss gradient (times the float16
+        # loss scale) directly, without another pass over every gradient afterwards.
+        total, grads = accumulate(state.params, batch, state.loss_scale / denominator)
+        if dynamic_scale:
+            grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         loss = total / denominator
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         updates, new_opt_state = tx.update(grads, state.opt_state, state.params)

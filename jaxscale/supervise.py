@@ -70,7 +70,8 @@ class Supervisor:
                 crashes_in_a_row = 1 if healthy else crashes_in_a_row + 1
                 delay = min(self.backoff_seconds * 2 ** (crashes_in_a_row - 1),
                             self.max_backoff_seconds)
-            log(f"run {describe_exit(status)}; restart {restarts}/{self.max_restarts} in {delay:g}s")
+            log(f"run {describe_exit(status)}; restart {restarts}/{self.max_restarts} "
+                f"in {delay:g}s")
             time.sleep(delay)
             if self.stopping:  # told to stop while waiting: nothing to forward, nothing to save
                 return shell_exit_status(status)

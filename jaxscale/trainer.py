@@ -1,8 +1,8 @@
 """The training loop, readable top to bottom.
 
 `Trainer(config, workdir)` validates the config and builds everything that needs no compilation
-(mesh, shardings, optimizer). `run()` restores the newest checkpoint or creates the sharded state, then
-loops: next batch -> train step -> preemption check -> async checkpoint when due -> metrics on
+(mesh, shardings, optimizer). `run()` restores the newest checkpoint or creates the sharded state,
+then loops: next batch -> train step -> preemption check -> async checkpoint when due -> metrics on
 logging steps -> eval on eval steps. Nothing is fetched from the devices on steps that neither log
 nor save, so the host keeps running ahead of the accelerators.
 """
@@ -39,8 +39,9 @@ from jaxscale.train_state import TrainState, init_state, model_spec, state_shard
 def prepare_workdir(workdir: str) -> None:
     """Creates `workdir` and proves it is writable, before anything is compiled."""
     if "://" in workdir:
-        raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted folder. "
-                          "Put checkpoints in a bucket with --config.checkpoint.dir=gs://...")
+        raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted "
+                          "folder. Put checkpoints in a bucket with "
+                          "--config.checkpoint.dir=gs://...")
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, f".write_probe_{os.getpid()}")

@@ -1,4 +1,4 @@
-"""The shipped large configs have the published parameter counts (from shapes; nothing allocated)."""
+"""Shipped large configs have the published parameter counts (from shapes, nothing allocated)."""
 
 import os
 
