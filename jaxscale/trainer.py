@@ -26,6 +26,7 @@ from jaxscale.bad_steps import BadSteps
 from jaxscale.checkpoint import Checkpoints, restore_from
 from jaxscale.config import validate
 from jaxscale.data import Input, make_input
+from jaxscale.data.sources import skipped_records
 from jaxscale.errors import ConfigError
 from jaxscale.goodput import RunClock
 from jaxscale.mesh import build_mesh, dcn_granules
@@ -162,7 +163,8 @@ class Trainer:
                     self.save(done, state, run)
                 if self.logs(done):
                     run.bad_steps.in_a_row()  # raises TooManyBadSteps
-                    logged = {**window.summary(), **checkpoints.take_metrics()}
+                    logged = {**window.summary(), **checkpoints.take_metrics(),
+                              "data_skipped_records": skipped_records.count}
                     writer.write(done, logged)
                 if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                     with window.paused():

@@ -160,8 +160,10 @@ def test_a_malformed_record_is_skipped_and_counted(tmp_path, caplog):
     config = config_with(dict(spec, eval_fraction=0.01))
     documents = sources.source_documents(sources.source_specs(config)[0], "train",
                                          ByteTokenizer(), config)
+    before = sources.skipped_records.count
     read = [documents[i] for i in range(len(documents))]
     assert sum(d is None for d in read) == 2
+    assert sources.skipped_records.count == before + 2  # what the trainer logs
     assert "skipped malformed record 2 of at most 100" in caplog.text
     config.data.max_bad_records = 1
     documents = sources.source_documents(sources.source_specs(config)[0], "train",

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import sysconfig
+import threading
 from collections.abc import Sequence
 
 import grain
@@ -23,6 +24,25 @@ from jaxscale.data import formats, token_files
 from jaxscale.errors import ConfigError, JaxscaleError
 
 SPLITS = ("train", "eval")
+
+
+class _SkippedRecords:
+    """Malformed records skipped by this process so far, over all sources and reader threads;
+    the trainer logs it as `data_skipped_records`."""
+
+    def __init__(self):
+        self._count, self._lock = 0, threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+skipped_records = _SkippedRecords()
 
 # Keys every source takes, with defaults; then the keys of each format (None: required).
 _COMMON = dict(weight=1.0, eval_fraction=0.02, eval_path="")
@@ -160,6 +180,7 @@ class _Documents:
             content = self._reader[int(index)]
         except formats.MalformedRecord as e:
             self._bad += 1
+            skipped_records.add()
             if self._bad > self._max_bad:
                 raise JaxscaleError(
                     f"{self._source_name}: {self._bad} malformed records (latest: {e}); fix the "
