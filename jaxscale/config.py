@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxscale.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
@@ -107,7 +108,8 @@ def default_config() -> ml_collections.ConfigDict:
     )
     # Multi-process runs (docs/launch.md): how long to wait for every process to join, and how long
     # a silent process may go before the others are stopped.
-    c.distributed = dict(init_timeout_s=300, heartbeat_timeout_s=100)
+    c.distributed = dict(init_timeout_s=DEFAULT_INIT_TIMEOUT_S,
+                         heartbeat_timeout_s=DEFAULT_HEARTBEAT_TIMEOUT_S)
     # See docs/checkpointing.md.
     c.checkpoint = dict(
         enabled=True,

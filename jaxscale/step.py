@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from jaxscale.sharding import constrain
-from jaxscale.train_state import TrainState, _dynamic_loss_scale
+from jaxscale.train_state import TrainState, uses_dynamic_loss_scale
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
@@ -45,7 +45,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
                     schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple]:
     """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call."""
     k = config.train.microbatches
-    dynamic_scale = _dynamic_loss_scale(config)
+    dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
     def loss_and_grad(params, batch, multiplier):

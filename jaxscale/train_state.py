@@ -42,13 +42,14 @@ def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformati
                seed: int) -> TrainState:
     """A fresh state. Call it under `jit` with out_shardings so every array is born sharded."""
     params = nnx.split(models.create_model(config, seed))[1].to_pure_dict()
-    loss_scale = config.precision.loss_scale_init if _dynamic_loss_scale(config) else 1.0
+    loss_scale = config.precision.loss_scale_init if uses_dynamic_loss_scale(config) else 1.0
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),
                       good_steps=jnp.zeros((), jnp.int32))
 
 
-def _dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
+def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
+    """float16 compute needs a loss scale that adapts to overflows; wider dtypes need none."""
     return config.precision.compute_dtype == "float16"
 
 

@@ -52,23 +52,19 @@ def test_unknown_key():
     expect_error(config, "unknown config key 'train.stepz'")
 
 
-def test_mesh_product_differs_from_device_count():
+@pytest.mark.parametrize("overrides,message", [
+    (dict(mesh=dict(data=3, fsdp=1)), "multiply to 3 but there are 8 devices"),
+    (dict(mesh=dict(data=1, fsdp=1, tensor=8)),
+     "'kv_heads' has size 4, not divisible by mesh.tensor=8"),
+    (dict(mesh=dict(data=4, fsdp=2), train=dict(batch_size=12)),
+     "'batch' has size 12, not divisible by mesh.data=4xmesh.fsdp=2"),
+    (dict(mesh=dict(data=4, pipeline=2)), "pipeline parallelism is not implemented yet"),
+])
+def test_mesh_and_divisibility_mistakes(overrides, message):
     config = default_config()
-    config.mesh.update(data=3, fsdp=1)
-    expect_error(config, "multiply to 3 but there are 8 devices")
-
-
-def test_heads_not_divisible_by_tensor():
-    config = default_config()
-    config.mesh.update(data=1, fsdp=1, tensor=8)
-    expect_error(config, "'kv_heads' has size 4, not divisible by mesh.tensor=8")
-
-
-def test_batch_not_divisible_by_data_and_fsdp():
-    config = default_config()
-    config.train.batch_size = 12
-    config.mesh.update(data=4, fsdp=2)
-    expect_error(config, "'batch' has size 12, not divisible by mesh.data=4xmesh.fsdp=2")
+    for group, values in overrides.items():
+        config[group].update(values)
+    expect_error(config, message)
 
 
 def test_microbatches_must_divide_batch():
@@ -84,12 +80,6 @@ def test_non_positive_values(key, value):
     group, name = key.split(".")
     config[group][name] = value
     expect_error(config, f"{key}={value} must be > 0")
-
-
-def test_pipeline_is_not_implemented_yet():
-    config = default_config()
-    config.mesh.update(data=4, pipeline=2)
-    expect_error(config, "pipeline parallelism is not implemented yet")
 
 
 def test_rule_naming_an_unknown_mesh_axis():
