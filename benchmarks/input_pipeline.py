@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from jaxscale.config import load_config_file
+from jaxscale.cli import load_config_file
 from jaxscale.data import make_input, prepare
 from jaxscale.trainer import Trainer
 

@@ -19,6 +19,7 @@ warning and the checkpoint before it is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from jax.experimental import multihost_utils
 
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.train_state import TrainState
+from jaxscale.workdir import check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,25 @@ class Checkpoints:
         self.options = config.checkpoint
         self.enabled = self.options.enabled
         self.directory = epath.Path(checkpoint_dir(config, workdir))
+        self._async_save = async_save
         self._last_save = time.monotonic()
         self._save_owed = False
         self._in_flight: float | None = None  # perf_counter() when the unfinished save began
         self._metrics: dict[str, float] = {}
+        # Created by `open_for_saving()`: until then nothing is written, so a run that fails its
+        # start-up checks (a checkpoint that does not fit, say) leaves the folder as it was.
         self._manager: ocp.CheckpointManager | None = None
-        if not self.enabled:
+
+    def check_writable(self) -> None:
+        """ConfigError unless the folder can be created and written; writes nothing."""
+        if self.enabled and "://" not in str(self.directory):
+            check_writable(str(self.directory), "checkpoint directory",
+                           "pass --config.checkpoint.dir=<a folder you can write>")
+
+    def open_for_saving(self) -> None:
+        """Creates the folder (proving it writable) and the manager that saves; on start, folders
+        left by a save that never finished (a crash, kill -9) are removed."""
+        if not self.enabled or self._manager is not None:
             return
         if jax.process_index() == 0:
             _prove_writable(self.directory)
@@ -82,8 +97,7 @@ class Checkpoints:
         self._manager = ocp.CheckpointManager(
             self.directory, handler_registry=_handler_registry(),
             options=ocp.CheckpointManagerOptions(
-                enable_async_checkpointing=async_save,
-                # Folders left by a save that never finished (a crash, kill -9) go on start.
+                enable_async_checkpointing=self._async_save,
                 cleanup_tmp_directories=True,
                 preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep)))
 
@@ -124,6 +138,7 @@ class Checkpoints:
         """Starts saving; returns once the state is copied off the devices, so training can go on
         (and donate the state's buffers) while the files are written. Waits first for the save
         before it."""
+        self.open_for_saving()
         begin = time.perf_counter()
         self.wait()  # Orbax would wait too; waiting here records the previous save's total time
         self._manager.save(step, force=True, args=ocp.args.Composite(
@@ -148,7 +163,8 @@ class Checkpoints:
         return metrics
 
     def _note_finished_save(self) -> None:
-        if self._in_flight is not None and not self._manager.is_saving_in_progress():
+        if self._in_flight is not None and not (self._manager and
+                                                self._manager.is_saving_in_progress()):
             self._metrics["checkpoint_seconds"] = time.perf_counter() - self._in_flight
             self._in_flight = None
 
@@ -157,18 +173,19 @@ class Checkpoints:
     def restore_newest(self, abstract_state: TrainState) -> Restored | None:
         """The newest checkpoint that restores, into `abstract_state`'s shapes and shardings.
 
-        A damaged checkpoint is set aside with a warning and the one before it tried; a checkpoint
-        that does not fit the model config is the user's to resolve (ConfigError).
+        Reads only (a damaged checkpoint excepted: it is set aside with a warning and the one
+        before it tried); a checkpoint that does not fit the model config is the user's to
+        resolve (ConfigError).
         """
-        if not self.enabled:
+        if not self.enabled or not self.directory.exists():
             return None
-        steps = list(reversed(self._manager.all_steps()))
-        for step in steps:
-            restored, problem = _try_restore(self._manager, step, abstract_state,
-                                             params_only=False)
-            if restored is not None:
-                return restored
-            self._set_aside(step, problem)
+        with _reader(self.directory) as reader:
+            steps = list(reversed(reader.all_steps()))
+            for step in steps:
+                restored, problem = _try_restore(reader, step, abstract_state, params_only=False)
+                if restored is not None:
+                    return restored
+                self._set_aside(step, problem)
         if steps:
             raise JaxscaleError(
                 f"none of the checkpoints {steps} in {self.directory} could be restored (each was "
@@ -184,15 +201,37 @@ class Checkpoints:
             path.rename(path.parent / f"{step}{_CORRUPT_SUFFIX}{int(time.time())}")
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxscale_set_aside_{step}")
-        self._manager.reload()
+
+
+def _reader(directory: epath.Path) -> ocp.CheckpointManager:
+    """A manager that only reads `directory`: it creates, cleans up and deletes nothing."""
+    with _quiet_read_only_notice():
+        return ocp.CheckpointManager(
+            directory, handler_registry=_handler_registry(),
+            options=ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                                 save_interval_steps=0))
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice():
+    """Orbax warns that a read-only manager's folder "is read only" (it is, on purpose); every
+    resume would print it."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(keep)
 
 
 def restore_from(path: str, abstract_state: TrainState, *, params_only: bool) -> Restored:
     """Another run's checkpoint (`checkpoint.restore_from`): a workdir, its checkpoint folder or
     one step folder. Nothing in it is written. Raises JaxscaleError when it is no checkpoint."""
     directory, step = _locate(path)
-    with ocp.CheckpointManager(directory, handler_registry=_handler_registry(),
-                               options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+    with _reader(directory) as manager:
         if step is None:
             step = manager.latest_step()
         restored, problem = _try_restore(manager, step, abstract_state, params_only=params_only)
@@ -206,7 +245,8 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     """(checkpoint folder, step or None for the newest) for a `restore_from` path."""
     hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder or one "
             "step folder in it")
-    given = epath.Path(path)
+    # Orbax needs absolute paths; a URL (gs://...) is absolute already.
+    given = epath.Path(path if "://" in path else os.path.abspath(path))
     if not given.exists():
         raise JaxscaleError(f"checkpoint.restore_from={path!r} does not exist; {hint}")
     if not given.is_dir():

@@ -1,15 +1,13 @@
 """Config defaults, loading and validation.
 
 A config file is a Python file whose `get_config()` returns an `ml_collections.ConfigDict` built on
-`default_config()`. Every check a user's config must pass lives in `validate`, which raises
+`default_config()` (loaded by `jaxscale.cli`). Every check a user's config must pass lives in `validate`, which raises
 `ConfigError` with the key, the bad value and the fix, before anything is compiled or written.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from typing import Any
 
 import ml_collections
@@ -126,22 +124,6 @@ def default_config() -> ml_collections.ConfigDict:
         compilation_cache_dir="",  # "" -> <workdir>/compilation_cache
     )
     return c
-
-
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """Imports `path` and returns its `get_config()`."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist; pass --config=configs/NAME.py")
-    spec = importlib.util.spec_from_file_location("jaxscale_user_config", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # a broken config file is the user's to fix
-        raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} has no get_config(); define one returning "
-                          "jaxscale.config.default_config() with your changes")
-    return module.get_config()
 
 
 def padded_vocab_size(model: ml_collections.ConfigDict) -> int:

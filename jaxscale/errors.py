@@ -18,6 +18,9 @@ class ConfigError(JaxscaleError):
 # A run that stopped on purpose to be restarted (preemption, SIGTERM): it saved a checkpoint and
 # launchers (supervise, Slurm requeue, JobSet restart policy) should start it again.
 RESTART_EXIT_CODE = 42
+# Stopped by Ctrl-C after saving (the shell's 128 + SIGINT): supervisors do not restart it, and
+# running the same command again resumes it.
+INTERRUPTED_EXIT_CODE = 130
 
 
 def describe_exit(status: int) -> str:
@@ -26,6 +29,8 @@ def describe_exit(status: int) -> str:
         return f"was killed by {signal.Signals(-status).name}"
     if status == RESTART_EXIT_CODE:
         return f"exited with status {status} (restart me)"
+    if status == INTERRUPTED_EXIT_CODE:
+        return f"exited with status {status} (interrupted)"
     return f"exited with status {status}"
 
 

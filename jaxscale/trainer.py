@@ -9,6 +9,7 @@ nor save, so the host keeps running ahead of the accelerators.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -23,35 +24,19 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxscale import metrics as metrics_lib
 from jaxscale.bad_steps import BadSteps
-from jaxscale.checkpoint import Checkpoints, restore_from
+from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.config import validate
-from jaxscale.data import Input, make_input
+from jaxscale.data import Input, check_splits, make_input
 from jaxscale.data.sources import skipped_records
-from jaxscale.errors import ConfigError
 from jaxscale.goodput import RunClock
 from jaxscale.mesh import build_mesh, dcn_granules
 from jaxscale.optim import make_optimizer
-from jaxscale.preemption import Preempted, PreemptionWatch
+from jaxscale.preemption import Preempted, RunStopped, StopSignals
 from jaxscale.sharding import batch_sharding, rules_from_config, use_rules
 from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
 from jaxscale.train_state import TrainState, init_state, model_spec, state_shardings
-
-
-def prepare_workdir(workdir: str) -> None:
-    """Creates `workdir` and proves it is writable, before anything is compiled."""
-    if "://" in workdir:
-        raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted "
-                          "folder. Put checkpoints in a bucket with "
-                          "--config.checkpoint.dir=gs://...")
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"workdir {workdir!r} cannot be written ({e.strerror}); pass "
-                          "--workdir=<a folder you can write>") from e
+from jaxscale.workdir import (check_workdir, latest_metrics, open_workdir,
+                              set_aside_earlier_start)
 
 
 def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -79,9 +64,7 @@ class Trainer:
         validate(config, len(devices), dcn_granules(config.mesh, devices))
         self.config, self.workdir = config, workdir
         self.is_primary = jax.process_index() == 0
-        if self.is_primary:
-            prepare_workdir(workdir)
-        use_compilation_cache(config, workdir)
+        check_workdir(workdir)
 
         self.mesh = build_mesh(config.mesh, devices)
         self.rules = rules_from_config(config.sharding.rules)
@@ -132,33 +115,58 @@ class Trainer:
             print(message, flush=True)
 
     def run(self) -> dict[str, float]:
-        """Trains to `train.steps`, resuming from the newest checkpoint; returns the last logged
-        metrics. When preempted, saves and raises `Preempted` (exit status 42: restart me)."""
-        config, t = self.config, self.config.train
-        self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
-                 f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
-                 f"device(s), {jax.process_count()} process(es)")
-        if self.is_primary:
-            with open(os.path.join(self.workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2))
+        """Trains to `train.steps`, resuming from the newest checkpoint; returns the newest logged
+        metrics. On SIGTERM (Ctrl-C) saves and raises `Preempted` (`Interrupted`).
 
-        logged: dict[str, float] = {}
-        with contextlib.closing(make_input(config, "train", self.batch_sharding)) as train_input, \
-                Checkpoints(config, self.workdir) as checkpoints, \
-                PreemptionWatch() as preemption, \
-                metrics_lib.MetricsWriter(self.workdir, enabled=self.is_primary,
-                                          total_steps=t.steps) as writer:
-            state, window = self.restore_or_init(checkpoints, train_input)
+        The start is checked whole before anything is written: the data, the eval split, the
+        checkpoint folder and whether the checkpoint to resume from fits this config. Only then
+        are the workdir's files, the compilation cache and the checkpoint manager opened.
+        """
+        config, t = self.config, self.config.train
+        with contextlib.ExitStack() as stack:
+            train_input = stack.enter_context(
+                contextlib.closing(make_input(config, "train", self.batch_sharding)))
+            if t.eval_every:
+                check_splits(config, ("eval",))
+            checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
+            checkpoints.check_writable()
+            own, restored = self.restore(checkpoints, train_input)
+            if own is not None and own.meta["step"] >= t.steps:
+                self.say(f"the run in {self.workdir} is already complete at step "
+                         f"{own.meta['step']} (train.steps={t.steps}); to train it further, pass "
+                         f"--config.train.steps=<more than {own.meta['step']}>")
+                return latest_metrics(self.workdir)
+
+            # Every check has passed: from here on the run writes.
+            self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
+                     f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
+                     f"device(s), {jax.process_count()} process(es)")
+            if self.is_primary:
+                open_workdir(self.workdir, config.to_json_best_effort(indent=2))
+                if own is None and (earlier := set_aside_earlier_start(self.workdir)):
+                    self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint "
+                             f"to resume from; starting from step 0 (the earlier files are in "
+                             f"{earlier})")
+            use_compilation_cache(config, self.workdir)
+            checkpoints.open_for_saving()
+            writer = stack.enter_context(metrics_lib.MetricsWriter(
+                self.workdir, enabled=self.is_primary, total_steps=t.steps))
+            signals = stack.enter_context(StopSignals())
+            state, window = self.start_state(restored, own)
             run = _Run(checkpoints, train_input, window, BadSteps(t.max_bad_steps), writer)
-            for step in range(int(state.step), t.steps):
+            in_flight = StepsInFlight(limit=2)
+            logged: dict[str, float] = {}
+            first_step = int(state.step)
+            for step in range(first_step, t.steps):
                 with window.waiting_for_data():
                     batch = next(train_input)
                 state, step_metrics = self.train_step(state, batch)
                 done = step + 1
                 window.add(step_metrics)
+                in_flight.add(step_metrics["loss"])
                 run.bad_steps.add(done, step_metrics["skipped"])
-                if preemption.reached(done):
-                    self.stop_for_restart(done, state, run)
+                if stop := signals.reached(done):
+                    self.stop(stop, done, state, run)
                 if checkpoints.due(done, log_step=self.logs(done)) or done == t.steps:
                     self.save(done, state, run)
                 if self.logs(done):
@@ -176,23 +184,49 @@ class Trainer:
             final_save = checkpoints.take_metrics()  # the last save's total time, known only now
             if final_save:
                 writer.write(t.steps, final_save)
+            self.say(self.summary_line(first_step, logged, checkpoints))
         return logged
+
+    def summary_line(self, first_step: int, logged: dict, checkpoints: Checkpoints) -> str:
+        t = self.config.train
+        steps = t.steps - first_step
+        minutes, seconds = divmod(time.perf_counter() - self.start_time, 60)
+        parts = [f"done: step {t.steps}, {steps} steps ({steps * t.batch_size * t.seq_len:,} "
+                 f"tokens) in {int(minutes)}m{seconds:04.1f}s"]
+        if "loss" in logged:
+            parts.append(f"loss {logged['loss']:.4g}")
+        if "eval_loss" in logged:
+            parts.append(f"eval loss {logged['eval_loss']:.4g}")
+        parts.append(f"checkpoint {checkpoints.directory / str(t.steps)}"
+                     if checkpoints.enabled else "no checkpoint (checkpoint.enabled=False)")
+        return "; ".join(parts)
 
     def logs(self, step: int) -> bool:
         t = self.config.train
         return step % t.log_every == 0 or step == t.steps
 
-    def restore_or_init(self, checkpoints: Checkpoints,
-                        train_input: Input) -> tuple[TrainState, _Window]:
-        """The newest good checkpoint of this run, else `checkpoint.restore_from`, else a fresh
-        state; with the window that times the steps from here on."""
-        c, seed = self.config.checkpoint, self.config.train.seed
-        run_clock = RunClock(self.workdir, enabled=self.is_primary)
+    def restore(self, checkpoints: Checkpoints,
+                train_input: Input) -> tuple[Restored | None, Restored | None]:
+        """(this run's newest good checkpoint, what the run starts from): the own checkpoint,
+        else `checkpoint.restore_from`, else None. The data position is restored into
+        `train_input`. Reads only: a checkpoint that does not fit raises before anything is
+        written."""
+        c = self.config.checkpoint
         own = checkpoints.restore_newest(self.abstract_state)
         restored = own
         if own is None and c.restore_from:
             restored = restore_from(c.restore_from, self.abstract_state,
                                     params_only=c.restore_params_only)
+        if restored is not None and restored.train is not None:
+            train_input.set_state(restored.data_state)
+        return own, restored
+
+    def start_state(self, restored: Restored | None,
+                    own: Restored | None) -> tuple[TrainState, _Window]:
+        """The state the loop starts from (restored, or a fresh sharded init), with the window that
+        times the steps from here on."""
+        seed = self.config.train.seed
+        run_clock = RunClock(self.workdir, enabled=self.is_primary)
         if restored is None:
             return self.init_state(seed), _Window(self, run_clock, restarts=run_clock.restarts)
         self.say(f"restored {restored.path} in {restored.seconds:.1f}s"
@@ -203,7 +237,6 @@ class Trainer:
                          productive_seconds=own.meta["productive_seconds"] if own else 0.0)
         if restored.train is None:  # fine-tuning: fresh optimizer from step 0, data from the start
             return self.init_state(seed)._replace(params=restored.params), window
-        train_input.set_state(restored.data_state)
         return TrainState(params=restored.params, **restored.train), window
 
     def save(self, step: int, state: TrainState, run: _Run) -> bool:
@@ -222,16 +255,22 @@ class Trainer:
             run.checkpoints.save(step, state, run.train_input.get_state(), meta)
         return True
 
-    def stop_for_restart(self, step: int, state: TrainState, run: _Run) -> None:
-        """Preempted: save `step` (every process agreed on it), wait until the checkpoint is
-        durable, log the steps since the last log line and exit with the "restart me" status."""
+    def stop(self, stop: type[RunStopped], step: int, state: TrainState, run: _Run) -> None:
+        """Preempted or interrupted: save `step` (every process agreed on it), wait until the
+        checkpoint is durable, log the steps since the last log line and raise `stop`."""
         saved = self.save(step, state, run)
         with run.window.paused():
             run.checkpoints.wait()
         run.writer.write(step, {**run.window.summary(), **run.checkpoints.take_metrics()})
-        self.say(f"preempted at step {step}: {'checkpoint saved' if saved else 'no checkpoint'}"
-                 "; exiting to be restarted")
-        raise Preempted(step)
+        where = (f"checkpoint {run.checkpoints.directory / str(step)} saved" if saved
+                 else "no checkpoint saved")
+        if stop is Preempted:
+            message = f"preempted at step {step}: {where}; exiting to be restarted"
+        else:
+            message = (f"interrupted at step {step}: {where}; run the same command again to "
+                       "resume")
+        self.say(message)
+        raise stop(message, step)
 
     def evaluate(self, params) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
@@ -242,6 +281,22 @@ class Trainer:
                 total, tokens = total + batch_loss, tokens + batch_tokens
         loss = float(total / max(float(tokens), 1.0))
         return {"loss": loss, "perplexity": float(np.exp(loss))}
+
+
+class StepsInFlight:
+    """Keeps the host at most `limit` steps ahead of the devices, by waiting (not fetching) for
+    older steps to finish. Without it the host can queue a whole logging window of steps, and a
+    preemption signal would then wait for all of them: the save's grace period runs out."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._markers: collections.deque = collections.deque()
+
+    def add(self, marker: jax.Array) -> None:
+        """`marker`: any output of the step just dispatched."""
+        self._markers.append(marker)
+        while len(self._markers) > self.limit:
+            self._markers.popleft().block_until_ready()
 
 
 @dataclasses.dataclass

@@ -175,8 +175,10 @@ def test_a_new_run_starts_from_another_runs_checkpoint(saved, tmp_path, params_o
                              restore_params_only=params_only)
     trainer = Trainer(config, str(tmp_path))
     with Checkpoints(config, str(tmp_path)) as checkpoints:
-        state, _ = trainer.restore_or_init(checkpoints, make_input(config, "train",
-                                                                   trainer.batch_sharding))
+        own, restored = trainer.restore(checkpoints, make_input(config, "train",
+                                                                trainer.batch_sharding))
+        assert own is None
+        state, _ = trainer.start_state(restored, own)
     state = jax.device_get(state)
     jax.tree.map(np.testing.assert_array_equal, state.params, expected.params)
     if params_only:  # fine-tuning: step 0 and a fresh optimizer
@@ -191,8 +193,10 @@ def test_an_unwritable_checkpoint_dir_is_an_error_before_anything_runs(tmp_path)
     (tmp_path / "a_file").write_text("hello")
     config = make_config(**FSDP8)
     config.checkpoint.dir = str(tmp_path / "a_file" / "checkpoints")
+    with pytest.raises(ConfigError, match="checkpoint directory .* cannot be written: .* is a file"):
+        Checkpoints(config, str(tmp_path)).check_writable()
     with pytest.raises(ConfigError, match="checkpoint directory .* cannot be written"):
-        Checkpoints(config, str(tmp_path))
+        Checkpoints(config, str(tmp_path)).open_for_saving()
 
 
 def test_saves_follow_every_steps_and_keep_the_newest_plus_every_kth(saved, tmp_path):
@@ -337,3 +341,24 @@ def test_max_bad_steps_must_be_positive():
     config.train.max_bad_steps = 0
     with pytest.raises(ConfigError, match=r"train.max_bad_steps=0 must be >= 1"):
         validate(config, 1)
+
+
+@pytest.mark.parametrize("mlp_dim, message", [
+    (128, None),  # the same model: restores
+    (256, r"parameter 'blocks/mlp/down' is float32\[2, 128, 64\] in the checkpoint"),
+])
+def test_restore_from_a_relative_path(saved, tmp_path, monkeypatch, mlp_dim, message):
+    source = saved["fsdp8"][0]
+    monkeypatch.chdir(source.parent)
+    config = make_config(**FSDP8)
+    config.model.mlp_dim = mlp_dim
+    config.checkpoint.restore_from = source.name  # relative to the working directory
+    trainer = Trainer(config, str(tmp_path))
+    with Checkpoints(config, str(tmp_path)) as checkpoints:
+        train_input = make_input(config, "train", trainer.batch_sharding)
+        if message is None:
+            _, restored = trainer.restore(checkpoints, train_input)
+            assert restored.path == str(source / "checkpoints" / "2")
+        else:
+            with pytest.raises(ConfigError, match=message):
+                trainer.restore(checkpoints, train_input)

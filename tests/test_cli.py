@@ -1,9 +1,15 @@
-"""The README's run command works: the default config trains a few steps and writes metrics."""
+"""The command line and a run's life: the README's run command, `--help`, a finished run, the
+summary line, a fresh start over an earlier one's metrics."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+from jaxscale.trainer import Trainer
+from tests.helpers import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,3 +35,59 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
     assert any("eval_loss" in l for l in lines)
     assert (tmp_path / "config.json").exists()
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+
+
+@pytest.mark.parametrize("module, flags", [
+    ("jaxscale.train", ["--config=FILE", "--workdir=DIR", "--config.KEY=VALUE"]),
+    ("jaxscale.data.prepare", ["--config=FILE", "--out=DIR", "--workers=N", "--config.KEY=VALUE"]),
+])
+def test_help_lists_every_flag_with_a_sentence(module, flags):
+    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: python -m {module}")
+    for flag in flags:
+        described = [l for l in result.stdout.splitlines() if l.strip().startswith(flag)]
+        assert described and len(described[0].split(flag, 1)[1].split()) >= 3, flag
+
+
+def small_run_config(steps):
+    config = small_config(data=8)
+    config.train.update(steps=steps, log_every=2, eval_every=2, eval_batches=1)
+    config.checkpoint.compilation_cache = False
+    return config
+
+
+def test_a_finished_run_says_so_and_returns_its_last_metrics(tmp_path, capsys):
+    metrics = Trainer(small_run_config(2), str(tmp_path)).run()
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith("done: step 2, 2 steps (256 tokens) in ")
+    assert f"checkpoint {tmp_path / 'checkpoints' / '2'}" in summary
+    assert f"loss {metrics['loss']:.4g}" in summary
+    before = files_and_times(tmp_path)
+
+    again = Trainer(small_run_config(2), str(tmp_path)).run()
+    out = capsys.readouterr().out
+    assert "already complete at step 2 (train.steps=2)" in out
+    assert "--config.train.steps=<more than 2>" in out
+    assert again["step"] == 2
+    assert again["loss"] == metrics["loss"] and again["eval_loss"] == metrics["eval_loss"]
+    assert files_and_times(tmp_path) == before  # nothing written
+
+
+def files_and_times(folder):
+    return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_fresh_start_over_metrics_without_a_checkpoint_sets_them_aside(tmp_path, capsys):
+    config = small_run_config(2)
+    config.checkpoint.enabled = False
+    Trainer(config, str(tmp_path)).run()
+    first = (tmp_path / "metrics.jsonl").read_text()
+    Trainer(config, str(tmp_path)).run()
+    assert "has metrics of an earlier start but no checkpoint" in capsys.readouterr().out
+    earlier = [p for p in tmp_path.iterdir() if p.name.startswith("earlier-")]
+    assert len(earlier) == 1 and (earlier[0] / "metrics.jsonl").read_text() == first
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "loss" in l]
+    assert steps == [2, 2]  # one train line, one eval line: no step logged twice

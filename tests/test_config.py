@@ -100,7 +100,7 @@ def run_cli(*args, cwd=REPO):
     (["--config.train.steps=-1"], "train.steps=-1 must be > 0"),
     (["--config.mesh.data=3"], "multiply to 3"),
     (["--config.train.microbatches=3"], "does not divide train.batch_size"),
-    (["--config=configs/nope.py"], "cannot load the config file"),
+    (["--config=configs/nope.py"], "config file 'configs/nope.py' does not exist"),
     (["--workdir=/proc/jaxscale_cannot_write_here"], "cannot be written"),
 ])
 def test_cli_bad_input_is_one_error_line_and_exit_2(args, message, tmp_path):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from jaxscale.config import load_config_file
+from jaxscale.cli import load_config_file
 from jaxscale.train_state import model_spec
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

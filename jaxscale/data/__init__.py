@@ -6,6 +6,8 @@
     it.set_state(state)       # the next batch is the one an uninterrupted run would get
     it.close()                # stops the prefetch and reader threads
 
+    check_splits(config, ("train", "eval"))  # at start: JaxscaleError if a split has no documents
+
 Batch keys: `inputs`, `targets` (int32 next-token pairs), `loss_mask` (float32, 0 on padding),
 `segment_ids` (int32, 1, 2, ... per packed document, 0 on padding), `positions` (int32, from 0 in
 each document). See docs/data.md.
@@ -22,9 +24,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.data.pipeline import local_batches, local_rows
+from jaxscale.data.sources import check_splits
 from jaxscale.errors import JaxscaleError
 
-__all__ = ["Input", "make_input"]
+__all__ = ["Input", "check_splits", "make_input"]
 
 _STATE_VERSION = 2
 

@@ -23,7 +23,15 @@ _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
 
 
 class MalformedRecord(Exception):
-    """One record cannot be read or parsed; the rest of the data is fine."""
+    """One record cannot be read or parsed; the rest of the data is fine.
+
+    `kind` says what is wrong: "unreadable", "json" (not JSON), "shape" (JSON but not an object),
+    "field" (no such field) or "type" (the field is not a string).
+    """
+
+    def __init__(self, message: str, kind: str = "unreadable"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class RecordReader:
@@ -54,6 +62,16 @@ class RecordReader:
     def read(self, file: int, record: int):
         raise NotImplementedError  # each format reads its own way
 
+    def sample(self, index: int, limit: int):
+        """At least the first `limit` bytes (or characters, or tokens) of record `index`: enough
+        to tell what it holds without reading a whole large file."""
+        return self[index]
+
+    def has_content(self, indices: np.ndarray) -> bool | None:
+        """Whether any of the records `indices` is non-empty, where that is cheap to know exactly
+        (without reading them); None where it is not."""
+        return None
+
     def handle(self, file: int, open_file):
         """The open handle of `file` in this process, opened on first use by `open_file(path)`."""
         with self._lock:
@@ -82,17 +100,24 @@ class WholeFiles(RecordReader):
                                 "fix its permissions or leave it out of the source's path")
         super().__init__(files, keys, [1] * len(files))
 
-    def read(self, file: int, record: int) -> bytes:
+    def read(self, file: int, record: int, limit: int = -1) -> bytes:
         try:
             with open(self.files[file], "rb") as f:
-                return f.read()
+                return f.read(limit)
         except OSError as e:
             raise MalformedRecord(f"{self.files[file]}: {e}") from e
 
+    def sample(self, index: int, limit: int) -> bytes:
+        return self.read(self.locate(index)[0], 0, limit)
 
-def line_spans(path: str) -> np.ndarray:
-    """int64[lines, 2] (start, end) byte offsets of the non-empty lines of `path`, without their
-    newline; a last line without a newline counts too."""
+    def has_content(self, indices: np.ndarray) -> bool:
+        return any(os.path.getsize(self.files[self.locate(int(i))[0]]) for i in indices)
+
+
+def line_spans(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(int64[lines, 2] (start, end) byte offsets of the non-empty lines of `path`, without their
+    newline — a last line without a newline counts too —, and their 1-based line numbers in the
+    file, or None when they are simply 1, 2, ... because no empty line comes before the last)."""
     newlines, size = [], 0
     try:
         with open(path, "rb") as f:
@@ -104,58 +129,104 @@ def line_spans(path: str) -> np.ndarray:
     ends = np.concatenate(newlines + [[size]]).astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
     spans = np.stack([starts, ends], axis=1)
-    return spans[ends > starts]
+    kept = ends > starts
+    last = int(np.flatnonzero(kept)[-1]) if kept.any() else -1
+    numbers = None if kept[:last + 1].all() else np.flatnonzero(kept) + 1
+    return spans[kept], numbers
 
 
 class Lines(RecordReader):
     """One document per non-empty line; `parse(line_bytes, where)` turns a line into content."""
 
     def __init__(self, files: Sequence[str], keys: Sequence[str]):
-        spans = [line_spans(f) for f in files]
+        spans, self._line_numbers = [], []
+        for path in files:
+            file_spans, numbers = line_spans(path)
+            spans.append(file_spans)
+            self._line_numbers.append(numbers)
         super().__init__(files, keys, [len(s) for s in spans])
         self._spans = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
+
+    def has_content(self, indices: np.ndarray) -> bool:
+        return len(indices) > 0  # only non-empty lines are records
+
+    def where(self, file: int, record: int) -> str:
+        """"FILE line N": where record `record` of `file` is, counting empty lines too."""
+        numbers = self._line_numbers[file]
+        return f"{self.files[file]} line {record + 1 if numbers is None else numbers[record]}"
 
     def line(self, file: int, record: int) -> bytes:
         start, end = self._spans[self._starts[file] + record]
         fd = self.handle(file, lambda path: os.open(path, os.O_RDONLY))
         data = os.pread(fd, int(end - start), int(start))  # no shared seek position: thread-safe
         if len(data) != end - start:
-            raise MalformedRecord(f"{self.files[file]} line {record + 1}: file shrank while read")
+            raise MalformedRecord(f"{self.where(file, record)}: file shrank while read")
         return data
 
     def read(self, file: int, record: int) -> bytes:
         return self.line(file, record)
 
 
-class JsonLines(Lines):
-    """One document per line of JSON: the string in field `text_field`."""
+# JSONL: how many records from the start are tried before the file is taken for something else.
+CHECKED_RECORDS = 32
 
-    def __init__(self, files: Sequence[str], keys: Sequence[str], text_field: str):
+
+class JsonLines(Lines):
+    """One document per line of JSON: the string in field `text_field`.
+
+    `source` names the config entry in messages (e.g. "data.sources[0]").
+    """
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str], text_field: str,
+                 source: str = "the source"):
         super().__init__(files, keys)
         self.text_field = text_field
-        # A field name that is wrong everywhere is a config mistake, not a bad record: check the
-        # first record of the first non-empty file.
-        first = int(np.argmax(self.counts > 0)) if len(self) else None
-        if first is not None:
+        self._check_start(source)
+
+    def _check_start(self, source: str) -> None:
+        """Fails when none of the first records is usable: a wrong text_field, or a file that is
+        not JSON Lines, is a config mistake, not a bad record. One usable record is enough: any
+        other bad one is skipped and counted when read."""
+        problems = []
+        for index in range(min(len(self), CHECKED_RECORDS)):
             try:
-                self.read(first, 0)
+                self[index]
+                return
             except MalformedRecord as e:
-                raise JaxscaleError(f"{e}; set the source's text_field to the field holding "
-                                    "the text") from None
+                problems.append(e)
+        if not problems:
+            return  # no records at all: the caller reports an empty split
+        tried = (f"none of the first {len(problems)} lines has one" if len(problems) > 1
+                 else "it is the only line")
+        objects = [e for e in problems if e.kind in ("field", "type")]
+        if objects:  # JSON objects, but not with a string in text_field
+            raise JaxscaleError(f"{objects[0]} and {tried}; set {source}.text_field to the "
+                                "field that holds the text") from None
+        tried = (f"nor is any of the first {len(problems)} lines" if len(problems) > 1
+                 else "and it is the only line")
+        raise JaxscaleError(f"{problems[0]}, {tried}; a JSONL file holds one JSON object per "
+                            'line, e.g. {"text": "..."}: fix the file, or read plain text with '
+                            f"{source}.format='text'") from None
+
+    def has_content(self, indices: np.ndarray) -> None:
+        return None  # a non-empty line may hold an empty text
 
     def read(self, file: int, record: int) -> str:
-        where = f"{self.files[file]} line {record + 1}"
+        where = self.where(file, record)
         try:
             value = json.loads(self.line(file, record))
         except ValueError as e:
-            raise MalformedRecord(f"{where}: not JSON ({e})") from e
-        if not isinstance(value, dict) or self.text_field not in value:
-            fields = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise MalformedRecord(f"{where}: no text field {self.text_field!r} (has {fields})")
+            raise MalformedRecord(f"{where} is not JSON ({e})", "json") from e
+        if not isinstance(value, dict):
+            raise MalformedRecord(f"{where} is a JSON {type(value).__name__}, not an object "
+                                  f"with a {self.text_field!r} field", "shape")
+        if self.text_field not in value:
+            raise MalformedRecord(f"{where} has no text field {self.text_field!r} (has "
+                                  f"{sorted(value)})", "field")
         text = value[self.text_field]
         if not isinstance(text, str):
             raise MalformedRecord(f"{where}: field {self.text_field!r} is "
-                                  f"{type(text).__name__}, not a string")
+                                  f"{type(text).__name__}, not a string", "type")
         return text
 
 

@@ -7,17 +7,18 @@ them. Training then reads token ids memory-mapped instead of parsing and tokeniz
 
 from __future__ import annotations
 
+import glob
+import json
 import multiprocessing
 import os
 import sys
 import time
 
-from absl import flags
-from ml_collections import config_flags
-
+from jaxscale.cli import Option, fail, parse_config_flags
 from jaxscale.errors import JaxscaleError
-from jaxscale.train import DEFAULT_CONFIG, fail
 
+MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
+_MANIFEST_FORMAT = "jaxscale-prepare-v1"
 _CHUNK = 256  # documents per task: large enough to amortize the hand-off, small for an even load
 _REDRAW_SECONDS = 0.5
 
@@ -84,14 +85,34 @@ def prepare_source(documents, stem: str, label: str, workers: int, vocab_size: i
 
 
 def prepare(config, out: str, workers: int) -> list[dict]:
-    """Writes token files for each text source and returns the `data.sources` reading them."""
+    """Writes token files for each text source and returns the `data.sources` reading them.
+
+    JaxscaleError, before anything is written, when a source or split holds no documents, or
+    `out` is a file, or a folder holding token files of other sources or another tokenizer.
+    Running it again with the same sources and tokenizer overwrites the files it wrote (e.g.
+    after an interrupted run, or when the data changed).
+    """
     from jaxscale.data import sources  # noqa: PLC0415 — imports JAX; after the flags
     from jaxscale.data.tokenizers import tokenizer_from_config  # noqa: PLC0415
 
     tokenizer = tokenizer_from_config(config)
-    os.makedirs(out, exist_ok=True)
+    specs = sources.source_specs(config)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise JaxscaleError(f"--out={out!r} is a file, not a folder; give a folder for the "
+                            "token files (it is created if missing)")
+    sources.check_splits(config, sources.SPLITS, eval_optional=False)
+    manifest = _manifest(specs, tokenizer.name)
+    _check_out(out, manifest)
+    try:
+        os.makedirs(out, exist_ok=True)
+        # First: a rerun of an interrupted prepare finds the files described.
+        with open(os.path.join(out, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2)
+    except OSError as e:
+        raise JaxscaleError(f"--out={out!r} cannot be written ({e.strerror or e}); give a "
+                            "folder you can write to") from None
     prepared = []
-    for i, spec in enumerate(sources.source_specs(config)):
+    for i, spec in enumerate(specs):
         if spec["format"] in ("synthetic", "tokens"):
             print(f"{spec['name']}: {spec['format']} source, nothing to tokenize",
                   file=sys.stderr)
@@ -109,23 +130,66 @@ def prepare(config, out: str, workers: int) -> list[dict]:
     return prepared
 
 
+def _manifest(specs: list[dict], tokenizer_name: str) -> dict:
+    """What the token files of a folder are made from: the sources (less their weights, which
+    only mix them) and the tokenizer."""
+    described = [{k: v for k, v in spec.items() if k not in ("name", "weight")}
+                 for spec in specs]
+    return json.loads(json.dumps({"format": _MANIFEST_FORMAT, "tokenizer": tokenizer_name,
+                                  "sources": described}, default=str))
+
+
+def _check_out(out: str, manifest: dict) -> None:
+    """Refuses a folder holding token files made from other sources or by another tokenizer:
+    overwriting them could break the runs that train on them."""
+    if not os.path.isdir(out):
+        return
+    token_files = sorted(glob.glob(os.path.join(glob.escape(out), "source*.*")))
+    manifest_path = os.path.join(out, MANIFEST)
+    if not os.path.exists(manifest_path):
+        if token_files:
+            raise JaxscaleError(
+                f"--out={out!r} already holds token files ({os.path.basename(token_files[0])}, "
+                f"...) but no {MANIFEST} saying what they were made from; give a new folder, or "
+                "delete those files to write new ones there")
+        return
+    try:
+        with open(manifest_path) as f:
+            before = json.load(f)
+    except (OSError, ValueError) as e:
+        raise JaxscaleError(f"--out={out!r} has an unreadable {MANIFEST} ({e}); give a new "
+                            f"folder, or delete its {MANIFEST} and source* files") from None
+    if before == manifest:
+        print(f"{out}: overwriting the token files prepared before from the same sources and "
+              "tokenizer", file=sys.stderr)
+        return
+    if before.get("tokenizer") != manifest["tokenizer"]:
+        differs = (f"tokenizer {before.get('tokenizer')!r} then, {manifest['tokenizer']!r} "
+                   "now")
+    else:
+        then, now = before.get("sources") or [], manifest["sources"]
+        i = next((i for i, (a, b) in enumerate(zip(then, now)) if a != b), min(len(then), len(now)))
+        if i < min(len(then), len(now)):
+            differs = f"data.sources[{i}] was {then[i]!r}, is now {now[i]!r}"
+        else:
+            differs = f"{len(then)} sources then, {len(now)} now"
+    raise JaxscaleError(f"--out={out!r} already holds token files of another config ({differs}); "
+                        f"give a new folder, or delete its {MANIFEST} and source* files to "
+                        "replace them")
+
+
 def main(argv: list[str]) -> None:
-    try:
-        config_flag = config_flags.DEFINE_config_file(
-            "config", DEFAULT_CONFIG, "Config file whose data.sources and data.tokenizer to use.")
-        out_flag = flags.DEFINE_string("out", None, "Folder for the token files.")
-        workers_flag = flags.DEFINE_integer("workers", os.cpu_count(),
-                                            "Processes tokenizing in parallel.")
-        flags.FLAGS(argv)
-        config = config_flag.value
-    except (flags.Error, OSError, KeyError, AttributeError, ValueError, TypeError) as e:
-        fail(" ".join(str(e).split()))
-    if not out_flag.value:
+    config, values = parse_config_flags(
+        argv, prog="python -m jaxscale.data.prepare", about=__doc__,
+        config_help="the config whose data.sources and data.tokenizer to prepare",
+        options=[Option("out", "", "folder for the token files (required)", "DIR"),
+                 Option("workers", os.cpu_count() or 1, "processes tokenizing in parallel", "N")])
+    if not values["out"]:
         fail("--out=DIR is required: the folder to write the token files to")
-    if workers_flag.value < 1:
-        fail(f"--workers={workers_flag.value} must be >= 1")
+    if values["workers"] < 1:
+        fail(f"--workers={values['workers']} must be >= 1")
     try:
-        prepared = prepare(config, out_flag.value, workers_flag.value)
+        prepared = prepare(config, values["out"], values["workers"])
     except JaxscaleError as e:
         fail(str(e))
     print("Train on the token files with:\n"

@@ -7,6 +7,8 @@ Documents carry no BOS/EOS; the pipeline frames them.
 
 from __future__ import annotations
 
+import ast
+import codecs
 import functools
 import glob
 import hashlib
@@ -63,22 +65,92 @@ _NOT_STDLIB = ("site-packages", "dist-packages", "__pycache__")
 
 SYNTHETIC_DOCUMENTS = {"train": 100_000, "eval": 1_000}
 
+# Opening a text source reads this many of its documents (spread over the split), at most this
+# many bytes of each, and warns when more than this share is not UTF-8 text.
+_SAMPLED_DOCUMENTS = 32
+_SAMPLED_BYTES = 64 << 10
+_MAX_NOT_TEXT = 0.1
+_warned_not_text: set[tuple[str, str]] = set()
+
 _log = logging.getLogger(__name__)
 
 
 def source_specs(config: ml_collections.ConfigDict) -> list[dict]:
-    """`config.data.sources` checked and completed with defaults; ConfigError on any mistake."""
+    """`config.data.sources` checked and completed with defaults; ConfigError on any mistake.
+
+    Entries may also be strings of Python literals and `dict(key=value, ...)` calls, which is
+    what a command-line override such as
+    `--config.data.sources="(dict(format='jsonl', path='x.jsonl'),)"` delivers: ml_collections
+    passes it on as a tuple holding that one string. A string holding a tuple adds each of its
+    entries.
+    """
     entries = config.data.sources
+    if isinstance(entries, str):
+        entries = (entries,)
     if not isinstance(entries, (tuple, list)) or not entries:
         raise ConfigError(f"data.sources={entries!r} must be a non-empty tuple of dicts, e.g. "
                           "(dict(format='jsonl', path='data/*.jsonl'),)")
-    return [_source_spec(i, entry) for i, entry in enumerate(entries)]
+    parsed = []
+    for entry in entries:
+        if isinstance(entry, str):
+            value = _parse_source_text(len(parsed), entry)
+            parsed += list(value) if isinstance(value, (tuple, list)) else [value]
+        else:
+            parsed.append(entry)
+    if not parsed:
+        raise ConfigError(f"data.sources={entries!r} must be a non-empty tuple of dicts, e.g. "
+                          "(dict(format='jsonl', path='data/*.jsonl'),)")
+    return [_source_spec(i, entry) for i, entry in enumerate(parsed)]
+
+
+_EXAMPLE_OVERRIDE = "--config.data.sources=\"(dict(format='jsonl', path='data/*.jsonl'),)\""
+
+
+def _parse_source_text(i: int, text: str):
+    try:
+        return literal(text)
+    except ValueError as e:
+        raise ConfigError(f"data.sources[{i}]={text!r} cannot be read: {e}; write sources as "
+                          f"Python literals, e.g. {_EXAMPLE_OVERRIDE}") from None
+
+
+def literal(text: str):
+    """The value of `text` if it is made only of Python literals (strings, numbers, booleans,
+    None), tuples, lists, `{...}` dicts and `dict(key=value, ...)` calls; ValueError naming the
+    first other part. Nothing is evaluated: names, calls and operators are refused."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"it is not a Python expression ({e.msg})") from None
+    return _literal_node(tree.body)
+
+
+def _literal_node(node: ast.AST):
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        items = [_literal_node(n) for n in node.elts]
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        return {k.value: _literal_node(v) for k, v in zip(node.keys, node.values)}
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "dict" and not node.args
+            and all(k.arg is not None for k in node.keywords)):
+        return {k.arg: _literal_node(k.value) for k in node.keywords}
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd))
+            and isinstance(node.operand, ast.Constant)
+            and type(node.operand.value) in (int, float)):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    if isinstance(node, ast.Name):
+        raise ValueError(f"{node.id} is a name, not a value (quote strings: '{node.id}')")
+    raise ValueError(f"{ast.unparse(node)} is not a literal or dict(key=value, ...)")
 
 
 def _source_spec(i: int, entry) -> dict:
     where = f"data.sources[{i}]"
     if not isinstance(entry, (dict, ml_collections.ConfigDict)) or "format" not in entry:
-        raise ConfigError(f"{where}={entry!r} must be a dict with a 'format' key")
+        raise ConfigError(f"{where}={entry!r} must be a dict with a 'format' key, e.g. "
+                          "dict(format='jsonl', path='data/*.jsonl')")
     entry = dict(entry)
     kind = entry.pop("format")
     if kind not in FORMATS:
@@ -96,11 +168,17 @@ def _source_spec(i: int, entry) -> dict:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise ConfigError(f"{where}.weight={weight!r} must be a number > 0 (weights are relative "
                           "shares of documents)")
-    if not 0 < spec["eval_fraction"] < 1:
-        raise ConfigError(f"{where}.eval_fraction={spec['eval_fraction']!r} must be in (0, 1)")
+    fraction = spec["eval_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0 < fraction < 1:
+        raise ConfigError(f"{where}.eval_fraction={fraction!r} must be a number in (0, 1): the "
+                          "share of its documents held out for eval")
+    for key in ("path", "eval_path", "text_field", "document"):
+        if key in spec and not isinstance(spec[key], str):
+            raise ConfigError(f"{where}.{key}={spec[key]!r} must be a string")
     if spec["eval_path"] and kind in ("stdlib", "synthetic"):
-        raise ConfigError(f"{where}.eval_path is for file sources; a {kind} source holds out "
-                          "its own eval documents")
+        raise ConfigError(f"{where}.eval_path={spec['eval_path']!r} is for file sources; a "
+                          f"{kind} source holds out its own eval documents: leave eval_path out")
     if kind == "text" and spec["document"] not in _TEXT_DOCUMENTS:
         raise ConfigError(f"{where}.document={spec['document']!r} must be one of "
                           f"{_TEXT_DOCUMENTS} (one document per file or per line)")
@@ -152,19 +230,19 @@ def stdlib_files() -> tuple[str, list[str]]:
     return root, sorted(paths)
 
 
-def _reader(spec: dict, pattern: str, where: str, tokenizer) -> formats.RecordReader:
+def _reader(spec: dict, pattern: str, where: str, tokenizer_name: str) -> formats.RecordReader:
     files, keys = expand_path(pattern, where)
     kind = spec["format"]
     if kind == "text":
         return formats.WholeFiles(files, keys) if spec["document"] == "file" \
             else formats.Lines(files, keys)
     if kind == "jsonl":
-        return formats.JsonLines(files, keys, spec["text_field"])
+        return formats.JsonLines(files, keys, spec["text_field"], spec["name"])
     if kind == "parquet":
         return formats.ParquetRows(files, keys, spec["text_field"])
     if kind == "array_record":
         return formats.ArrayRecords(files, keys)
-    return token_files.TokenFiles(files, keys, tokenizer.name)
+    return token_files.TokenFiles(files, keys, tokenizer_name)
 
 
 class _Documents:
@@ -193,29 +271,151 @@ class _Documents:
         return self._tokenizer.encode(content)
 
 
-def source_documents(spec: dict, split: str, tokenizer, config: ml_collections.ConfigDict
-                     ) -> grain.MapDataset:
-    """One epoch of `split`'s documents of one source: token arrays, None for a bad record."""
+def describe(spec: dict) -> str:
+    """"data.sources[i] (FORMAT 'PATH')": a source as messages name it."""
+    path = f" {spec['path']!r}" if spec.get("path") else ""
+    return f"{spec['name']} ({spec['format']}{path})"
+
+
+def _open_split(spec: dict, split: str, tokenizer_name: str
+                ) -> tuple[formats.RecordReader | None, np.ndarray]:
+    """(reader, the record indices of `split`) of a source; (None, the indices of its
+    documents) for synthetic. Lists and checks its files, reads no document."""
     kind, where = spec["format"], spec["name"]
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; use one of {SPLITS}")
     if kind == "synthetic":
-        return synthetic_documents(split, config.train.seed, tokenizer,
-                                   max_length=2 * config.train.seq_len)
+        return None, np.arange(SYNTHETIC_DOCUMENTS[split])
     if kind == "stdlib":
         root, paths = stdlib_files()
         reader = formats.WholeFiles([os.path.join(root, p) for p in paths], paths)
     else:
         key = "eval_path" if split == "eval" and spec["eval_path"] else "path"
-        reader = _reader(spec, spec[key], f"{where}.{key}", tokenizer)
+        reader = _reader(spec, spec[key], f"{where}.{key}", tokenizer_name)
     if kind == "stdlib" or not spec["eval_path"]:
         in_eval = held_out(reader.keys, reader.counts, spec["eval_fraction"])
         indices = np.flatnonzero(in_eval if split == "eval" else ~in_eval)
     else:
         indices = np.arange(len(reader))
+    return reader, indices
+
+
+def _check_split(spec: dict, split: str, reader: formats.RecordReader | None,
+                 indices: np.ndarray, eval_optional: bool = True) -> None:
+    """Fails when the split of a source holds no documents or only empty ones; warns when a text
+    source's documents are mostly not text. Reads at most a few documents."""
+    if reader is None:  # synthetic: never empty
+        return
     if not len(indices):
-        raise JaxscaleError(f"{where} has no {split} documents ({len(reader)} in all); "
-                            + ("raise its eval_fraction or give an eval_path" if split == "eval"
-                               else "lower its eval_fraction or add data"))
-    documents = _Documents(reader, tokenizer, where, config.data.max_bad_records)
+        raise JaxscaleError(_no_documents(spec, split, len(reader), eval_optional))
+    has_content = reader.has_content(indices)
+    sample = indices[np.unique(np.linspace(0, len(indices) - 1,
+                                           min(len(indices), _SAMPLED_DOCUMENTS)).astype(int))]
+    contents, malformed = [], 0
+    if has_content is None or spec["format"] in ("text", "array_record"):
+        for index in sample:
+            try:
+                contents.append((int(index), reader.sample(int(index), _SAMPLED_BYTES)))
+            except formats.MalformedRecord:
+                malformed += 1  # skipped and counted when read
+    if has_content is None and len(indices) <= _SAMPLED_DOCUMENTS:
+        has_content = any(len(content) for _, content in contents)  # every document was read
+    if has_content is False:
+        n = len(indices)
+        state = "empty or malformed" if malformed else "empty"
+        raise JaxscaleError(
+            f"{describe(spec)} has nothing to read: its {n} {split} "
+            f"document{'s are' if n > 1 else ' is'} {state}; put text in "
+            + ("its eval_path files" if split == "eval" and spec["eval_path"] else "its files")
+            + " or fix the path")
+    if spec["format"] in ("text", "array_record"):
+        _warn_if_not_text(spec, split, reader, contents)
+
+
+def _no_documents(spec: dict, split: str, total: int, eval_optional: bool) -> str:
+    where, fraction = describe(spec), spec["eval_fraction"]
+    without_eval = ", or set train.eval_every=0 to train without eval" if eval_optional else ""
+    if split == "eval" and spec["eval_path"]:
+        return (f"{spec['name']}.eval_path={spec['eval_path']!r} holds no documents; give eval "
+                "files that hold some, or leave eval_path out to hold out eval_fraction of "
+                f"path{without_eval}")
+    if not total or split == "train" and spec["eval_path"]:
+        return f"{where} holds no documents; add data to its files or fix its path"
+    if split == "eval":
+        eval_path = "" if spec["format"] == "stdlib" else ", give it an eval_path"
+        return (f"{where} has no eval documents: eval_fraction={fraction} of its {total} "
+                f"documents holds out none; raise its eval_fraction{eval_path}{without_eval}")
+    return (f"{where} has no train documents: eval_fraction={fraction} holds out all of its "
+            f"{total}; lower its eval_fraction, give it an eval_path, or add data")
+
+
+def _is_text(content) -> bool:
+    if not isinstance(content, bytes):
+        return True  # decoded already (JSON, Parquet) or token ids
+    if b"\0" in content:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(content,
+                                                        final=len(content) < _SAMPLED_BYTES)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _warn_if_not_text(spec: dict, split: str, reader: formats.RecordReader,
+                      contents: list) -> None:
+    binary = [index for index, content in contents if not _is_text(content)]
+    if not contents or len(binary) <= _MAX_NOT_TEXT * len(contents):
+        return
+    key = (spec["name"], spec["eval_path"] if split == "eval" else spec["path"])
+    if key in _warned_not_text:
+        return
+    _warned_not_text.add(key)
+    files = sorted({reader.files[reader.locate(index)[0]] for index in binary})
+    _log.warning("%s: %d of %d sampled %s documents are not UTF-8 text (in %s%s); is it a "
+                 "binary file? Leave such files out of its path or convert them to UTF-8 text",
+                 describe(spec), len(binary), len(contents), split, files[0],
+                 f" and {len(files) - 1} more files" if len(files) > 1 else "")
+
+
+def check_splits(config: ml_collections.ConfigDict, splits: Sequence[str] = SPLITS, *,
+                 eval_optional: bool = True) -> None:
+    """Fails now, with a JaxscaleError naming the source and the fix, if a split that the run
+    will use holds no documents (or only empty ones) in some source — rather than at the first
+    eval, or after the run has started.
+
+    Cheap enough for every start: it validates `data.sources`, lists each source's files and
+    counts their records (a line scan of text/JSONL files, Parquet/ArrayRecord/token metadata),
+    and reads at most a few dozen documents per source and split; it tokenizes nothing. The
+    default `stdlib` source costs a directory walk, `synthetic` nothing. Also warns (once) when
+    a text source is mostly not UTF-8 text. `eval_optional`: whether the message may suggest
+    `train.eval_every=0`.
+    """
+    specs = source_specs(config)
+    for split in splits:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}; use one of {SPLITS}")
+    tokenizer_name = ""
+    if any(spec["format"] == "tokens" for spec in specs):
+        from jaxscale.data.tokenizers import tokenizer_from_config  # noqa: PLC0415
+
+        tokenizer_name = tokenizer_from_config(config).name
+    for spec in specs:
+        for split in splits:
+            reader, indices = _open_split(spec, split, tokenizer_name)
+            _check_split(spec, split, reader, indices, eval_optional)
+
+
+def source_documents(spec: dict, split: str, tokenizer, config: ml_collections.ConfigDict
+                     ) -> grain.MapDataset:
+    """One epoch of `split`'s documents of one source: token arrays, None for a bad record.
+    JaxscaleError (see `check_splits`) when the split holds no documents."""
+    if spec["format"] == "synthetic":
+        return synthetic_documents(split, config.train.seed, tokenizer,
+                                   max_length=2 * config.train.seq_len)
+    reader, indices = _open_split(spec, split, tokenizer.name)
+    _check_split(spec, split, reader, indices)
+    documents = _Documents(reader, tokenizer, spec["name"], config.data.max_bad_records)
     return grain.MapDataset.source(indices).map(documents)
 
 

@@ -73,7 +73,12 @@ class TokenFiles(RecordReader):
                 raise JaxscaleError(
                     f"{path!r} was tokenized with {meta['tokenizer']!r} but data.tokenizer gives "
                     f"{tokenizer!r}; use the same tokenizer or prepare the files again")
-            offsets = np.load(_stem(path) + ".idx.npy")
+            try:
+                offsets = np.load(_stem(path) + ".idx.npy")
+            except (OSError, ValueError) as e:
+                raise JaxscaleError(f"token file {path!r} has no readable {_stem(path)}.idx.npy "
+                                    f"({e}); prepare it again with "
+                                    "`python -m jaxscale.data.prepare`") from None
             dtype = np.dtype(meta["dtype"])
             size = os.path.getsize(path)
             if size != offsets[-1] * dtype.itemsize or len(offsets) != meta["documents"] + 1:
@@ -85,6 +90,10 @@ class TokenFiles(RecordReader):
             dtypes.append(dtype)
         super().__init__(files, keys, [len(o) - 1 for o in self.offsets])
         self._dtypes = dtypes
+        self._lengths = np.concatenate([np.diff(o) for o in self.offsets] or [np.zeros(0, int)])
+
+    def has_content(self, indices: np.ndarray) -> bool:
+        return bool(self._lengths[np.asarray(indices, dtype=np.int64)].any())
 
     def read(self, file: int, record: int) -> np.ndarray:
         tokens = self.handle(file, lambda path: np.memmap(path, self._dtypes[file], mode="r"))

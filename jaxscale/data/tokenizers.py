@@ -124,12 +124,40 @@ def tokenizer_from_config(config: ml_collections.ConfigDict) -> Tokenizer:
     return tokenizer
 
 
+_KINDS = {  # package: (what the file should be, the fix)
+    "sentencepiece": ("a SentencePiece model",
+                      "give a .model file as SentencePieceTrainer writes it"),
+    "tokenizers": ("a Hugging Face tokenizer",
+                   "give a tokenizer.json as tokenizers' Tokenizer.save writes it"),
+}
+
+
 def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tokenizer:
     try:
+        if package == "tokenizers":
+            _check_json(path, data.tokenizer)
         return kind(path, data.bos_token, data.eos_token)
     except ImportError:
         raise ConfigError(f"data.tokenizer={data.tokenizer!r} needs the {package} package; "
                           "pip install 'jaxscale[data]'") from None
-    except (RuntimeError, OSError, ValueError) as e:  # the libraries' errors for a bad file
-        raise ConfigError(f"data.tokenizer={data.tokenizer!r} cannot be loaded: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 — the libraries raise RuntimeError, OSError or bare
+        # Exception for a file they cannot parse; any of them means a bad file.
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what, fix = _KINDS[package]
+        raise ConfigError(f"data.tokenizer={data.tokenizer!r} cannot be loaded as {what}: "
+                          f"{reason}; {fix}, or use 'byte'") from None
+
+
+def _check_json(path: str, name: str) -> None:
+    """A clear message for a tokenizer.json that is not JSON at all (tokenizers' own message
+    reads like a Rust parser's)."""
+    import json  # noqa: PLC0415
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError as e:  # also UnicodeDecodeError: a binary file
+        raise ConfigError(f"data.tokenizer={name!r} is not JSON ({e}); give a tokenizer.json "
+                          f"as tokenizers' Tokenizer.save writes it, or use 'byte'") from None

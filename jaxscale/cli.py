@@ -1,0 +1,173 @@
+"""The command line: flags, config files and `fail`, for every jaxscale entry point that reads a
+config (`jaxscale.train`, `jaxscale.data.prepare`, the launchers' pre-checks).
+
+    config, values = parse_config_flags(sys.argv, prog="python -m jaxscale.train", about=__doc__,
+                                        options=[Option("workdir", "runs/default", "Folder ...")])
+
+A mistake the user can fix (a bad flag, a config file that does not load, a bad override) ends the
+process with one `error: <what, the bad value, the fix>` line and exit status 2, before JAX is
+imported or anything is written. `--help` prints every flag with a sentence and exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import traceback
+from typing import NoReturn
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from jaxscale.errors import USAGE_EXIT_CODE, ConfigError
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
+_HELP_FLAGS = ("--help", "-h", "-help", "--helpfull", "--helpshort")
+
+
+def fail(message: str) -> NoReturn:
+    """Ends the process the way every user mistake ends it: one line, exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT_CODE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A plain flag next to --config: `--NAME=VALUE`, a string (or an int when `default` is)."""
+    name: str
+    default: str | int | None
+    help: str
+    metavar: str = "VALUE"
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """Imports `path` and returns its `get_config()`; ConfigError naming the file, the line and the
+    fix when it does not load or does not return a ConfigDict."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass --config=configs/NAME.py "
+                          "(a Python file with get_config())")
+    spec = importlib.util.spec_from_file_location("jaxscale_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path!r} line {e.lineno}: syntax error ({e.msg}); fix "
+                          "the Python in that line") from None
+    except Exception as e:  # noqa: BLE001 - whatever the file raises is the user's to fix
+        raise ConfigError(_raised_in(path, e, "failed to load")) from None
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise ConfigError(f"config file {path!r} has no get_config() function; define one that "
+                          "returns jaxscale.config.default_config() with your changes")
+    try:
+        config = get_config()
+    except Exception as e:  # noqa: BLE001 - e.g. a str assigned to an int key
+        raise ConfigError(_raised_in(path, e, "get_config() failed")) from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"config file {path!r}: get_config() returned a "
+                          f"{type(config).__name__}, not an ml_collections.ConfigDict; start from "
+                          "`config = jaxscale.config.default_config()` and return it")
+    return config
+
+
+def _raised_in(path: str, error: Exception, what: str) -> str:
+    """'config file X line N: <what> (TypeError: ...)' with the deepest line of `path` in the
+    traceback, so the user sees where in their file it went wrong."""
+    line = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if os.path.abspath(frame.filename) == os.path.abspath(path):
+            line = frame.lineno
+    where = f" line {line}" if line else ""
+    return (f"config file {path!r}{where}: {what} ({type(error).__name__}: "
+            f"{_one_line(_message(error))}); fix that line, e.g. give each key a value of its "
+            "default's type (see jaxscale/config.py:default_config())")
+
+
+def _message(error: Exception) -> str:
+    """An exception's text without the quoting KeyError adds (`'\\'steps\\'\\nDid you...'`),
+    also when it is wrapped in another exception (ml_collections raises AttributeError(KeyError))."""
+    while len(error.args) == 1 and isinstance(error.args[0], Exception):
+        error = error.args[0]
+    return str(error.args[0]) if len(error.args) == 1 else str(error)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def config_path(argv: list[str], default: str = DEFAULT_CONFIG) -> str:
+    """The value of `--config=PATH` (or `--config PATH`) in `argv`, else `default`."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
+
+
+def _without_config_path(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--config":
+            skip = True
+        elif not arg.startswith("--config="):
+            out.append(arg)
+    return out
+
+
+def print_help(prog: str, about: str, options: list[Option], config_help: str) -> None:
+    lines = [f"usage: {prog} [--config=FILE] "
+             + " ".join(f"[--{o.name}={o.metavar}]" for o in options)
+             + " [--config.KEY=VALUE ...]", "", about.strip(), "", "flags:",
+             f"  --config=FILE  {config_help} (default: {os.path.relpath(DEFAULT_CONFIG)})"]
+    for o in options:
+        default = f" (default: {o.default})" if o.default not in (None, "") else ""
+        lines.append(f"  --{o.name}={o.metavar}  {o.help}{default}")
+    lines.append("  --config.KEY=VALUE  override one key of the config, e.g. "
+                 "--config.train.steps=100 or --config.mesh.fsdp=4; every key and its default is "
+                 "in jaxscale/config.py:default_config() (README: Config keys)")
+    lines.append("  --help  show this message and exit")
+    print("\n".join(lines))
+
+
+def parse_config_flags(argv: list[str], *, prog: str, about: str, options: list[Option],
+                       config_help: str = "the config: a Python file whose get_config() returns "
+                                          "an ml_collections.ConfigDict",
+                       ) -> tuple[ml_collections.ConfigDict, dict]:
+    """(config with overrides applied, {option name: value}) from `argv` (argv[0] is the
+    program). Exits with `error: ...` on any mistake and with status 0 after `--help`."""
+    args = argv[1:]
+    if any(a in _HELP_FLAGS for a in args):
+        print_help(prog, about, options, config_help)
+        sys.exit(0)
+    try:
+        config = load_config_file(config_path(args))
+    except ConfigError as e:
+        fail(str(e))
+    flag_values = flags.FlagValues()
+    stripped = [argv[0], *_without_config_path(args)]
+    overrides = [a for a in stripped if a.startswith("--config.")]
+    try:
+        # Overrides are applied here, while the flag is defined (ml_collections reads sys_argv).
+        config_flags.DEFINE_config_dict("config", config, flag_values=flag_values,
+                                        lock_config=True, sys_argv=stripped)
+        holders = {}
+        for o in options:
+            define = flags.DEFINE_integer if isinstance(o.default, int) else flags.DEFINE_string
+            holders[o.name] = define(o.name, o.default, o.help, flag_values=flag_values)
+        rest = flag_values(stripped)
+    except flags.Error as e:
+        fail(f"{_one_line(_message(e))}; see {prog} --help")
+    except (KeyError, AttributeError, ValueError, TypeError) as e:  # a bad --config.KEY override
+        fail(f"bad override among {overrides} ({_one_line(_message(e))}); the keys and their "
+             "types are those of jaxscale/config.py:default_config()")
+    if len(rest) > 1:
+        fail(f"unexpected arguments {rest[1:]}; flags look like --config.KEY=VALUE"
+             + "".join(f" --{o.name}={o.metavar}" for o in options))
+    return config, {name: holder.value for name, holder in holders.items()}

@@ -1,0 +1,91 @@
+"""A run's workdir: checked before anything is written, opened once every check has passed.
+
+    <workdir>/config.json      the config of the newest start
+    <workdir>/metrics.jsonl    one JSON object per logging step (jaxscale.metrics)
+    <workdir>/tensorboard/     event files
+    <workdir>/run.json         first start time and start count (jaxscale.goodput)
+    <workdir>/checkpoints/     unless checkpoint.dir puts them elsewhere
+
+Only process 0 writes these files; every process writes its own checkpoint shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+from jaxscale.errors import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+# What a run that starts from step 0 sets aside when an earlier start left them without a checkpoint.
+_EARLIER_START_FILES = (METRICS_FILE, "tensorboard", "run.json")
+
+
+def check_writable(path: str, what: str, fix: str) -> None:
+    """ConfigError unless `path` is a folder, or could be created as one, that this process may
+    write. Leaves nothing behind: the probe is a file made and removed in the nearest folder that
+    exists (permissions alone do not tell, e.g. for root or read-only mounts)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{what} {path!r} cannot be written: {existing!r} is a file, not a "
+                          f"folder; {fix}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jaxscale_write_probe_", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{what} {path!r} cannot be written ({e.strerror} in {existing!r}); "
+                          f"{fix}") from None
+
+
+def check_workdir(workdir: str) -> None:
+    if "://" in workdir:
+        raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted "
+                          "folder. Put checkpoints in a bucket with "
+                          "--config.checkpoint.dir=gs://...")
+    check_writable(workdir, "workdir", "pass --workdir=<a folder you can write>")
+
+
+def open_workdir(workdir: str, config_json: str) -> None:
+    """Creates `workdir` and records the config this start runs with."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as f:
+        f.write(config_json)
+
+
+def logged_metrics(workdir: str) -> list[dict]:
+    """Every line of `metrics.jsonl`, oldest first; [] when there is none."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def latest_metrics(workdir: str) -> dict:
+    """The newest value of every metric the run has logged (its last train line merged with its
+    last eval line, and so on), with `step` the newest step logged."""
+    latest: dict = {}
+    for line in logged_metrics(workdir):
+        latest.update(line)
+    return latest
+
+
+def set_aside_earlier_start(workdir: str) -> str | None:
+    """Moves the metrics, TensorBoard files and run record of an earlier start that left no
+    checkpoint into `<workdir>/earlier-<time>/`, so a run starting again from step 0 does not
+    log the same steps twice into one file; returns that folder, or None when there was none."""
+    found = [name for name in _EARLIER_START_FILES
+             if os.path.exists(os.path.join(workdir, name))]
+    if METRICS_FILE not in found:
+        return None
+    folder = os.path.join(workdir, f"earlier-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(folder)
+    for name in found:
+        os.replace(os.path.join(workdir, name), os.path.join(folder, name))
+    return folder
