@@ -20,7 +20,6 @@ LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
-REMAT_POLICIES = ("none", "full", "save_dots")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -69,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
         rope_theta=10000.0,
         norm_eps=1e-5,
         tie_embeddings=False,
-        remat="none",  # none | full | save_dots
+        remat="none",  # jaxscale.models.REMAT_POLICIES: none | full | save_dots
     )
     c.optim = dict(
         lr=3e-3,
@@ -126,13 +125,10 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def padded_vocab_size(model: ml_collections.ConfigDict) -> int:
-    m = model.vocab_multiple
-    return -(-model.vocab_size // m) * m
-
-
 def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
     """The length of each logical axis under `config`, used to check it divides its mesh axes."""
+    from jaxscale.train_state import model_config  # imports JAX; validation needs it anyway
+
     m, t = config.model, config.train
     return dict(
         batch=t.batch_size // max(t.microbatches, 1),  # what one microbatch shards
@@ -142,7 +138,7 @@ def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
         kv_heads=m.n_kv_heads,
         head_dim=m.head_dim,
         mlp=m.mlp_dim,
-        vocab=padded_vocab_size(m),
+        vocab=model_config(config).padded_vocab_size,
         layers=m.n_layers,
     )
 
@@ -240,8 +236,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
                           f"{m.n_heads} (grouped-query attention)")
     if m.name != "llama":
         raise ConfigError(f"model.name={m.name!r} is unknown; the available model is 'llama'")
+    from jaxscale.models import REMAT_POLICIES  # imports JAX; validation needs it anyway
+
     if m.remat not in REMAT_POLICIES:
-        raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
+        raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "
+                          f"{tuple(REMAT_POLICIES)}")
     if config.precision.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")

@@ -44,19 +44,6 @@ _BAR_WIDTH = 30
 _BAR_MIN_INTERVAL = 0.1
 
 
-def flops_per_token(*, num_params: int, n_layers: int, n_heads: int, head_dim: int,
-                    seq_len: int) -> float:
-    """Training FLOPs per token, forward plus backward (PaLM, appendix B).
-
-    `6 * num_params` counts the weight matmuls (2 FLOPs per multiply-add, forward once, backward
-    twice); `12 * n_layers * n_heads * head_dim * seq_len` counts the attention score and value
-    matmuls, which have no parameters. `num_params` must be the parameters that take part in
-    matmuls: leave out the input embedding table when it is untied from the output projection,
-    because a lookup costs no FLOPs.
-    """
-    return 6.0 * num_params + 12.0 * n_layers * n_heads * head_dim * seq_len
-
-
 def peak_flops_per_device(device_kind: str) -> float | None:
     """Peak dense bf16 FLOP/s of one device of this kind, or None for CPUs and unknown chips."""
     kind = device_kind.lower()

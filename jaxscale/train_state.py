@@ -23,8 +23,19 @@ class TrainState(NamedTuple):
     good_steps: jax.Array  # int32 scalar: finite steps since the loss scale last changed
 
 
+def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
+    """The model's config from the run's `model` and `precision` sections."""
+    m = config.model
+    return models.LlamaConfig(
+        vocab_size=m.vocab_size, vocab_multiple=m.vocab_multiple, d_model=m.d_model,
+        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+        mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings, remat=m.remat, dtype=config.precision.compute_dtype)
+
+
 class ModelSpec(NamedTuple):
     """What the step needs to know about the model, taken from its abstract (unallocated) form."""
+    config: models.LlamaConfig
     graphdef: nnx.GraphDef
     logical_specs: Any  # same tree as params, leaves are PartitionSpecs of logical axis names
     abstract_params: Any  # same tree, leaves are ShapeDtypeStructs
@@ -32,16 +43,17 @@ class ModelSpec(NamedTuple):
 
 
 def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
-    abstract = models.abstract_model(config)
+    cfg = model_config(config)
+    abstract = models.abstract_model(cfg)
     graphdef, state = nnx.split(abstract)
-    return ModelSpec(graphdef, nnx.get_partition_spec(state).to_pure_dict(),
-                     state.to_pure_dict(), models.count_params(abstract))
+    return ModelSpec(cfg, graphdef, nnx.to_pure_dict(nnx.get_partition_spec(state)),
+                     nnx.to_pure_dict(state), models.count_params(abstract))
 
 
 def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
                seed: int) -> TrainState:
     """A fresh state. Call it under `jit` with out_shardings so every array is born sharded."""
-    params = nnx.split(models.create_model(config, seed))[1].to_pure_dict()
+    params = nnx.to_pure_dict(nnx.split(models.create_model(model_config(config), seed))[1])
     loss_scale = config.precision.loss_scale_init if uses_dynamic_loss_scale(config) else 1.0
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),

@@ -28,24 +28,27 @@ from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
 from jaxscale.data.sources import skipped_records
-from jaxscale.goodput import RunClock
 from jaxscale.mesh import build_mesh, dcn_granules
 from jaxscale.optim import make_optimizer
 from jaxscale.preemption import Preempted, RunStopped, StopSignals
 from jaxscale.sharding import batch_sharding, rules_from_config, use_rules
 from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
+from jaxscale.timing import RunClock, Speed, StepWindow
 from jaxscale.train_state import TrainState, init_state, model_spec, state_shardings
-from jaxscale.workdir import (check_workdir, latest_metrics, open_workdir,
+from jaxscale.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                               set_aside_earlier_start)
 
 
-def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Points JAX's persistent compilation cache at this run's folder (or turns it off): a restarted
-    run loads its compiled programs instead of compiling them again."""
+def compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> str | None:
     c = config.checkpoint
-    cache_dir = None
-    if c.compilation_cache:
-        cache_dir = c.compilation_cache_dir or os.path.join(workdir, "compilation_cache")
+    if not c.compilation_cache:
+        return None
+    return c.compilation_cache_dir or os.path.join(workdir, "compilation_cache")
+
+
+def use_compilation_cache(cache_dir: str | None) -> None:
+    """Points JAX's persistent compilation cache at `cache_dir` (None turns it off): a restarted
+    run loads its compiled programs instead of compiling them again."""
     compilation_cache.set_cache_dir(cache_dir)
     # JAX opens the cache once per process; reopen it in case an earlier run here used another.
     compilation_cache.reset_cache()
@@ -93,14 +96,12 @@ class Trainer:
             self._with_rules(make_eval_step(self.model.graphdef)),
             in_shardings=(self.state_shardings.params, batch_shardings))
 
-        m, t = config.model, config.train
-        # The input embedding is a lookup, not a matmul, unless it doubles as the output head.
-        embedding = self.model.abstract_params["embed"].size
-        matmul_params = self.model.num_params - (0 if m.tie_embeddings else embedding)
-        self.flops_per_token = metrics_lib.flops_per_token(
-            num_params=matmul_params, n_layers=m.n_layers, n_heads=m.n_heads,
-            head_dim=m.head_dim, seq_len=t.seq_len)
-        self.peak_flops = metrics_lib.peak_flops_per_device(devices_kind(self.mesh))
+        t = config.train
+        self.speed = Speed(
+            tokens_per_step=t.batch_size * t.seq_len,
+            flops_per_token=self.model.config.flops_per_token(self.model.num_params, t.seq_len),
+            num_devices=self.mesh.size,
+            peak_flops_per_device=metrics_lib.peak_flops_per_device(devices_kind(self.mesh)))
 
     def _with_rules(self, fn):
         """Traces `fn` with this run's mesh and rules active, so the model's `constrain` works."""
@@ -126,10 +127,17 @@ class Trainer:
         with contextlib.ExitStack() as stack:
             train_input = stack.enter_context(
                 contextlib.closing(make_input(config, "train", self.batch_sharding)))
+            held_out = None
             if t.eval_every:
                 check_splits(config, ("eval",))
+                held_out = stack.enter_context(
+                    contextlib.closing(HeldOut(config, self.batch_sharding)))
             checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
             checkpoints.check_writable()
+            if cache_dir := compilation_cache_dir(config, self.workdir):
+                check_writable(cache_dir, "checkpoint.compilation_cache_dir",
+                               "pass --config.checkpoint.compilation_cache_dir=<a folder you can "
+                               "write>, or --config.checkpoint.compilation_cache=False")
             own, restored = self.restore(checkpoints, train_input)
             if own is not None and own.meta["step"] >= t.steps:
                 self.say(f"the run in {self.workdir} is already complete at step "
@@ -147,7 +155,7 @@ class Trainer:
                     self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint "
                              f"to resume from; starting from step 0 (the earlier files are in "
                              f"{earlier})")
-            use_compilation_cache(config, self.workdir)
+            use_compilation_cache(cache_dir)
             checkpoints.open_for_saving()
             writer = stack.enter_context(metrics_lib.MetricsWriter(
                 self.workdir, enabled=self.is_primary, total_steps=t.steps))
@@ -176,7 +184,7 @@ class Trainer:
                     writer.write(done, logged)
                 if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                     with window.paused():
-                        eval_metrics = self.evaluate(state.params)
+                        eval_metrics = self.evaluate(state.params, held_out)
                     writer.write(done, eval_metrics, prefix="eval_")
                     logged.update({f"eval_{k}": v for k, v in eval_metrics.items()})
                 writer.progress(done)
@@ -222,19 +230,20 @@ class Trainer:
         return own, restored
 
     def start_state(self, restored: Restored | None,
-                    own: Restored | None) -> tuple[TrainState, _Window]:
+                    own: Restored | None) -> tuple[TrainState, StepWindow]:
         """The state the loop starts from (restored, or a fresh sharded init), with the window that
         times the steps from here on."""
         seed = self.config.train.seed
         run_clock = RunClock(self.workdir, enabled=self.is_primary)
         if restored is None:
-            return self.init_state(seed), _Window(self, run_clock, restarts=run_clock.restarts)
+            return self.init_state(seed), StepWindow(self.speed, run_clock, self.start_time,
+                                                     restarts=run_clock.restarts)
         self.say(f"restored {restored.path} in {restored.seconds:.1f}s"
                  f"{' (params only)' if restored.train is None else ''}")
         # Another run's productive time is not this run's.
-        window = _Window(self, run_clock, restarts=run_clock.restarts,
-                         restore_seconds=restored.seconds,
-                         productive_seconds=own.meta["productive_seconds"] if own else 0.0)
+        window = StepWindow(self.speed, run_clock, self.start_time, restarts=run_clock.restarts,
+                            restore_seconds=restored.seconds,
+                            productive_seconds=own.meta["productive_seconds"] if own else 0.0)
         if restored.train is None:  # fine-tuning: fresh optimizer from step 0, data from the start
             return self.init_state(seed)._replace(params=restored.params), window
         return TrainState(params=restored.params, **restored.train), window
@@ -272,15 +281,31 @@ class Trainer:
         self.say(message)
         raise stop(message, step)
 
-    def evaluate(self, params) -> dict[str, float]:
+    def evaluate(self, params, held_out: HeldOut) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
         total, tokens = 0.0, 0.0
-        with contextlib.closing(make_input(self.config, "eval", self.batch_sharding)) as batches:
-            for _ in range(self.config.train.eval_batches):
-                batch_loss, batch_tokens = self.eval_step(params, next(batches))
-                total, tokens = total + batch_loss, tokens + batch_tokens
+        for batch in held_out.first_batches(self.config.train.eval_batches):
+            batch_loss, batch_tokens = self.eval_step(params, batch)
+            total, tokens = total + batch_loss, tokens + batch_tokens
         loss = float(total / max(float(tokens), 1.0))
         return {"loss": loss, "perplexity": float(np.exp(loss))}
+
+
+class HeldOut:
+    """The eval split, opened once per run: every eval reads the same first batches, without
+    listing the files or loading the tokenizer again."""
+
+    def __init__(self, config: ml_collections.ConfigDict, sharding: jax.sharding.Sharding):
+        self._input = make_input(config, "eval", sharding)
+        self._start = self._input.get_state()
+
+    def first_batches(self, count: int):
+        self._input.set_state(self._start)
+        for _ in range(count):
+            yield next(self._input)
+
+    def close(self) -> None:
+        self._input.close()
 
 
 class StepsInFlight:
@@ -304,87 +329,6 @@ class _Run:
     """What one `Trainer.run()` works with, besides the state."""
     checkpoints: Checkpoints
     train_input: Input
-    window: _Window
+    window: StepWindow
     bad_steps: BadSteps
     writer: metrics_lib.MetricsWriter
-
-
-class _Window:
-    """The steps since the last log line: their device-side metrics and their wall time.
-
-    Step metrics stay on the device until `summary()`, the one device->host sync per window. The
-    first step of a run is timed alone (it includes compilation) and reported as
-    `time_to_first_step`, with the other `first_line` metrics (restarts, restore time); throughput
-    covers the later steps of the window only. Timed step time adds up to the run's productive
-    time, the numerator of goodput.
-    """
-
-    def __init__(self, trainer: Trainer, run_clock: RunClock, productive_seconds: float = 0.0,
-                 **first_line: float):
-        self.trainer = trainer
-        self.run_clock = run_clock
-        self.metrics: list[dict] = []
-        self.timed_steps = 0
-        self.start: float | None = None  # None until the first step has finished
-        self.data_wait = 0.0
-        # Productive seconds of earlier processes of this run (from the checkpoint) and of the
-        # windows this process has closed.
-        self.productive = productive_seconds
-        self.first_line = first_line  # reported on the first log line, with time_to_first_step
-
-    @contextlib.contextmanager
-    def waiting_for_data(self):
-        begin = time.perf_counter()
-        yield
-        self.data_wait += time.perf_counter() - begin
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Time spent inside (e.g. eval) does not count as step time."""
-        begin = time.perf_counter()
-        yield
-        if self.start is not None:
-            self.start += time.perf_counter() - begin
-
-    def add(self, step_metrics: dict) -> None:
-        self.metrics.append(step_metrics)
-        if self.start is None:
-            jax.block_until_ready(step_metrics)
-            self.start = time.perf_counter()
-            self.first_line["time_to_first_step"] = self.start - self.trainer.start_time
-            self.data_wait = 0.0
-        else:
-            self.timed_steps += 1
-
-    def productive_seconds(self) -> float:
-        """Step time of the whole run so far: compilation, restoring, eval and checkpoint blocking
-        excluded; steps an earlier process did after its last checkpoint excluded too."""
-        if self.start is None:
-            return self.productive
-        return self.productive + time.perf_counter() - self.start
-
-    def summary(self) -> dict[str, float]:
-        fetched = jax.device_get(self.metrics)
-        # Averages over the steps that counted: a skipped step's inf/NaN would hide the others.
-        finite = [m for m in fetched if not m["skipped"]] or fetched
-        summary = {k: float(np.mean([m[k] for m in finite])) for k in ("loss", "grad_norm")}
-        summary["lr"] = float(fetched[-1]["lr"])
-        summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
-        if "loss_scale" in fetched[-1]:
-            summary["loss_scale"] = float(fetched[-1]["loss_scale"])
-        now = time.perf_counter()
-        if self.timed_steps:
-            seconds = now - self.start
-            t = self.trainer.config.train
-            summary.update(metrics_lib.throughput(
-                steps=self.timed_steps, seconds=seconds, tokens_per_step=t.batch_size * t.seq_len,
-                flops_per_token=self.trainer.flops_per_token, num_devices=self.trainer.mesh.size,
-                peak_flops_per_device=self.trainer.peak_flops))
-            summary["data_wait_fraction"] = self.data_wait / seconds
-        self.productive += now - self.start
-        summary["goodput"] = self.run_clock.goodput(self.productive)
-        summary.update(self.first_line)
-        self.first_line = {}
-        self.metrics, self.timed_steps, self.data_wait = [], 0, 0.0
-        self.start = now
-        return summary

@@ -3,7 +3,7 @@
     <workdir>/config.json      the config of the newest start
     <workdir>/metrics.jsonl    one JSON object per logging step (jaxscale.metrics)
     <workdir>/tensorboard/     event files
-    <workdir>/run.json         first start time and start count (jaxscale.goodput)
+    <workdir>/run.json         first start time and start count (jaxscale.timing)
     <workdir>/checkpoints/     unless checkpoint.dir puts them elsewhere
 
 Only process 0 writes these files; every process writes its own checkpoint shards.
@@ -44,6 +44,9 @@ def check_writable(path: str, what: str, fix: str) -> None:
 
 
 def check_workdir(workdir: str) -> None:
+    if not workdir.strip():
+        raise ConfigError("workdir '' is empty; pass --workdir=DIR, the folder for the run's "
+                          "metrics and checkpoints")
     if "://" in workdir:
         raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted "
                           "folder. Put checkpoints in a bucket with "

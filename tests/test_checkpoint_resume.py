@@ -78,7 +78,8 @@ def test_a_run_stopped_by_sigterm_resumes_with_bitwise_the_same_losses(tmp_path)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == RESTART_EXIT_CODE, output[-3000:]
     stopped_at = max(losses(resumed))
-    assert f"preempted at step {stopped_at}: checkpoint saved" in output
+    assert f"preempted at step {stopped_at}: checkpoint " in output
+    assert f"checkpoints/{stopped_at} saved; exiting to be restarted" in output
     assert os.listdir(resumed / "checkpoints") == [str(stopped_at)]
 
     code, output = train(flags(resumed, steps, every_steps=1000))

@@ -297,3 +297,16 @@ def test_a_state_saved_under_some_process_count_resumes_under_another(method):
     _, saved = global_batches(config, 2, 3)
     for process_count in (1, 4):
         assert_same(uninterrupted[3:], global_batches(config, process_count, 3, saved)[0])
+
+
+def test_every_eval_reads_the_same_held_out_batches_as_a_fresh_input(batch_sharding):
+    from jaxscale.trainer import HeldOut
+
+    config = small_config()
+    fresh = take(config, "eval", batch_sharding, 3)
+    held_out = HeldOut(config, batch_sharding)
+    try:
+        for _ in range(2):  # two evals, the first having read ahead
+            assert_same([jax.device_get(b) for b in held_out.first_batches(3)], fresh)
+    finally:
+        held_out.close()

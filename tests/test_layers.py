@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxscale.models import create_model
+from jaxscale.train_state import model_config
 from jaxscale.models.layers import MLP, Attention, RMSNorm, apply_rope
 from tests.helpers import small_config
 
@@ -98,7 +99,7 @@ def test_mlp_matches_reference():
 
 def test_packed_documents_do_not_see_each_other():
     """A row holding two documents gives each the logits it gets alone (positions restart)."""
-    model = create_model(small_config(), 0)
+    model = create_model(model_config(small_config()), 0)
     a, b = RNG.integers(3, 259, 5), RNG.integers(3, 259, 7)
     packed = jnp.asarray(np.concatenate([a, b]))[None]
     positions = jnp.asarray(np.concatenate([np.arange(5), np.arange(7)]))[None]
@@ -114,7 +115,7 @@ def test_remat_policies_keep_gradients(remat):
     tokens = jnp.asarray(RNG.integers(3, 259, (2, 8)))
 
     def grads(cfg):
-        model = create_model(cfg, 0)
+        model = create_model(model_config(cfg), 0)
         graphdef, params = nnx.split(model)
         loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens) ** 2)
         return jax.grad(loss)(params)

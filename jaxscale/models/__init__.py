@@ -1,26 +1,28 @@
-"""Model registry: `config.model.name` -> a Flax NNX module built from the config."""
+"""The model: a Flax NNX Llama built from a `LlamaConfig` the caller makes; its parameter count."""
 
 from __future__ import annotations
 
 import math
 
 import jax
-import ml_collections
 from flax import nnx
 
-from jaxscale.models.llama import Llama, LlamaConfig
+from jaxscale.models.llama import REMAT_POLICIES, Llama, LlamaConfig
+
+__all__ = ["REMAT_POLICIES", "Llama", "LlamaConfig", "abstract_model", "count_params",
+           "create_model"]
 
 # Parameters are created unsharded and placed by the trainer's jit out_shardings; Flax's eager
 # sharding would need a mesh at construction time, which model code must not know about.
 nnx.use_eager_sharding(False)
 
 
-def create_model(config: ml_collections.ConfigDict, seed) -> nnx.Module:
-    """The model of `config` with freshly initialised float32 parameters; `seed` may be traced."""
-    return Llama(LlamaConfig.from_config(config), nnx.Rngs(params=jax.random.key(seed)))
+def create_model(config: LlamaConfig, seed) -> nnx.Module:
+    """The model with freshly initialised float32 parameters; `seed` may be traced."""
+    return Llama(config, nnx.Rngs(params=jax.random.key(seed)))
 
 
-def abstract_model(config: ml_collections.ConfigDict) -> nnx.Module:
+def abstract_model(config: LlamaConfig) -> nnx.Module:
     """The model with shapes and logical axes but no allocated parameters."""
     return nnx.eval_shape(lambda: create_model(config, 0))
 

@@ -11,10 +11,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
-from jaxscale.config import padded_vocab_size
 from jaxscale.models.layers import MLP, Attention, RMSNorm, float32_accumulating, param
 from jaxscale.sharding import constrain
 
@@ -29,27 +27,38 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    vocab_size: int  # padded: the embedding's row count
+    """The model's own config, made by the caller (the trainer builds it from `config.model` and
+    `config.precision`); nothing here knows the app's config or the mesh."""
+    vocab_size: int  # the tokenizer's ids
     d_model: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
     mlp_dim: int
+    vocab_multiple: int = 1  # the embedding's rows are padded to a multiple (shards evenly)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    remat: str = "none"
+    remat: str = "none"  # a key of REMAT_POLICIES
     dtype: str = "bfloat16"  # compute dtype
 
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> "LlamaConfig":
-        m = config.model
-        return cls(vocab_size=padded_vocab_size(m), d_model=m.d_model, n_layers=m.n_layers,
-                   n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-                   mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                   tie_embeddings=m.tie_embeddings, remat=m.remat,
-                   dtype=config.precision.compute_dtype)
+    @property
+    def padded_vocab_size(self) -> int:
+        """The embedding's and the head's row count."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def flops_per_token(self, num_params: int, seq_len: int) -> float:
+        """Training FLOPs per token, forward plus backward (PaLM, appendix B).
+
+        `6 * N` counts the weight matmuls (2 FLOPs per multiply-add, forward once, backward twice)
+        with N the parameters that take part in matmuls: the input embedding is a lookup, not a
+        matmul, unless it doubles as the output head. `12 * layers * heads * head_dim * seq_len`
+        counts the attention score and value matmuls, which have no parameters.
+        """
+        embedding = self.padded_vocab_size * self.d_model
+        matmul_params = num_params - (0 if self.tie_embeddings else embedding)
+        return 6.0 * matmul_params + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 class Block(nnx.Module):
@@ -76,7 +85,7 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+        self.embed = param(rngs, (cfg.padded_vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -86,11 +95,11 @@ class Llama(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
-            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+            self.head = param(rngs, (cfg.d_model, cfg.padded_vocab_size), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        """tokens [batch, length] int -> float32 logits [batch, length, vocab_size].
+        """tokens [batch, length] int -> float32 logits [batch, length, padded_vocab_size].
 
         `positions` restart at 0 in each packed document and `segment_ids` keep attention inside a
         document; both default to one unpacked sequence per row.

@@ -1,0 +1,135 @@
+"""Timing a run: the steps of a logging window (throughput, MFU, data wait), and the run's
+restarts and goodput, counted across the processes that resume it.
+
+Goodput is the share of wall time since the run first started that went into training steps that
+count. Start-up, compilation, restoring, eval, the blocking part of checkpoint saves, and steps
+redone after a restart do not count: the productive seconds travel inside each checkpoint, so the
+steps a crash loses (those after the last checkpoint) drop out when the run resumes. When the run
+first started and how many times it has started live in `<workdir>/run.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from jaxscale.metrics import throughput
+
+RUN_RECORD = "run.json"
+
+
+class RunClock:
+    """Reads and updates `<workdir>/run.json`; only process 0 should pass `enabled=True`."""
+
+    def __init__(self, workdir: str, *, enabled: bool):
+        self.started_at, self.restarts = time.time(), 0
+        if not enabled:
+            return
+        path = os.path.join(workdir, RUN_RECORD)
+        record = {"started_at": self.started_at, "starts": 0}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        record["starts"] += 1
+        # Written whole then renamed: a crash mid-write must not lose the run's start time.
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+        self.started_at, self.restarts = record["started_at"], record["starts"] - 1
+
+    def goodput(self, productive_seconds: float) -> float:
+        return productive_seconds / max(time.time() - self.started_at, 1e-9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """What turns step time into throughput: `jaxscale.metrics.throughput`'s constants."""
+    tokens_per_step: int
+    flops_per_token: float
+    num_devices: int
+    peak_flops_per_device: float | None
+
+
+class StepWindow:
+    """The steps since the last log line: their device-side metrics and their wall time.
+
+    Step metrics stay on the device until `summary()`, the one device->host sync per window. The
+    first step of a run is timed alone (it includes compilation) and reported as
+    `time_to_first_step`, with the other `first_line` metrics (restarts, restore time); throughput
+    covers the later steps of the window only. Timed step time adds up to the run's productive
+    time, the numerator of goodput.
+    """
+
+    def __init__(self, speed: Speed, run_clock: RunClock, started_at: float,
+                 productive_seconds: float = 0.0, **first_line: float):
+        self.speed = speed
+        self.run_clock = run_clock
+        self.started_at = started_at  # perf_counter() when the process began the run
+        self.metrics: list[dict] = []
+        self.timed_steps = 0
+        self.start: float | None = None  # None until the first step has finished
+        self.data_wait = 0.0
+        # Productive seconds of earlier processes of this run (from the checkpoint) and of the
+        # windows this process has closed.
+        self.productive = productive_seconds
+        self.first_line = first_line  # reported on the first log line, with time_to_first_step
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        begin = time.perf_counter()
+        yield
+        self.data_wait += time.perf_counter() - begin
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (e.g. eval) does not count as step time."""
+        begin = time.perf_counter()
+        yield
+        if self.start is not None:
+            self.start += time.perf_counter() - begin
+
+    def add(self, step_metrics: dict) -> None:
+        self.metrics.append(step_metrics)
+        if self.start is None:
+            jax.block_until_ready(step_metrics)
+            self.start = time.perf_counter()
+            self.first_line["time_to_first_step"] = self.start - self.started_at
+            self.data_wait = 0.0
+        else:
+            self.timed_steps += 1
+
+    def productive_seconds(self) -> float:
+        """Step time of the whole run so far: compilation, restoring, eval and checkpoint blocking
+        excluded; steps an earlier process did after its last checkpoint excluded too."""
+        if self.start is None:
+            return self.productive
+        return self.productive + time.perf_counter() - self.start
+
+    def summary(self) -> dict[str, float]:
+        fetched = jax.device_get(self.metrics)
+        # Averages over the steps that counted: a skipped step's inf/NaN would hide the others.
+        finite = [m for m in fetched if not m["skipped"]] or fetched
+        summary = {k: float(np.mean([m[k] for m in finite])) for k in ("loss", "grad_norm")}
+        summary["lr"] = float(fetched[-1]["lr"])
+        summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
+        if "loss_scale" in fetched[-1]:
+            summary["loss_scale"] = float(fetched[-1]["loss_scale"])
+        now = time.perf_counter()
+        if self.timed_steps:
+            seconds = now - self.start
+            summary.update(throughput(steps=self.timed_steps, seconds=seconds,
+                                      **dataclasses.asdict(self.speed)))
+            summary["data_wait_fraction"] = self.data_wait / seconds
+        self.productive += now - self.start
+        summary["goodput"] = self.run_clock.goodput(self.productive)
+        summary.update(self.first_line)
+        self.first_line = {}
+        self.metrics, self.timed_steps, self.data_wait = [], 0, 0.0
+        self.start = now
+        return summary
