@@ -177,7 +177,9 @@ class Checkpoints:
         before it tried); a checkpoint that does not fit the model config is the user's to
         resolve (ConfigError).
         """
-        if not self.enabled or not self.directory.exists():
+        # Agreed, and before any process writes: a process that looked after another had created
+        # the folder would open a reader (and its barriers) that the others do not.
+        if not self.enabled or not _all_processes_agree(self.directory.exists()):
             return None
         with _reader(self.directory) as reader:
             steps = list(reversed(reader.all_steps()))
