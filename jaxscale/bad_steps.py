@@ -2,7 +2,7 @@
 
 The train step already drops the update of a step whose loss or gradient norm is not finite (and
 lowers the float16 loss scale). Here the host counts those skipped steps. Their flags stay on the
-device until `in_a_row()` is asked, on logging steps and before a checkpoint, so counting adds no
+device until `settle()` fetches them, on logging steps and before a checkpoint, so counting adds no
 device->host sync to other steps.
 """
 
@@ -27,11 +27,10 @@ class BadSteps:
     def add(self, step: int, skipped: jax.Array) -> None:
         self._pending.append((step, skipped))
 
-    def in_a_row(self) -> int:
-        """Skipped steps ending at the newest step (0 when it was finite).
-
-        Raises TooManyBadSteps once the count reaches `max_in_a_row`.
-        """
+    def settle(self) -> int:
+        """Fetches the flags of the steps added since the last call; returns the skipped steps in
+        a row ending at the newest step (0 when it was finite). Raises TooManyBadSteps once that
+        count reaches `max_in_a_row`."""
         steps = [step for step, _ in self._pending]
         flags = jax.device_get([flag for _, flag in self._pending])
         self._pending.clear()

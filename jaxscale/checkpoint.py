@@ -4,7 +4,7 @@ One checkpoint is the folder `<checkpoint dir>/<step>/` with four Orbax items:
 
     params/  the parameters; every process writes the shards it holds
     train/   the rest of the TrainState: step, optimizer state, loss scale
-    data/    process_<i>.json: the data iterator position of each process
+    data/    iterator.json: the data iterator position of every process's row streams
     meta/    step, seed, config, productive seconds (for goodput)
 
 The train step uses no random numbers: the seed, the step and the data position determine every
@@ -114,8 +114,9 @@ class Checkpoints:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def due(self, step: int, *, log_step: bool) -> bool:
-        """Whether `step` should be saved, by `every_steps`, `every_minutes` or a postponed save.
+    def due(self, step: int, *, log_step: bool, final: bool = False) -> bool:
+        """Whether `step` should be saved: the run's last step, `every_steps`, `every_minutes`, or
+        a save postponed from a non-finite step.
 
         The clock is read on logging steps only, where process 0's answer is shared with the
         others: processes must agree, and a broadcast on every step would cost a sync each.
@@ -124,20 +125,25 @@ class Checkpoints:
             return False
         self._note_finished_save()
         every_steps, every_minutes = self.options.every_steps, self.options.every_minutes
-        if self._save_owed or (every_steps and step % every_steps == 0):
+        if final or self._save_owed or (every_steps and step % every_steps == 0):
             return True
         if every_minutes and log_step:
             return _process_0_decides(time.monotonic() - self._last_save >= 60 * every_minutes)
         return False
 
-    def postpone(self) -> None:
-        """The due save is skipped (its step was not finite); save at the next step instead."""
-        self._save_owed = True
-
-    def save(self, step: int, state: TrainState, data_state: dict, meta: dict) -> None:
+    def save(self, step: int, state: TrainState, data_state: dict, meta: dict, *,
+             finite: bool = True) -> bool:
         """Starts saving; returns once the state is copied off the devices, so training can go on
         (and donate the state's buffers) while the files are written. Waits first for the save
-        before it."""
+        before it.
+
+        A step that was not `finite` is not saved: the save moves to the next step (`due` says
+        so), and no checkpoint ever follows a non-finite step. Returns whether it saved.
+        """
+        if not finite:
+            self._save_owed = True
+            logger.warning("step %d was not finite: its checkpoint waits for a finite step", step)
+            return False
         self.open_for_saving()
         begin = time.perf_counter()
         self.wait()  # Orbax would wait too; waiting here records the previous save's total time
@@ -149,6 +155,7 @@ class Checkpoints:
         now = time.perf_counter()
         self._metrics["checkpoint_blocking_seconds"] = now - begin
         self._in_flight, self._last_save, self._save_owed = begin, time.monotonic(), False
+        return True
 
     def wait(self) -> None:
         """Blocks until the last save is durable."""
@@ -341,28 +348,29 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     for item in ("params", "train"):
         registry.add(item, ocp.args.StandardSave)
         registry.add(item, ocp.args.StandardRestore)
-    per_process = _PerProcessJsonHandler()  # every process has its own data position
-    registry.add("data", ocp.args.JsonSave, per_process)
-    registry.add("data", ocp.args.JsonRestore, per_process)
+    data_state = _DataStateHandler()
+    registry.add("data", ocp.args.JsonSave, data_state)
+    registry.add("data", ocp.args.JsonRestore, data_state)
     registry.add("meta", ocp.args.JsonSave)
     registry.add("meta", ocp.args.JsonRestore)
     return registry
 
 
-class _PerProcessJsonHandler(ocp.handlers.JsonCheckpointHandler):
-    """Every process writes its own `process_<i>.json` and reads it back. A process that did not
-    exist when the checkpoint was written reads process 0's: what a position saved under another
-    process count means is for the data package to decide (`Input.set_state`)."""
+class _DataStateHandler(ocp.handlers.JsonCheckpointHandler):
+    """The data iterator's position: `Input.get_state()` already holds every process's row
+    streams, so process 0 writes it once and every process reads that file. Checkpoints written
+    before this layout have one identical `process_<i>.json` per process; they read
+    `process_0.json`."""
+
+    FILENAME = "iterator.json"
+    _EARLIER_FILENAME = "process_0.json"
 
     def __init__(self):
-        self.filename = f"process_{jax.process_index()}.json"
-        # `primary_host=None` makes every process a writer.
-        super().__init__(self.filename, multiprocessing_options=ocp.options.MultiprocessingOptions(
-            primary_host=None))
+        super().__init__(self.FILENAME)
 
     def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> dict:
-        if not (directory / self.filename).exists():
-            return json.loads((directory / "process_0.json").read_text())
+        if not (directory / self.FILENAME).exists():
+            return json.loads((directory / self._EARLIER_FILENAME).read_text())
         return super().restore(directory, item, args)
 
 

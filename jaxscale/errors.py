@@ -34,6 +34,12 @@ def describe_exit(status: int) -> str:
     return f"exited with status {status}"
 
 
+def interrupted(status: int) -> bool:
+    """Whether a child's `Popen.returncode` means it stopped for a Ctrl-C: it exited 130, or it was
+    killed by SIGINT (a program that does not catch it)."""
+    return status in (INTERRUPTED_EXIT_CODE, -signal.SIGINT)
+
+
 def shell_exit_status(status: int) -> int:
     """A child's `Popen.returncode` as a shell reports it: a signal death becomes 128 + signal."""
     return 128 - status if status < 0 else status

@@ -5,28 +5,41 @@ Restarts a run on one machine until it finishes. The command's exit status decid
     0                       finished                       exit 0
     2 (USAGE_EXIT_CODE)     a mistake to fix (config,      exit 2: a restart would fail the
                             too many bad steps)            same way
+    130 (Ctrl-C)            interrupted, checkpoint saved  exit 130: the user asked it to stop
     42 (RESTART_EXIT_CODE)  preempted, checkpoint saved    restart at once
     anything else, signals  crashed or killed              restart after a backoff that
                                                            doubles with each crash in a row
 
-After `--max_restarts` restarts it gives up and exits with the run's last status. A SIGTERM or
-SIGINT sent to supervise goes to the run (which saves and exits 42) and supervise then exits with
-the run's status instead of restarting: the machine itself is going away, and the launcher above
-decides. Each restart is logged on stderr.
+After `--max_restarts` restarts it gives up and exits with the run's last status. Each restart is
+logged on stderr.
+
+Signals. The run has its own process group, so a Ctrl-C in the terminal reaches supervise only;
+supervise passes the first SIGINT or SIGTERM it gets on to the run's process group, once, and from
+then on starts nothing: it exits with the run's status (130 when a Ctrl-C made jaxscale.train
+save and stop; 42 when a SIGTERM did) for the launcher above to decide. A second Ctrl-C kills the
+run at once (SIGKILL, nothing saved since its last checkpoint) and exits 130; later SIGTERMs are
+ignored (the run is already stopping). A signal during the wait before a restart ends supervise
+at once, without restarting: 130 for a Ctrl-C, the last run's status for a SIGTERM. Running the
+same command again resumes the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
 import time
 
-from jaxscale.errors import RESTART_EXIT_CODE, USAGE_EXIT_CODE, describe_exit, shell_exit_status
+from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, USAGE_EXIT_CODE,
+                             describe_exit, interrupted, shell_exit_status)
+from jaxscale.launch.cli import ArgumentParser, nonnegative, nonnegative_float
 
 # A run that lived this long before crashing was healthy: the next crash starts a fresh backoff.
 HEALTHY_RUN_SECONDS = 600.0
+# The wait before a restart checks this often whether supervise was told to stop.
+STOP_POLL_SECONDS = 0.05
 
 
 def log(message: str) -> None:
@@ -41,23 +54,66 @@ class Supervisor:
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
         self.child: subprocess.Popen | None = None
-        self.stopping = False
+        self.stop_signal: int | None = None  # the first SIGTERM or SIGINT received
+        self.killed = False  # a second Ctrl-C: the run is killed at once
+        self.delivered: set[int] = set()  # signals already sent to the current child
 
-    def forward_signal(self, signum, frame) -> None:
-        self.stopping = True
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
+    def on_signal(self, signum, frame) -> None:
+        """The SIGTERM and SIGINT handler. It only records and sends signals (no output, no
+        waiting), so it is safe wherever the main thread is."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        elif signum == signal.SIGINT:
+            self.killed = True
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Sends the current child what it has not been sent yet: the stop signal, then SIGKILL."""
+        child = self.child
+        if child is None or child.returncode is not None:
+            return
+        for signum, wanted in ((self.stop_signal, self.stop_signal is not None),
+                               (signal.SIGKILL, self.killed)):
+            if wanted and signum not in self.delivered:
+                self.delivered.add(signum)
+                try:
+                    os.killpg(child.pid, signum)  # the child leads its own process group
+                except ProcessLookupError:
+                    pass  # it has exited; wait() collects its status
+
+    def _start(self) -> subprocess.Popen:
+        self.delivered = set()
+        # Its own process group: a Ctrl-C in the terminal reaches the run only through supervise.
+        self.child = subprocess.Popen(self.command, process_group=0)
+        self._deliver()  # a signal that came while it was starting
+        return self.child
+
+    def _wait_before_restart(self, delay: float) -> None:
+        """Sleeps `delay` seconds, or less if supervise is told to stop meanwhile."""
+        deadline = time.monotonic() + delay
+        while self.stop_signal is None and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, STOP_POLL_SECONDS))
 
     def run(self) -> int:
-        """Runs the command until it finishes, fails for good or runs out of restarts; returns
-        the exit status for this process."""
-        restarts, crashes_in_a_row = 0, 0
+        """Runs the command until it finishes, fails for good, is stopped, or runs out of
+        restarts; returns the exit status for this process."""
+        restarts, crashes_in_a_row, status = 0, 0, None
         while True:
+            if self.stop_signal is not None:  # told to stop before a (re)start: nothing to save
+                name = signal.Signals(self.stop_signal).name
+                if status is not None:
+                    log(f"got {name} while waiting to restart the run; not restarting it")
+                if self.stop_signal == signal.SIGINT:
+                    return INTERRUPTED_EXIT_CODE
+                return 128 + self.stop_signal if status is None else shell_exit_status(status)
             began = time.monotonic()
-            # Its own process group: a Ctrl-C reaches the run once, through forward_signal.
-            self.child = subprocess.Popen(self.command, process_group=0)
-            status = self.child.wait()
-            if status in (0, USAGE_EXIT_CODE) or self.stopping:
+            status = self._start().wait()
+            if self.killed:
+                log("killed the run at once (second Ctrl-C); it saved nothing since its last "
+                    "checkpoint; run the same command again to resume from that one")
+                return INTERRUPTED_EXIT_CODE
+            if (status in (0, USAGE_EXIT_CODE) or interrupted(status)
+                    or self.stop_signal is not None):
                 return shell_exit_status(status)
             if restarts == self.max_restarts:
                 log(f"run {describe_exit(status)}; no restarts left (--max_restarts="
@@ -72,33 +128,36 @@ class Supervisor:
                             self.max_backoff_seconds)
             log(f"run {describe_exit(status)}; restart {restarts}/{self.max_restarts} "
                 f"in {delay:g}s")
-            time.sleep(delay)
-            if self.stopping:  # told to stop while waiting: nothing to forward, nothing to save
-                return shell_exit_status(status)
+            self._wait_before_restart(delay)
+
+
+def make_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m jaxscale.supervise",
+        description="Restart a jaxscale run that was preempted (status 42) or crashed; stop on "
+                    "success (0), a usage error (2) or Ctrl-C (130).",
+        epilog="example: python -m jaxscale.supervise --max_restarts=20 -- "
+               "python -m jaxscale.train --workdir=runs/a")
+    parser.add_argument("--max_restarts", type=nonnegative, default=10,
+                        help="Give up after this many restarts (default 10).")
+    parser.add_argument("--backoff_seconds", type=nonnegative_float, default=5.0,
+                        help="Wait this long before restarting after a crash; the wait doubles "
+                             "with each crash in a row (default 5).")
+    parser.add_argument("--max_backoff_seconds", type=nonnegative_float, default=300.0,
+                        help="Never wait longer than this between restarts (default 300).")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="The run's command line, after --.")
+    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxscale.supervise",
-        description="Restart a jaxscale run that was preempted (status 42) or crashed.",
-        epilog="example: python -m jaxscale.supervise --max_restarts=20 -- "
-               "python -m jaxscale.train --workdir=runs/a")
-    parser.add_argument("--max_restarts", type=int, default=10,
-                        help="give up after this many restarts (default 10)")
-    parser.add_argument("--backoff_seconds", type=float, default=5.0,
-                        help="wait before restarting after a crash; doubles with each crash in a "
-                             "row (default 5)")
-    parser.add_argument("--max_backoff_seconds", type=float, default=300.0,
-                        help="longest wait between restarts (default 300)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the run's command line, after --")
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if not args.command:
-        parser.error("no command to supervise; put it after --, e.g. -- python -m jaxscale.train")
-    if args.max_restarts < 0 or args.backoff_seconds < 0 or args.max_backoff_seconds < 0:
-        parser.error("--max_restarts, --backoff_seconds and --max_backoff_seconds must be >= 0")
+        parser.error("no command to supervise; put it after --, e.g. python -m "
+                     "jaxscale.supervise -- python -m jaxscale.train --workdir=runs/a")
     return args
 
 
@@ -108,9 +167,12 @@ def main(argv: list[str]) -> int:
                             backoff_seconds=args.backoff_seconds,
                             max_backoff_seconds=args.max_backoff_seconds)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, supervisor.forward_signal)
+        signal.signal(signum, supervisor.on_signal)
     return supervisor.run()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # a Ctrl-C before the handlers were installed: nothing started yet
+        sys.exit(INTERRUPTED_EXIT_CODE)

@@ -9,6 +9,7 @@ prints one `error: ...` line and exits with status 2, before anything is compile
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from jaxscale.cli import Option, fail, parse_config_flags
@@ -26,7 +27,15 @@ def parse_flags(argv: list[str]):
     return config, values["workdir"]
 
 
+def _stop_before_training(signum, frame) -> None:
+    # Until the trainer takes Ctrl-C over (after its checks), nothing is worth saving; a
+    # KeyboardInterrupt raised inside `import jax` could crash the interpreter instead of stopping.
+    print("\ninterrupted before training began; nothing was saved", file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
 def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, _stop_before_training)
     try:
         config, workdir = parse_flags(argv)
         # Import JAX only now, so that --help and flag errors stay fast.
@@ -43,9 +52,8 @@ def main(argv: list[str]) -> None:
             fail(str(e))
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop: nothing to save
-        print("\ninterrupted before training began; nothing was saved", file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT_CODE)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

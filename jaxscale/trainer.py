@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -27,7 +26,6 @@ from jaxscale.bad_steps import BadSteps
 from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
-from jaxscale.data.sources import skipped_records
 from jaxscale.mesh import build_mesh, dcn_granules
 from jaxscale.optim import make_optimizer
 from jaxscale.preemption import Preempted, RunStopped, StopSignals
@@ -161,57 +159,8 @@ class Trainer:
                 self.workdir, enabled=self.is_primary, total_steps=t.steps))
             signals = stack.enter_context(StopSignals())
             state, window = self.start_state(restored, own)
-            run = _Run(checkpoints, train_input, window, BadSteps(t.max_bad_steps), writer)
-            in_flight = StepsInFlight(limit=2)
-            logged: dict[str, float] = {}
-            first_step = int(state.step)
-            for step in range(first_step, t.steps):
-                with window.waiting_for_data():
-                    batch = next(train_input)
-                state, step_metrics = self.train_step(state, batch)
-                done = step + 1
-                window.add(step_metrics)
-                in_flight.add(step_metrics["loss"])
-                run.bad_steps.add(done, step_metrics["skipped"])
-                if stop := signals.reached(done):
-                    self.stop(stop, done, state, run)
-                if checkpoints.due(done, log_step=self.logs(done)) or done == t.steps:
-                    self.save(done, state, run)
-                if self.logs(done):
-                    run.bad_steps.in_a_row()  # raises TooManyBadSteps
-                    logged = {**window.summary(), **checkpoints.take_metrics(),
-                              "data_skipped_records": skipped_records.count}
-                    writer.write(done, logged)
-                if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-                    with window.paused():
-                        eval_metrics = self.evaluate(state.params, held_out)
-                    writer.write(done, eval_metrics, prefix="eval_")
-                    logged.update({f"eval_{k}": v for k, v in eval_metrics.items()})
-                writer.progress(done)
-            checkpoints.wait()
-            final_save = checkpoints.take_metrics()  # the last save's total time, known only now
-            if final_save:
-                writer.write(t.steps, final_save)
-            self.say(self.summary_line(first_step, logged, checkpoints))
-        return logged
-
-    def summary_line(self, first_step: int, logged: dict, checkpoints: Checkpoints) -> str:
-        t = self.config.train
-        steps = t.steps - first_step
-        minutes, seconds = divmod(time.perf_counter() - self.start_time, 60)
-        parts = [f"done: step {t.steps}, {steps} steps ({steps * t.batch_size * t.seq_len:,} "
-                 f"tokens) in {int(minutes)}m{seconds:04.1f}s"]
-        if "loss" in logged:
-            parts.append(f"loss {logged['loss']:.4g}")
-        if "eval_loss" in logged:
-            parts.append(f"eval loss {logged['eval_loss']:.4g}")
-        parts.append(f"checkpoint {checkpoints.directory / str(t.steps)}"
-                     if checkpoints.enabled else "no checkpoint (checkpoint.enabled=False)")
-        return "; ".join(parts)
-
-    def logs(self, step: int) -> bool:
-        t = self.config.train
-        return step % t.log_every == 0 or step == t.steps
+            loop = _Loop(self, checkpoints, train_input, held_out, window, writer, signals)
+            return loop.run(state)
 
     def restore(self, checkpoints: Checkpoints,
                 train_input: Input) -> tuple[Restored | None, Restored | None]:
@@ -247,39 +196,6 @@ class Trainer:
         if restored.train is None:  # fine-tuning: fresh optimizer from step 0, data from the start
             return self.init_state(seed)._replace(params=restored.params), window
         return TrainState(params=restored.params, **restored.train), window
-
-    def save(self, step: int, state: TrainState, run: _Run) -> bool:
-        """Starts an async checkpoint of `step`; False when `step` was not finite, in which case the
-        save moves to the next finite step, so no checkpoint follows a non-finite one."""
-        if not run.checkpoints.enabled:
-            return False
-        if run.bad_steps.in_a_row():  # also waits for the step, so its time counts as step time
-            run.checkpoints.postpone()
-            self.say(f"step {step} was not finite: its checkpoint waits for a finite step")
-            return False
-        with run.window.paused():
-            meta = dict(step=step, seed=self.config.train.seed,
-                        productive_seconds=run.window.productive_seconds(),
-                        config=json.loads(self.config.to_json_best_effort()))
-            run.checkpoints.save(step, state, run.train_input.get_state(), meta)
-        return True
-
-    def stop(self, stop: type[RunStopped], step: int, state: TrainState, run: _Run) -> None:
-        """Preempted or interrupted: save `step` (every process agreed on it), wait until the
-        checkpoint is durable, log the steps since the last log line and raise `stop`."""
-        saved = self.save(step, state, run)
-        with run.window.paused():
-            run.checkpoints.wait()
-        run.writer.write(step, {**run.window.summary(), **run.checkpoints.take_metrics()})
-        where = (f"checkpoint {run.checkpoints.directory / str(step)} saved" if saved
-                 else "no checkpoint saved")
-        if stop is Preempted:
-            message = f"preempted at step {step}: {where}; exiting to be restarted"
-        else:
-            message = (f"interrupted at step {step}: {where}; run the same command again to "
-                       "resume")
-        self.say(message)
-        raise stop(message, step)
 
     def evaluate(self, params, held_out: HeldOut) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
@@ -324,11 +240,102 @@ class StepsInFlight:
             self._markers.popleft().block_until_ready()
 
 
-@dataclasses.dataclass
-class _Run:
-    """What one `Trainer.run()` works with, besides the state."""
-    checkpoints: Checkpoints
-    train_input: Input
-    window: StepWindow
-    bad_steps: BadSteps
-    writer: metrics_lib.MetricsWriter
+class _Loop:
+    """One start of a run, from its first step to `train.steps` (or a stop): next batch -> train
+    step -> stop check -> checkpoint when due -> metrics on logging steps -> eval on eval steps."""
+
+    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, train_input: Input,
+                 held_out: HeldOut | None, window: StepWindow,
+                 writer: metrics_lib.MetricsWriter, signals: StopSignals):
+        self.trainer, self.t = trainer, trainer.config.train
+        self.checkpoints, self.train_input, self.held_out = checkpoints, train_input, held_out
+        self.window, self.writer, self.signals = window, writer, signals
+        self.bad_steps = BadSteps(self.t.max_bad_steps)
+        self.in_flight = StepsInFlight(limit=2)
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.t.log_every == 0 or step == self.t.steps
+
+    def is_eval_step(self, step: int) -> bool:
+        return bool(self.t.eval_every) and (step % self.t.eval_every == 0 or step == self.t.steps)
+
+    def run(self, state: TrainState) -> dict[str, float]:
+        """Trains from `state` to `train.steps`; returns the last logged metrics."""
+        trainer, t, window = self.trainer, self.t, self.window
+        logged: dict[str, float] = {}
+        first_step = int(state.step)
+        for step in range(first_step, t.steps):
+            with window.waiting_for_data():
+                batch = next(self.train_input)
+            state, step_metrics = trainer.train_step(state, batch)
+            done = step + 1
+            window.add(step_metrics)
+            self.in_flight.add(step_metrics["loss"])
+            self.bad_steps.add(done, step_metrics["skipped"])
+            if stop := self.signals.reached(done):
+                self.stop(stop, done, state)
+            if self.checkpoints.due(done, log_step=self.is_log_step(done), final=done == t.steps):
+                self.save(done, state)
+            if self.is_log_step(done):
+                self.bad_steps.settle()  # raises TooManyBadSteps
+                logged = {**window.summary(), **self.checkpoints.take_metrics(),
+                          "data_skipped_records": self.train_input.skipped_records()}
+                self.writer.write(done, logged)
+            if self.is_eval_step(done):
+                with window.paused():
+                    eval_metrics = trainer.evaluate(state.params, self.held_out)
+                self.writer.write(done, eval_metrics, prefix="eval_")
+                logged.update({f"eval_{k}": v for k, v in eval_metrics.items()})
+            self.writer.progress(done)
+        self.checkpoints.wait()
+        final_save = self.checkpoints.take_metrics()  # the last save's total time, known only now
+        if final_save:
+            self.writer.write(t.steps, final_save)
+        trainer.say(self.summary_line(first_step, logged))
+        return logged
+
+    def save(self, step: int, state: TrainState) -> bool:
+        """Starts an async checkpoint of `step`, unless it was not finite (see Checkpoints.save)."""
+        if not self.checkpoints.enabled:
+            return False
+        finite = self.bad_steps.settle() == 0  # waits for the step: its time is step time
+        with self.window.paused():
+            config = self.trainer.config
+            meta = dict(step=step, seed=config.train.seed,
+                        productive_seconds=self.window.productive_seconds(),
+                        config=json.loads(config.to_json_best_effort()))
+            return self.checkpoints.save(step, state, self.train_input.get_state(), meta,
+                                         finite=finite)
+
+    def stop(self, stop: type[RunStopped], step: int, state: TrainState) -> None:
+        """Preempted or interrupted: save `step` (every process agreed on it), wait until the
+        checkpoint is durable, log the steps since the last log line and raise `stop`."""
+        saved = self.save(step, state)
+        with self.window.paused():
+            self.checkpoints.wait()
+        self.writer.write(step, {**self.window.summary(), **self.checkpoints.take_metrics()})
+        where = (f"checkpoint {self.checkpoints.directory / str(step)} saved" if saved
+                 else "no checkpoint saved")
+        if stop is Preempted:
+            message = f"preempted at step {step}: {where}; exiting to be restarted"
+        else:
+            message = (f"interrupted at step {step}: {where}; run the same command again to "
+                       "resume")
+        self.trainer.say(message)
+        raise stop(message, step)
+
+    def summary_line(self, first_step: int, logged: dict) -> str:
+        t = self.t
+        steps = t.steps - first_step
+        minutes, seconds = divmod(time.perf_counter() - self.trainer.start_time, 60)
+        parts = [f"done: step {t.steps}, {steps} steps ({steps * t.batch_size * t.seq_len:,} "
+                 f"tokens) in {int(minutes)}m{seconds:04.1f}s"]
+        if "loss" in logged:
+            parts.append(f"loss {logged['loss']:.4g}")
+        if "eval_loss" in logged:
+            parts.append(f"eval loss {logged['eval_loss']:.4g}")
+        parts.append(f"checkpoint {self.checkpoints.directory / str(t.steps)}"
+                     if self.checkpoints.enabled else "no checkpoint (checkpoint.enabled=False)")
+        return "; ".join(parts)
+
+

@@ -219,23 +219,26 @@ def test_time_based_saves_are_due_on_logging_steps_once_the_minutes_have_passed(
         assert checkpoints.due(8, log_step=True)
 
 
-def test_a_postponed_save_is_due_at_the_next_step(tmp_path):
+def test_a_non_finite_steps_save_moves_to_the_next_step_and_the_last_step_is_due(tmp_path):
     config = make_config(**FSDP8)
     config.checkpoint.update(every_steps=10)
     with Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert not checkpoints.due(9, log_step=False)
         assert checkpoints.due(10, log_step=False)
-        checkpoints.postpone()
+        assert not checkpoints.save(10, None, {}, {}, finite=False)  # nothing written
+        assert not (tmp_path / "checkpoints").exists()
         assert checkpoints.due(11, log_step=False)
+        assert checkpoints.due(13, log_step=False, final=True)
 
 
 def test_bad_steps_count_the_run_of_skipped_steps_and_stop_at_the_limit():
     bad_steps = BadSteps(max_in_a_row=3)
     for step, skipped in enumerate([0, 1, 1, 0, 1, 1], start=1):
         bad_steps.add(step, jnp.int32(skipped))
-    assert bad_steps.in_a_row() == 2
+    assert bad_steps.settle() == 2
     bad_steps.add(7, jnp.int32(1))
     with pytest.raises(TooManyBadSteps, match=r"3 steps in a row \(from step 5\).* after step 4"):
-        bad_steps.in_a_row()
+        bad_steps.settle()
 
 
 class PoisonedInput:
@@ -256,6 +259,9 @@ class PoisonedInput:
 
     def set_state(self, state):
         self.inner.set_state(state)
+
+    def skipped_records(self):
+        return self.inner.skipped_records()
 
     def close(self):
         self.inner.close()

@@ -266,7 +266,7 @@ def global_batches(config, process_count, n, states=None):
     `Input.get_state` gathers."""
     per_process, union = [], {}
     for rows in process_rows(config.train.batch_size, process_count):
-        it = iter(pipeline.local_batches(config, "train", rows))
+        it = iter(pipeline.local_batches(config, "train", rows, sources.SkippedRecords()))
         if states is not None:
             it.set_state({str(row): states[str(row)] for row in rows})
         per_process.append([next(it) for _ in range(n)])

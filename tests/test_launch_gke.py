@@ -186,6 +186,7 @@ def test_kueue_setup_defines_the_default_queue_and_priority_classes():
     ([*GPU_ARGS, "--name=Bad_Name"], "--name='Bad_Name'"),
     ([*TPU_ARGS, "--tpu_topology=2x2x3", "--chips_per_node=8"], "not a multiple"),
     ([*GPU_ARGS, "--bogus=1"], "unrecognized arguments: --bogus=1"),
+    ([*GPU_ARGS, "--max_restarts=-1"], "argument --max_restarts: -1 must be >= 0"),
 ])
 def test_bad_input_is_one_error_line_and_no_manifest(args, message):
     result = subprocess.run([*RENDER, *args], cwd=REPO, capture_output=True, text=True,

@@ -1,10 +1,14 @@
-"""The local multi-process launcher, and how real processes fail: real CPU processes with gloo."""
+"""The local multi-process launcher, and how real processes fail: real CPU processes with gloo;
+its Ctrl-C handling with real signals and stand-in processes; every launcher's --help."""
 
+import argparse
+import importlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -93,6 +97,18 @@ def test_a_process_that_never_arrives_is_named():
         "[1] never arrived")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--steps=0"], "argument --steps: 0 must be >= 1"),
+    (["--interval_s=-1"], "argument --interval_s: -1 must be >= 0"),
+    (["--interval_s=soon"], "argument --interval_s: 'soon' is not a number"),
+])
+def test_check_bad_input_is_one_error_line(args, message):
+    result = run([*CHECK, *args], timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
+
+
 def _python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
@@ -115,6 +131,19 @@ def test_launcher_stops_the_others_when_one_fails(capsys):
     err = capsys.readouterr().err
     assert "process 1 exited with status 3; stopping the others" in err
     assert "error: process 1 exited with status 3; all 2 processes have stopped" in err
+
+
+GLOO_LINE = ("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks "
+             "is : 3")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_gloo_connection_lines_are_hidden_unless_verbose(capsys, verbose):
+    launcher = Launcher([_python(f"print({GLOO_LINE!r}); print('step 1')")], [dict(os.environ)],
+                        grace_s=5, verbose=verbose)
+    assert launcher.wait() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ([f"[0] {GLOO_LINE}"] if verbose else []) + ["[0] step 1"]
 
 
 def test_launcher_prefixes_each_line_with_its_process(capsys):
@@ -140,6 +169,12 @@ def test_each_process_gets_its_own_device_count_and_identity():
     (["--processes=3", "--devices_per_process=2", "--", "--config=configs/tiny.py",
       "--config.mesh.data=4"], "mesh"),
     (["--", "--config=configs/missing.py"], "config"),
+    (["--processes=2", "--config=configs/tiny.py"],
+     "error: unrecognized arguments: --config=configs/tiny.py; flags for jaxscale.train (or "
+     "--module) go after --, e.g. python -m jaxscale.launch.local --processes=2 -- "
+     "--config=configs/tiny.py"),
+    (["--grace_s=-1"], "argument --grace_s: -1 must be >= 0"),
+    (["--port=65535"], "argument --port: 65535 is too large"),
 ])
 def test_bad_input_is_one_error_line_before_anything_starts(args, message):
     result = run([*LAUNCH, *args], timeout=60)
@@ -147,3 +182,122 @@ def test_bad_input_is_one_error_line_before_anything_starts(args, message):
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+# Stands in for jaxscale.train under Ctrl-C, without JAX: argv[1] says what it does on SIGINT
+# ("exit": exit 130, as training does once it has saved; "keep_saving": go on, a long save); it logs
+# each SIGINT to argv[2]/signals.<process id> and prints "ready PID" once its handler is in place.
+STAND_IN = """
+import os, signal, sys, time
+on_sigint, log_dir = sys.argv[1], sys.argv[2]
+me = os.environ["JAX_PROCESS_ID"]
+
+def on_signal(signum, frame):
+    with open(os.path.join(log_dir, "signals." + me), "a") as f:
+        f.write("SIGINT\\n")
+    print("got INT", flush=True)
+    if on_sigint == "exit":
+        sys.exit(130)
+
+signal.signal(signal.SIGINT, on_signal)
+print("ready", os.getpid(), flush=True)
+for _ in range(600):
+    time.sleep(0.1)
+sys.exit(1)
+"""
+
+
+@pytest.fixture
+def start_stand_ins(tmp_path):
+    """Starts launch.local over two stand-in processes, in a session of its own as a terminal
+    would; returns (launcher, their pids) once both are ready. A test that goes wrong fails
+    instead of hanging: everything is killed after 60 s."""
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    pids, watchdogs = [], []
+
+    def start(on_sigint):
+        env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+        launcher = subprocess.Popen(
+            [*LAUNCH, "--processes=2", "--module=stand_in", "--", on_sigint, str(tmp_path)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        watchdogs.append(threading.Timer(60, kill, [launcher.pid]))
+        watchdogs[-1].start()
+        for line in launcher.stdout:
+            if m := re.match(r"\[\d\] ready (\d+)", line):
+                pids.append(int(m.group(1)))
+                if len(pids) == 2:
+                    return launcher, list(pids)
+        raise AssertionError(f"the stand-ins never started: {launcher.stderr.read()}")
+
+    yield start
+    for watchdog in watchdogs:
+        watchdog.cancel()
+    for pid in pids:
+        kill(pid)  # a stand-in a broken launcher left behind
+
+
+def kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def signals_received(tmp_path):
+    return {i: (tmp_path / f"signals.{i}").read_text().split()
+            if (tmp_path / f"signals.{i}").exists() else [] for i in (0, 1)}
+
+
+def ctrl_c(process):
+    """What a terminal does on Ctrl-C: SIGINT to the foreground process group."""
+    os.killpg(process.pid, signal.SIGINT)
+
+
+def test_ctrl_c_reaches_every_process_once_and_the_launcher_exits_130(tmp_path, start_stand_ins):
+    launcher, _ = start_stand_ins("exit")
+    ctrl_c(launcher)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 130
+    assert signals_received(tmp_path) == {0: ["SIGINT"], 1: ["SIGINT"]}
+    assert err.splitlines() == ["launch.local: interrupted (Ctrl-C); all 2 processes have "
+                                "stopped; run the same command again to resume"]
+
+
+def test_a_second_ctrl_c_kills_every_process_at_once(tmp_path, start_stand_ins):
+    launcher, pids = start_stand_ins("keep_saving")
+    ctrl_c(launcher)
+    saving = set()
+    for line in launcher.stdout:  # both are saving
+        if line.endswith("got INT\n"):
+            saving.add(line[:3])
+            if len(saving) == 2:
+                break
+    ctrl_c(launcher)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 130
+    assert signals_received(tmp_path) == {0: ["SIGINT"], 1: ["SIGINT"]}  # then SIGKILL
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert err.splitlines() == ["launch.local: second Ctrl-C: killed all 2 processes at once, "
+                                "without saving; run the same command again to resume from the "
+                                "last checkpoint"]
+
+
+LAUNCHERS = ["jaxscale.launch.local", "jaxscale.launch.check", "jaxscale.launch.fit",
+             "jaxscale.launch.gke", "jaxscale.supervise"]
+
+
+@pytest.mark.parametrize("module", LAUNCHERS)
+def test_help_gives_every_flag_a_sentence(module):
+    result = run([sys.executable, "-m", module, "--help"], timeout=60)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    shown = " ".join(result.stdout.split())
+    for action in importlib.import_module(module).make_parser()._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[-1] if action.option_strings else action.dest
+        assert action.help and action.help[0].isupper() and action.help.endswith("."), name
+        assert f"{name} " in shown, name
+        assert " ".join(action.help.split()[:3]) in shown, name

@@ -2,6 +2,7 @@
 requeue logic run against stand-ins for srun and scontrol."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,35 +74,61 @@ def test_tpu_dry_run_of_delete():
     (["up", "--name=r", "--zone=z", "--accelerator_type=v5p-16", "--dry_run"],
      "error: pass the training flags after --"),
     (["launch", "--name=r"], "error: unknown command 'launch'"),
+    ([], "error: no command; use create, install, run, logs, status, delete or up"),
+    (["up", "--name=r", "--zone=z", "--slices=two"], "error: --slices=two must be a whole number"),
 ])
 def test_tpu_bad_input_fails_before_any_gcloud_command(args, message):
     result = tpu(*args)
     assert result.returncode == 2
     assert "gcloud" not in result.stdout
-    assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+
+
+def test_tpu_help_describes_every_flag():
+    result = tpu("--help")
+    assert result.returncode == 0 and result.stderr == ""
+    with open(TPU) as f:
+        flags = set(re.findall(r"^    (--[a-z_]+)(?:=\*)?[ )]", f.read(), re.M))  # its parser
+    assert {"--name", "--zone", "--spot", "--dry_run", "--help"} <= flags
+    described = {line.split()[0].split("=")[0] for line in result.stdout.splitlines()
+                 if line.startswith("  --") and len(line.split()) >= 3}
+    assert flags <= described, flags - described
 
 
 @pytest.fixture
 def slurm(tmp_path):
     """Runs the sbatch script as Slurm would, with srun and scontrol replaced by stand-ins that
-    log their arguments; srun exits with $SRUN_STATUS, or 42 when it receives SIGTERM."""
+    log their arguments; srun exits with $SRUN_STATUS, or 42 when it receives SIGTERM. With
+    `term_during_check`, `python` is a stand-in too: the config check sends SIGTERM to the batch
+    script and then dies of one, as a preemption that reaches the whole batch step does."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "log"
     (bin_dir / "srun").write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
-        trap 'echo srun got TERM >> {log}; kill $sleeper; exit 42' TERM
+        sleeper=""
+        trap 'echo srun got TERM >> {log}; [[ -z $sleeper ]] || kill $sleeper; exit 42' TERM
         echo "srun $*" >> {log}
         if [[ "$SRUN_STATUS" == hang ]]; then sleep 60 > /dev/null 2>&1 & sleeper=$!; wait; fi
         exit "$SRUN_STATUS"
         """))
     (bin_dir / "scontrol").write_text(f'#!/usr/bin/env bash\necho "scontrol $*" >> {log}\n')
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
+    stub_dir = tmp_path / "stub_python"
+    stub_dir.mkdir()
+    (stub_dir / "python").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        echo "python $*" >> {log}
+        kill -TERM "$PPID"
+        kill -TERM $$
+        """))
+    for tool in (bin_dir / "srun", bin_dir / "scontrol", stub_dir / "python"):
+        tool.chmod(0o755)
     python_dir = os.path.dirname(sys.executable)
 
-    def start(srun_status, *, gpus="8", restarts="0"):
-        env = {**os.environ, "PATH": f"{bin_dir}:{python_dir}:{os.environ['PATH']}",
+    def start(srun_status, *, gpus="8", restarts="0", term_during_check=False):
+        python = stub_dir if term_during_check else python_dir
+        env = {**os.environ, "PATH": f"{bin_dir}:{python}:{os.environ['PATH']}",
                "SRUN_STATUS": str(srun_status), "SLURM_JOB_ID": "99", "SLURM_JOB_NUM_NODES": "1",
                "SLURM_GPUS_ON_NODE": gpus, "SLURM_RESTART_COUNT": restarts}
         return subprocess.Popen(
@@ -127,15 +154,29 @@ def test_slurm_requeues_only_on_restart_me(slurm, srun_status, script_status, re
 
 
 def test_slurm_passes_sigterm_on_and_requeues(slurm):
+    # The SIGTERM comes as soon as srun has started: before the fix the script's trap was not
+    # installed yet in 3 runs out of 5, and the script died of the signal (143).
     start, logged = slurm
     job = start("hang")
     deadline = time.monotonic() + 120
     while not logged() and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.01)  # waits for the file that srun's stand-in writes when it starts
     job.send_signal(signal.SIGTERM)
-    job.communicate(timeout=60)
-    assert job.returncode == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
     assert logged()[1:] == ["srun got TERM", "scontrol requeue 99"]
+    assert "the run saved a checkpoint and asked to restart; requeueing job 99" in out
+
+
+def test_slurm_sigterm_before_srun_requeues_without_starting_the_run(slurm):
+    start, logged = slurm
+    job = start(0, term_during_check=True)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert [line.split()[0] for line in logged()] == ["python", "scontrol"]  # no srun
+    assert logged()[-1] == "scontrol requeue 99"
+    assert ("got SIGTERM before the run started, so did not start it; requeueing job 99"
+            in out)
 
 
 def test_slurm_stops_requeueing_a_run_that_always_restarts(slurm):

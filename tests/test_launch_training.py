@@ -126,11 +126,14 @@ def test_sigterm_to_one_process_checkpoints_all_and_resumes_to_the_same_losses(
     assert stopped_at < STEPS, "the run finished before the SIGTERM took effect"
     saved = os.path.join(tmp_path, "checkpoints", str(stopped_at))
     assert os.path.isdir(saved), os.listdir(os.path.join(tmp_path, "checkpoints"))
-    for process in (0, 1):  # every process wrote its own shards of the state, and its data position
+    for process in (0, 1):  # every process wrote its own shards of the state
         for item in ("params", "train"):
             shards = os.path.join(saved, item, f"ocdbt.process_{process}", "d")
             assert os.listdir(shards), shards
-        assert os.path.isfile(os.path.join(saved, "data", f"process_{process}.json"))
+    # One data position, written once, holding the row streams of both processes.
+    with open(os.path.join(saved, "data", "iterator.json")) as f:
+        assert len(json.load(f)["streams"]) == 8  # train.batch_size rows
+    assert sorted(os.listdir(os.path.join(saved, "data"))) == ["iterator.json"]
 
     resumed = launch(tmp_path, compiled_in=reference_dir)
     output = resumed.communicate(timeout=600)[0]

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.data.pipeline import local_batches, local_rows
-from jaxscale.data.sources import check_splits
+from jaxscale.data.sources import SkippedRecords, check_splits
 from jaxscale.errors import JaxscaleError
 
 __all__ = ["Input", "check_splits", "make_input"]
@@ -44,7 +44,8 @@ class Input:
         self._config, self._sharding = config, batch_sharding
         self._batch_size = config.train.batch_size
         self.rows = local_rows(batch_sharding, self._batch_size, config.train.seq_len)
-        self._iterator = iter(local_batches(config, split, self.rows))
+        self._skipped = SkippedRecords()
+        self._iterator = iter(local_batches(config, split, self.rows, self._skipped))
         self._batches = 0
 
     def __iter__(self) -> Input:
@@ -55,6 +56,13 @@ class Input:
         self._batches += 1
         return {name: jax.make_array_from_process_local_data(self._sharding, array)
                 for name, array in local.items()}
+
+    def skipped_records(self) -> int:
+        """Malformed records skipped so far, summed over every process (each must call it)."""
+        if jax.process_count() == 1:
+            return self._skipped.count
+        counts = multihost_utils.process_allgather(np.int64(self._skipped.count))
+        return int(np.sum(counts))
 
     def get_state(self) -> dict[str, Any]:
         """The position of every row stream, on every process.

@@ -102,12 +102,13 @@ def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, token
                         rows_at_once=FIRST_FIT_ROWS)
 
 
-def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[int]
-                  ) -> grain.IterDataset:
+def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[int],
+                  skipped: sources.SkippedRecords) -> grain.IterDataset:
     """The endless batches of global rows `rows` (numpy, stacked in that order), prefetched on a
-    thread. Its state is {str(row): that stream's state}."""
+    thread; malformed records are counted in `skipped`. Its state is {str(row): that stream's
+    state}."""
     tokenizer = tokenizer_from_config(config)
-    documents = [sources.source_documents(spec, split, tokenizer, config)
+    documents = [sources.source_documents(spec, split, tokenizer, config, skipped)
                  for spec in sources.source_specs(config)]
     streams = {row: row_stream(config, split, row, tokenizer, documents) for row in rows}
     batches = _StackedRows(streams, resolved_workers(config, tokenizer))

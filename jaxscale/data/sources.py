@@ -28,9 +28,9 @@ from jaxscale.errors import ConfigError, JaxscaleError
 SPLITS = ("train", "eval")
 
 
-class _SkippedRecords:
-    """Malformed records skipped by this process so far, over all sources and reader threads;
-    the trainer logs it as `data_skipped_records`."""
+class SkippedRecords:
+    """Malformed records skipped so far by one input of this process, over all its sources and
+    reader threads (`Input.skipped_records()` sums it over the processes)."""
 
     def __init__(self):
         self._count, self._lock = 0, threading.Lock()
@@ -43,8 +43,14 @@ class _SkippedRecords:
     def count(self) -> int:
         return self._count
 
+    # `data.prepare` ships the documents (and so this counter) to worker processes: the lock is
+    # made anew there, and their counts stay there (prepare logs each skipped record instead).
+    def __getstate__(self) -> dict:
+        return {"_count": self._count}
 
-skipped_records = _SkippedRecords()
+    def __setstate__(self, state: dict) -> None:
+        self._count, self._lock = state["_count"], threading.Lock()
+
 
 # Keys every source takes, with defaults; then the keys of each format (None: required).
 _COMMON = dict(weight=1.0, eval_fraction=0.02, eval_path="")
@@ -248,17 +254,18 @@ def _reader(spec: dict, pattern: str, where: str, tokenizer_name: str) -> format
 class _Documents:
     """Record index -> token ids, or None for a malformed record (skipped and counted)."""
 
-    def __init__(self, reader, tokenizer, source_name: str, max_bad_records: int):
+    def __init__(self, reader, tokenizer, source_name: str, max_bad_records: int,
+                 skipped: SkippedRecords):
         self._reader, self._tokenizer = reader, tokenizer
         self._source_name, self._max_bad = source_name, max_bad_records
-        self._bad = 0
+        self._bad, self._skipped = 0, skipped
 
     def __call__(self, index: int) -> np.ndarray | None:
         try:
             content = self._reader[int(index)]
         except formats.MalformedRecord as e:
             self._bad += 1
-            skipped_records.add()
+            self._skipped.add()
             if self._bad > self._max_bad:
                 raise JaxscaleError(
                     f"{self._source_name}: {self._bad} malformed records (latest: {e}); fix the "
@@ -406,16 +413,18 @@ def check_splits(config: ml_collections.ConfigDict, splits: Sequence[str] = SPLI
             _check_split(spec, split, reader, indices, eval_optional)
 
 
-def source_documents(spec: dict, split: str, tokenizer, config: ml_collections.ConfigDict
-                     ) -> grain.MapDataset:
-    """One epoch of `split`'s documents of one source: token arrays, None for a bad record.
-    JaxscaleError (see `check_splits`) when the split holds no documents."""
+def source_documents(spec: dict, split: str, tokenizer, config: ml_collections.ConfigDict,
+                     skipped: SkippedRecords | None = None) -> grain.MapDataset:
+    """One epoch of `split`'s documents of one source: token arrays, None for a bad record
+    (counted in `skipped`). JaxscaleError (see `check_splits`) when the split holds no
+    documents."""
     if spec["format"] == "synthetic":
         return synthetic_documents(split, config.train.seed, tokenizer,
                                    max_length=2 * config.train.seq_len)
     reader, indices = _open_split(spec, split, tokenizer.name)
     _check_split(spec, split, reader, indices)
-    documents = _Documents(reader, tokenizer, spec["name"], config.data.max_bad_records)
+    documents = _Documents(reader, tokenizer, spec["name"], config.data.max_bad_records,
+                           skipped or SkippedRecords())
     return grain.MapDataset.source(indices).map(documents)
 
 

@@ -15,20 +15,34 @@ import sys
 import time
 
 from jaxscale import distributed
-from jaxscale.errors import JaxscaleError
-from jaxscale.launch.cli import ArgumentParser, fail, positive
+from jaxscale.cli import fail
+from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError
+from jaxscale.launch.cli import ArgumentParser, nonnegative_float, positive
+
+
+def make_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m jaxscale.launch.check",
+                            description="Check that every process joins and collectives work.",
+                            epilog="example: python -m jaxscale.launch.local --processes=2 "
+                                   "--module=jaxscale.launch.check -- --steps=3")
+    parser.add_argument("--steps", type=positive, default=1,
+                        help="How many times to sum over every device (default 1).")
+    parser.add_argument("--interval_s", type=nonnegative_float, default=0.0,
+                        help="Seconds to wait between two sums (default 0).")
+    parser.add_argument("--init_timeout_s", type=positive,
+                        default=distributed.DEFAULT_INIT_TIMEOUT_S,
+                        help="Seconds to wait for every process to join before naming the "
+                             f"missing ones (default {distributed.DEFAULT_INIT_TIMEOUT_S}).")
+    parser.add_argument("--heartbeat_timeout_s", type=positive,
+                        default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                        help="Seconds without a heartbeat after which a process counts as dead "
+                             "and the others stop (default "
+                             f"{distributed.DEFAULT_HEARTBEAT_TIMEOUT_S}).")
+    return parser
 
 
 def parse_args(argv: list[str]):
-    parser = ArgumentParser(prog="python -m jaxscale.launch.check",
-                            description="Check that every process joins and collectives work.")
-    parser.add_argument("--steps", type=positive, default=1)
-    parser.add_argument("--interval_s", type=float, default=0.0)
-    parser.add_argument("--init_timeout_s", type=positive,
-                        default=distributed.DEFAULT_INIT_TIMEOUT_S)
-    parser.add_argument("--heartbeat_timeout_s", type=positive,
-                        default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S)
-    return parser.parse_args(argv)
+    return make_parser().parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
@@ -61,4 +75,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("check: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT_CODE)

@@ -1,19 +1,15 @@
-"""What the launcher CLIs share: the `error: ...` exit, and checking a training command's config
-against the cluster shape before anything is started or submitted."""
+"""What the launcher CLIs share: argparse with the `error: ...` exit (one line, status 2) for every
+bad flag or value, the number types of their flags, splitting a command line at `--`, and checking a training command's config against the cluster shape before anything is
+started or submitted."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from jaxscale.cli import fail
 from jaxscale.config import MESH_AXES, validate
-from jaxscale.errors import USAGE_EXIT_CODE, JaxscaleError
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(USAGE_EXIT_CODE)
-
+from jaxscale.errors import JaxscaleError
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one `error: ...` line and exit status 2."""
@@ -22,14 +18,46 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(f"{message} (see {self.prog} --help)")
 
 
-def positive(text: str) -> int:
+def _number(text: str, kind: type, lowest: float):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}; pass one >= {lowest:g}"
+                                         ) from None
+    if not value >= lowest:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} must be >= {lowest:g}")
     return value
+
+
+def positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    return _number(text, int, 1)
+
+
+def nonnegative(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    return _number(text, int, 0)
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a number of seconds (or other amount) >= 0."""
+    return _number(text, float, 0)
+
+
+def parse_launcher_args(parser: argparse.ArgumentParser, argv: list[str], passed_to: str):
+    """Parses a launcher's own flags, those before `--`; returns them and the arguments after `--`,
+    which go to `passed_to` (the program the launcher starts). A flag the launcher does not know is
+    an `error: ...` exit; given without any `--`, the error suggests putting it after one."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, unknown = parser.parse_known_args(argv[:split])
+    if unknown and split == len(argv):
+        own = [a for a in argv if a not in unknown]
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}; flags for {passed_to} go "
+                     f"after --, e.g. {' '.join([parser.prog, *own, '--', *unknown])}")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, argv[split + 1:]
 
 
 def check_train_args(train_args: list[str], num_devices: int, num_granules: int) -> None:

@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import sys
 
-from jaxscale.launch.cli import ArgumentParser, check_train_args, positive
+from jaxscale.launch.cli import ArgumentParser, check_train_args, parse_launcher_args, positive
+
+
+def make_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m jaxscale.launch.fit",
+                            description="Check a training config against a cluster shape; the "
+                                        "training flags go after --.",
+                            epilog="example: python -m jaxscale.launch.fit --devices=16 "
+                                   "--granules=2 -- --config=configs/tiny.py")
+    parser.add_argument("--devices", type=positive, required=True,
+                        help="Devices in the run, over all hosts.")
+    parser.add_argument("--granules", type=positive, default=1,
+                        help="TPU slices, or hosts where devices have no slices (default 1).")
+    return parser
 
 
 def main(argv: list[str]) -> None:
-    parser = ArgumentParser(prog="python -m jaxscale.launch.fit",
-                            description="Check a training config against a cluster shape.")
-    parser.add_argument("--devices", type=positive, required=True, help="devices in the run")
-    parser.add_argument("--granules", type=positive, default=1,
-                        help="TPU slices, or hosts where devices have no slices")
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
-    check_train_args(argv[split + 1:], args.devices, args.granules)
+    args, train_args = parse_launcher_args(make_parser(), argv, "jaxscale.train")
+    check_train_args(train_args, args.devices, args.granules)
     print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
 
 

@@ -30,7 +30,8 @@ import sys
 
 from jaxscale.distributed import GKE_COORDINATOR_PORT
 from jaxscale.errors import RESTART_EXIT_CODE, USAGE_EXIT_CODE
-from jaxscale.launch.cli import ArgumentParser, check_train_args, fail, positive
+from jaxscale.cli import fail
+from jaxscale.launch.cli import ArgumentParser, check_train_args, nonnegative, positive
 
 CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"
@@ -44,40 +45,54 @@ A3_NCCL_ENV = {
 }
 
 
-def parse_args(argv: list[str]):
+def make_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m jaxscale.launch.gke",
         description="Print a JobSet manifest (JSON) that trains CONFIG on GKE. Unknown "
                     "--config.KEY=VALUE flags are passed to training as overrides.")
-    parser.add_argument("--config", required=True, help="config file, e.g. configs/tiny.py; the "
-                        "same path must exist in the image (its working directory)")
-    parser.add_argument("--image", required=True, help="container image with jaxscale")
+    parser.add_argument("--config", required=True, help="Config file, e.g. configs/tiny.py; the "
+                        "same path must exist in the image (its working directory).")
+    parser.add_argument("--image", required=True, help="Container image with jaxscale.")
     parser.add_argument("--name", default="jaxscale",
-                        help="JobSet name (lowercase letters, digits, '-')")
-    parser.add_argument("--nodes", type=positive, help="GPU nodes (one pod each)")
-    parser.add_argument("--gpus_per_node", type=positive, default=8)
+                        help="JobSet name: lowercase letters, digits and '-' (default jaxscale).")
+    parser.add_argument("--nodes", type=positive, help="GPU nodes, one pod each.")
+    parser.add_argument("--gpus_per_node", type=positive, default=8,
+                        help="GPUs each GPU node has and each pod requests (default 8).")
     parser.add_argument("--gpu_type", default="nvidia-h100-80gb",
-                        help="node selector cloud.google.com/gke-accelerator (A3: H100 80GB)")
+                        help="Node selector cloud.google.com/gke-accelerator (default "
+                             "nvidia-h100-80gb, A3).")
     parser.add_argument("--tpu_accelerator",
                         help="TPU node pools instead of GPUs: cloud.google.com/"
-                             "gke-tpu-accelerator, e.g. tpu-v5p-slice, tpu-v6e-slice")
-    parser.add_argument("--tpu_topology", help="chips of one slice, e.g. 2x2x2 or 4x4")
+                             "gke-tpu-accelerator, e.g. tpu-v5p-slice or tpu-v6e-slice.")
+    parser.add_argument("--tpu_topology", help="Chips of one TPU slice, e.g. 2x2x2 or 4x4.")
     parser.add_argument("--chips_per_node", type=positive, default=4,
-                        help="TPU chips per host (4 on v4/v5p/v6e multi-host slices)")
-    parser.add_argument("--slices", type=positive, default=1, help="TPU slices (multi-slice)")
+                        help="TPU chips per host (default 4, as on v4/v5p/v6e multi-host "
+                             "slices).")
+    parser.add_argument("--slices", type=positive, default=1,
+                        help="TPU slices, for multi-slice (default 1).")
     storage = parser.add_mutually_exclusive_group(required=True)
-    storage.add_argument("--bucket", help="GCS bucket for the workdir, mounted with GCS FUSE")
-    storage.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) for the workdir")
-    parser.add_argument("--workdir", help=f"workdir inside the pod; default "
-                                          f"{CHECKPOINT_MOUNT}/NAME on the bucket or volume")
+    storage.add_argument("--bucket", help="GCS bucket for the workdir, mounted with GCS FUSE.")
+    storage.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) for the workdir.")
+    parser.add_argument("--workdir", help=f"Workdir inside the pod (default "
+                                          f"{CHECKPOINT_MOUNT}/NAME on the bucket or volume).")
     parser.add_argument("--service_account",
-                        help="Kubernetes service account (Workload Identity for the bucket)")
-    parser.add_argument("--queue", default="jaxscale", help="Kueue LocalQueue")
-    parser.add_argument("--priority_class", default="jaxscale-normal", help="PriorityClass")
-    parser.add_argument("--max_restarts", type=int, default=10,
-                        help="JobSet restarts after failures (preemptions, exit 42, don't count)")
+                        help="Kubernetes service account, e.g. for Workload Identity access to "
+                             "the bucket.")
+    parser.add_argument("--queue", default="jaxscale",
+                        help="Kueue LocalQueue to submit to (default jaxscale).")
+    parser.add_argument("--priority_class", default="jaxscale-normal",
+                        help="PriorityClass of the pods (default jaxscale-normal).")
+    parser.add_argument("--max_restarts", type=nonnegative, default=10,
+                        help="JobSet restarts after failures; preemptions (exit 42) don't count "
+                             "(default 10).")
     parser.add_argument("--grace_period_s", type=positive, default=300,
-                        help="SIGTERM to SIGKILL: time to save a checkpoint on preemption")
+                        help="Seconds from SIGTERM to SIGKILL, the time to save a checkpoint on "
+                             "preemption (default 300).")
+    return parser
+
+
+def parse_args(argv: list[str]):
+    parser = make_parser()
     args, unknown = parser.parse_known_args(argv)
     overrides = [a for a in unknown if a.startswith("--config.")]
     others = [a for a in unknown if a not in overrides]

@@ -3,16 +3,28 @@
     python -m jaxscale.launch.local --processes=2 --devices_per_process=4 -- \\
         --config=configs/tiny.py --workdir=runs/local
 
-Everything after `--` goes to `python -m jaxscale.train` (or `--module`). The processes find each
-other through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jaxscale.distributed's
-explicit mode) and use gloo for cross-process collectives. Each output line is prefixed with its
-process id. If a process fails, the others are stopped (SIGTERM, then SIGKILL after --grace_s) and
-the launcher exits with that process's status; if every process exits with RESTART_EXIT_CODE (a
-coordinated preemption), so does the launcher. SIGTERM or Ctrl-C to the launcher is passed on.
+Everything after `--` goes to `python -m jaxscale.train` (or `--module`); a training flag given
+without the `--` is an error that says so. The processes find each other through
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jaxscale.distributed's explicit mode)
+and use gloo for cross-process collectives. Each output line is prefixed with its process id;
+gloo's `[Gloo] Rank N is connected to M peer ranks` lines are hidden unless `--verbose`.
+
+If a process fails, the others are stopped (SIGTERM, then SIGKILL after --grace_s) and the launcher
+exits with that process's status; if every process exits with RESTART_EXIT_CODE (a coordinated
+preemption), so does the launcher.
+
+Signals: the processes run in sessions of their own, so a Ctrl-C in the terminal reaches the
+launcher only. The first SIGTERM or SIGINT it gets is passed on to every process, once (a SIGTERM:
+they save and exit 42; a Ctrl-C: they finish the step in flight, save and exit 130). When they have
+all exited 130 the launcher prints one line saying so and how to resume (run the same command
+again) and exits 130. A second Ctrl-C kills every process at once (SIGKILL; nothing saved since the
+last checkpoint) and exits 130. A Ctrl-C while the config is being checked starts nothing (exit
+130; SIGTERM: 42). None of these prints a KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -22,28 +34,52 @@ import sys
 import threading
 import time
 
-from jaxscale.errors import RESTART_EXIT_CODE, describe_exit, shell_exit_status
-from jaxscale.launch.cli import ArgumentParser, check_train_args, positive
+from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, describe_exit,
+                             interrupted, shell_exit_status)
+from jaxscale.launch.cli import (ArgumentParser, check_train_args, nonnegative, nonnegative_float,
+                                 parse_launcher_args, positive)
 
 POLL_S = 0.1
 
 
-def parse_args(argv: list[str]):
+def make_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m jaxscale.launch.local",
-        description="Run N jaxscale processes on this machine; arguments after -- go to the "
-                    "module (default jaxscale.train).")
-    parser.add_argument("--processes", type=positive, default=2)
+        description="Run N jaxscale processes on this machine; the arguments after -- go to the "
+                    "module (default jaxscale.train).",
+        epilog="example: python -m jaxscale.launch.local --processes=2 -- "
+               "--config=configs/tiny.py --workdir=runs/local")
+    parser.add_argument("--processes", type=positive, default=2,
+                        help="Number of processes to start (default 2).")
     parser.add_argument("--devices_per_process", type=positive, default=4,
-                        help="simulated CPU devices in each process")
+                        help="Simulated CPU devices in each process (default 4).")
     parser.add_argument("--module", default="jaxscale.train",
-                        help="Python module each process runs (python -m MODULE ARGS)")
-    parser.add_argument("--grace_s", type=float, default=10.0,
-                        help="seconds a process gets to exit after SIGTERM before SIGKILL")
-    parser.add_argument("--port", type=int, default=0,
-                        help="coordinator port (the rendezvous uses port + 1); 0 picks free ones")
-    split = argv.index("--") if "--" in argv else len(argv)
-    return parser.parse_args(argv[:split]), argv[split + 1:]
+                        help="Python module each process runs as python -m MODULE ARGS "
+                             "(default jaxscale.train).")
+    parser.add_argument("--grace_s", type=nonnegative_float, default=10.0,
+                        help="Seconds the other processes get to exit, after one has stopped, "
+                             "before they are killed (default 10).")
+    parser.add_argument("--port", type=port_number, default=0,
+                        help="Coordinator port; the rendezvous uses port + 1 (default 0: pick "
+                             "free ones).")
+    parser.add_argument("--verbose", action="store_true",
+                        help="Also show the processes' gloo connection messages "
+                             "([Gloo] Rank ...), hidden by default.")
+    return parser
+
+
+def port_number(text: str) -> int:
+    """argparse type: 0 (pick one) or a port that leaves room for port + 1."""
+    port = nonnegative(text)
+    if port > 65534:
+        raise argparse.ArgumentTypeError(f"{port} is too large; pass a port <= 65534 (port + 1 "
+                                         "is the rendezvous), or 0 to pick free ones")
+    return port
+
+
+def parse_args(argv: list[str]):
+    """The launcher's flags, and the arguments after `--` for the module."""
+    return parse_launcher_args(make_parser(), argv, "jaxscale.train (or --module)")
 
 
 def free_port_pair() -> int:
@@ -84,23 +120,41 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
     }
 
 
-class Launcher:
-    """Starts one process per command, prefixes their output, and stops them all together."""
+# The gloo lines every process prints once its collectives are connected; shown with --verbose.
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
-    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], grace_s: float):
+
+class Launcher:
+    """Starts one process per command, prefixes their output, and stops them all together.
+
+    `on_signal` is the launcher's SIGTERM and SIGINT handler: the first of either is passed on to
+    every process once; a later SIGINT (a second Ctrl-C) kills them all at once."""
+
+    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], grace_s: float,
+                 *, verbose: bool = False):
         self.grace_s = grace_s
+        self.verbose = verbose
         self.output_lock = threading.Lock()
-        self.procs = [
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-            for cmd, env in zip(commands, envs)]
-        self.pumps = [threading.Thread(target=self._pump, args=(i, p.stdout), daemon=True)
-                      for i, p in enumerate(self.procs)]
-        for t in self.pumps:
-            t.start()
+        self.stop_signal: int | None = None  # the first SIGTERM or SIGINT received
+        self.killed = False  # a second Ctrl-C
+        self.procs: list[subprocess.Popen] = []
+        self.delivered: list[set[int]] = []  # signals already sent to each process
+        self.pumps: list[threading.Thread] = []
+        for cmd, env in zip(commands, envs):
+            self.delivered.append(set())
+            self.procs.append(subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True))
+            self._deliver()  # a signal that came while the processes were starting
+            pump = threading.Thread(target=self._pump, args=(len(self.pumps),
+                                                             self.procs[-1].stdout), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
 
     def _pump(self, process_id: int, stream) -> None:
         for line in iter(stream.readline, b""):
+            if not self.verbose and GLOO_CONNECTED.match(line):
+                continue
             with self.output_lock:
                 sys.stdout.write(f"[{process_id}] {line.decode(errors='replace')}")
                 sys.stdout.flush()
@@ -109,23 +163,50 @@ class Launcher:
         with self.output_lock:
             print(f"launch.local: {message}", file=sys.stderr, flush=True)
 
+    def on_signal(self, signum, frame) -> None:
+        """Runs on the main thread wherever it is: it only records and sends signals (no output,
+        no locks), and wait() reports."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        elif signum == signal.SIGINT:
+            self.killed = True
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Sends each process what it has not been sent yet: the stop signal, then SIGKILL."""
+        for i, p in enumerate(self.procs):
+            for signum, wanted in ((self.stop_signal, self.stop_signal is not None),
+                                   (signal.SIGKILL, self.killed)):
+                if wanted and signum not in self.delivered[i]:
+                    self.delivered[i].add(signum)
+                    self._send(p, signum)
+
+    @staticmethod
+    def _send(p: subprocess.Popen, signum: int) -> None:
+        if p.returncode is None:
+            try:
+                # Each process leads its own session (start_new_session): its group is its pid.
+                os.killpg(p.pid, signum)
+            except ProcessLookupError:
+                pass  # it exited since; wait() collects its status
+
     def signal_all(self, signum: int) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    # Each process leads its own session (start_new_session): its group is its pid.
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass  # it exited since poll(); wait() collects its status
+            self._send(p, signum)
 
     def running(self) -> bool:
         statuses = [p.poll() for p in self.procs]  # poll each one; any() would stop at the first
         return None in statuses
 
+    def _expected(self, code: int) -> bool:
+        """Whether a process ending with `code` is doing what it was asked: finishing, or stopping
+        for a Ctrl-C the launcher passed on."""
+        return code == 0 or (self.stop_signal == signal.SIGINT and interrupted(code))
+
     def first_failure(self) -> tuple[int, int] | None:
         """(process id, status) of the first process that failed, if any has."""
         return next(((i, p.returncode) for i, p in enumerate(self.procs)
-                     if p.returncode not in (None, 0)), None)
+                     if p.returncode is not None and not self._expected(p.returncode)), None)
 
     def wait(self) -> int:
         """Supervises until every process has exited; returns the launcher's exit status."""
@@ -142,17 +223,30 @@ class Launcher:
                 else:
                     self.say(f"process {i} {describe_exit(code)}; stopping the others")
                     self.signal_all(signal.SIGTERM)
-            elif time.monotonic() > kill_at:
+            elif kill_at == float("inf") and any(
+                    p.returncode is not None and interrupted(p.returncode) for p in self.procs):
+                # After a Ctrl-C the processes stop at the same step; one has: the others get the
+                # grace period to follow.
+                kill_at = time.monotonic() + self.grace_s
+            elif time.monotonic() > kill_at and not self.killed:
                 self.say(f"processes still running after {self.grace_s:g} s; killing them")
                 self.signal_all(signal.SIGKILL)
-                kill_at = float("inf")
+                kill_at = float("nan")  # never again (nan compares false)
             time.sleep(POLL_S)
         for t in self.pumps:
             t.join()
         codes = [p.returncode for p in self.procs]
+        if self.killed:
+            self.say(f"second Ctrl-C: killed all {len(codes)} processes at once, without saving; "
+                     "run the same command again to resume from the last checkpoint")
+            return INTERRUPTED_EXIT_CODE
         if all(c == RESTART_EXIT_CODE for c in codes):
             return RESTART_EXIT_CODE
         failure = failure or self.first_failure()  # the last process to exit may be the only one
+        if failure is None and any(interrupted(c) for c in codes):
+            self.say(f"interrupted (Ctrl-C); all {len(codes)} processes have stopped; run the "
+                     "same command again to resume")
+            return INTERRUPTED_EXIT_CODE
         if failure is None:
             return 0
         i, code = failure
@@ -162,6 +256,23 @@ class Launcher:
 
 
 def main(argv: list[str]) -> int:
+    pending: list[int] = []  # signals that came before the processes were started
+    launcher: Launcher | None = None
+
+    def on_signal(signum, frame):
+        if launcher is not None:
+            launcher.on_signal(signum, frame)
+        elif signum == signal.SIGINT and signal.SIGINT in pending:
+            # A second Ctrl-C while the config is checked: nothing has started, stop at once.
+            os.write(2, b"launch.local: interrupted before any process started\n")
+            os._exit(INTERRUPTED_EXIT_CODE)
+        else:
+            pending.append(signum)
+
+    # Before anything slow (the config check imports JAX): a Ctrl-C never raises
+    # KeyboardInterrupt in here, which JAX's or importlib's callbacks could swallow.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     args, module_args = parse_args(argv)
     if args.module == "jaxscale.train":
         check_train_args(module_args, args.processes * args.devices_per_process, args.processes)
@@ -169,12 +280,20 @@ def main(argv: list[str]) -> int:
     commands = [[sys.executable, "-m", args.module, *module_args]] * args.processes
     envs = [process_env(dict(os.environ), i, args.processes, args.devices_per_process, port)
             for i in range(args.processes)]
-    launcher = Launcher(commands, envs, args.grace_s)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        # A preemption of the launcher is a preemption of every process: pass it on.
-        signal.signal(signum, lambda s, _frame: launcher.signal_all(s))
+    if pending:  # told to stop before anything started: start nothing
+        name = signal.Signals(pending[0]).name
+        print(f"launch.local: got {name} before any process started; not starting them; run the "
+              "same command again to start", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE if signal.SIGINT in pending else RESTART_EXIT_CODE
+    launcher = Launcher(commands, envs, args.grace_s, verbose=args.verbose)
+    for signum in pending:  # came while the processes were starting
+        launcher.on_signal(signum, None)
     return launcher.wait()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # a Ctrl-C before main() installed its handler
+        print("launch.local: interrupted before any process started", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT_CODE)

@@ -14,7 +14,18 @@
 #   status   show the queued resource's state
 #   delete   delete the queued resource and its slices
 #   up       create, install, run
-# --dry_run prints every gcloud command instead of running it.
+#
+# Flags:
+#   --name=NAME               the queued resource's and slice's name (required)
+#   --zone=ZONE               the zone of the TPUs, e.g. us-east5-a (required)
+#   --project=PROJECT         the Google Cloud project (default: gcloud's configured one)
+#   --accelerator_type=TYPE   the slice type, e.g. v5p-16 (required by create, up)
+#   --runtime_version=IMAGE   the TPU software image (default: chosen from the accelerator type)
+#   --slices=N                slices joined over the data-centre network (default 1)
+#   --source=DIR              the checkout that install copies to the workers (default: this one)
+#   --spot                    ask for spot slices, which can be reclaimed at any time
+#   --dry_run                 print every gcloud command instead of running it
+#   --help                    print this help
 #
 # Multi-slice: --slices=N gives N slices joined over the data-centre network; set the config's
 # mesh.dcn.* factors to multiply to N (e.g. --config.mesh.dcn.data=N). The TPU runtime tells every
@@ -25,7 +36,7 @@ set -euo pipefail
 
 usage() {
   sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
-  exit 2
+  exit 0
 }
 
 die() {
@@ -41,9 +52,11 @@ TRAIN_ARGS=()
 
 COMMAND="${1:-}"
 case "$COMMAND" in
-  "" | --help | -h | help) usage ;;
+  --help | -h | help) usage ;;
+  "") die "no command; use create, install, run, logs, status, delete or up (see $0 --help)" ;;
   create | install | run | logs | status | delete | up) ;;
-  *) die "unknown command '$COMMAND'; use create, install, run, logs, status, delete or up" ;;
+  *) die "unknown command '$COMMAND'; use create, install, run, logs, status, delete or up" \
+    "(see $0 --help)" ;;
 esac
 shift
 while [[ $# -gt 0 ]]; do
