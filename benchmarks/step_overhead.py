@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.config import default_config  # noqa: E402
 from jaxscale.models import create_model  # noqa: E402
-from jaxscale.train_state import model_config  # noqa: E402
+from jaxscale.state import model_config  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 
 
@@ -93,7 +93,8 @@ def main() -> None:
 
     start = time.perf_counter()
     bare = bare_step_fn(config, trainer.tx)
-    params = jax.device_put(nnx.split(create_model(model_config(config), 0))[1].to_pure_dict(), device[0])
+    model = create_model(model_config(config), 0)
+    params = jax.device_put(nnx.split(model)[1].to_pure_dict(), device[0])
     opt_state = trainer.tx.init(params)
     bare_batch = jax.device_put(batch_np, device[0])
     params, opt_state, loss = bare(params, opt_state, bare_batch)

@@ -89,7 +89,7 @@ def _raised_in(path: str, error: Exception, what: str) -> str:
 
 def _message(error: Exception) -> str:
     """An exception's text without the quoting KeyError adds (`'\\'steps\\'\\nDid you...'`),
-    also when it is wrapped in another exception (ml_collections raises AttributeError(KeyError))."""
+    also when wrapped in another exception (ml_collections raises AttributeError(KeyError))."""
     while len(error.args) == 1 and isinstance(error.args[0], Exception):
         error = error.args[0]
     return str(error.args[0]) if len(error.args) == 1 else str(error)

@@ -1,8 +1,9 @@
-"""Config defaults, loading and validation.
+"""Config defaults and validation.
 
 A config file is a Python file whose `get_config()` returns an `ml_collections.ConfigDict` built on
-`default_config()` (loaded by `jaxscale.cli`). Every check a user's config must pass lives in `validate`, which raises
-`ConfigError` with the key, the bad value and the fix, before anything is compiled or written.
+`default_config()` (loaded by `jaxscale.cli`). Every check a user's config must pass lives in
+`validate`, which raises `ConfigError` with the key, the bad value and the fix, before anything is
+compiled or written.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
     """The length of each logical axis under `config`, used to check it divides its mesh axes."""
-    from jaxscale.train_state import model_config  # imports JAX; validation needs it anyway
+    from jaxscale.state import model_config  # imports JAX; validation needs it anyway
 
     m, t = config.model, config.train
     return dict(
@@ -207,8 +208,10 @@ def _check_positive(config, *keys: str) -> None:
             raise ConfigError(f"{key}={value!r} must be > 0")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1) -> None:
-    """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices."""
+def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1
+             ) -> tuple[dict[str, int], dict[str, int]]:
+    """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
+    `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
     unknown = _unknown_keys(config, default_config())
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}; check the spelling against "
@@ -252,6 +255,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
 
     ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
     _check_rules(config, {a: ici[a] * dcn[a] for a in MESH_AXES})
+    return ici, dcn
 
 
 def _check_data(config: ml_collections.ConfigDict) -> None:

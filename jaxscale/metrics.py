@@ -13,6 +13,8 @@ from time import monotonic
 
 import tensorboardX
 
+from jaxscale.progress import StatusLine
+
 # Dense (no sparsity) bf16 peak, TFLOP/s per device, from the vendors' datasheets.
 PEAK_BF16_TFLOPS = {
     "H100 SXM": 989.0,
@@ -71,14 +73,6 @@ def throughput(*, steps: int, seconds: float, tokens_per_step: int, flops_per_to
     return result
 
 
-def is_interactive(stream) -> bool:
-    """True when `stream` is a terminal, where redrawing a line with `\\r` makes sense."""
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or a closed file
-        return False
-
-
 def _format_value(name: str, value: float | int) -> str:
     if name.endswith("mfu"):
         return f"{value:.1%}"
@@ -110,10 +104,8 @@ class MetricsWriter:
         self._enabled = enabled
         self._total_steps = total_steps
         self._stream = stream
-        self._interactive = is_interactive(stream)
-        self._bar_length = 0  # characters of the bar now on screen; 0 when none is
+        self._bar = StatusLine(stream, _BAR_MIN_INTERVAL)
         self._bar_start = None  # (step, time) of the first progress() call
-        self._last_draw = float("-inf")
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
@@ -126,7 +118,7 @@ class MetricsWriter:
         if not self._enabled:
             return
         scalars = {prefix + name: _to_scalar(value) for name, value in metrics.items()}
-        self._clear_bar()
+        self._bar.clear()
         fields = [f"step {step}"] + [f"{k} {_format_value(k, v)}" for k, v in scalars.items()]
         print(" | ".join(fields), file=self._stream, flush=True)
         self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
@@ -138,19 +130,13 @@ class MetricsWriter:
 
     def progress(self, step: int) -> None:
         """Redraw the one-line progress bar; only on a terminal, so logs stay free of `\\r`."""
-        if not (self._enabled and self._interactive):
+        if not (self._enabled and self._bar.interactive):
             return
         now = monotonic()
         if self._bar_start is None:
             self._bar_start = (step, now)
-        if now - self._last_draw < _BAR_MIN_INTERVAL and step < self._total_steps:
-            return
-        self._last_draw = now
-        line = self._bar_line(step, now)
-        # Pad with spaces to wipe the rest of a longer previous bar.
-        self._stream.write("\r" + line.ljust(self._bar_length))
-        self._stream.flush()
-        self._bar_length = len(line)
+        if self._bar.due(now) or step >= self._total_steps:
+            self._bar.draw(self._bar_line(step, now), now)
 
     def _bar_line(self, step: int, now: float) -> str:
         fraction = min(max(step / self._total_steps, 0.0), 1.0) if self._total_steps else 1.0
@@ -166,19 +152,11 @@ class MetricsWriter:
             eta = "?"
         return f"[{bar}] {step}/{self._total_steps} | {rate:.2f} steps/s | ETA {eta}"
 
-    def _clear_bar(self) -> None:
-        if self._bar_length:
-            self._stream.write("\r" + " " * self._bar_length + "\r")
-            self._bar_length = 0
-
     def close(self) -> None:
         """Flush and close the files; safe to call twice."""
         if not self._enabled:
             return
-        if self._bar_length:
-            self._stream.write("\n")  # leave the finished bar on screen, the prompt below it
-            self._bar_length = 0
-        self._stream.flush()
+        self._bar.finish()  # leave the finished bar on screen, the prompt below it
         self._jsonl.close()
         self._tensorboard.close()
         self._enabled = False

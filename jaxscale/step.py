@@ -15,8 +15,8 @@ import ml_collections
 import optax
 from flax import nnx
 
-from jaxscale.sharding import constrain
-from jaxscale.train_state import TrainState, uses_dynamic_loss_scale
+from jaxscale.parallel.sharding import constrain
+from jaxscale.state import TrainState, uses_dynamic_loss_scale
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")

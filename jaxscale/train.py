@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
         config, workdir = parse_flags(argv)
         # Import JAX only now, so that --help and flag errors stay fast.
         from jaxscale import distributed
-        from jaxscale.preemption import RunStopped
+        from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.trainer import Trainer
 
         try:

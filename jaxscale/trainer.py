@@ -1,10 +1,18 @@
-"""The training loop, readable top to bottom.
+"""Training, readable top to bottom: config -> mesh -> model -> shardings -> state -> step -> loop.
 
 `Trainer(config, workdir)` validates the config and builds everything that needs no compilation
-(mesh, shardings, optimizer). `run()` restores the newest checkpoint or creates the sharded state,
-then loops: next batch -> train step -> preemption check -> async checkpoint when due -> metrics on
-logging steps -> eval on eval steps. Nothing is fetched from the devices on steps that neither log
-nor save, so the host keeps running ahead of the accelerators.
+(mesh, model spec, optimizer, shardings, the jitted steps). `run()` then
+
+  1. opens the inputs and checks the data (and the eval split);
+  2. checks that the checkpoint and compilation-cache folders can be written;
+  3. restores, read-only, this run's newest good checkpoint, else `checkpoint.restore_from`
+     (a checkpoint that does not fit the config stops here, before anything is written);
+  4. writes: the workdir's config.json, run.json, metrics and TensorBoard files;
+  5. starts from the restored state or a fresh sharded init, and runs `_Loop`: next batch ->
+     train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval.
+
+Nothing is fetched from the devices on steps that neither log nor save; the host stays at most
+two steps ahead of the devices, so a stop signal is acted on within two steps.
 """
 
 from __future__ import annotations
@@ -24,15 +32,15 @@ from jax.experimental.compilation_cache import compilation_cache
 from jaxscale import metrics as metrics_lib
 from jaxscale.bad_steps import BadSteps
 from jaxscale.checkpoint import Checkpoints, Restored, restore_from
+from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
-from jaxscale.mesh import build_mesh, dcn_granules
 from jaxscale.optim import make_optimizer
-from jaxscale.preemption import Preempted, RunStopped, StopSignals
-from jaxscale.sharding import batch_sharding, rules_from_config, use_rules
+from jaxscale.parallel.mesh import build_mesh, dcn_granules
+from jaxscale.parallel.sharding import batch_sharding, rules_from_config, use_rules
+from jaxscale.state import TrainState, init_state, model_spec, state_shardings
 from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
 from jaxscale.timing import RunClock, Speed, StepWindow
-from jaxscale.train_state import TrainState, init_state, model_spec, state_shardings
 from jaxscale.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                               set_aside_earlier_start)
 
@@ -62,12 +70,12 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
         self.start_time = time.perf_counter()
         devices = list(devices if devices is not None else jax.devices())
-        validate(config, len(devices), dcn_granules(config.mesh, devices))
+        ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
         self.config, self.workdir = config, workdir
         self.is_primary = jax.process_index() == 0
         check_workdir(workdir)
 
-        self.mesh = build_mesh(config.mesh, devices)
+        self.mesh = build_mesh(ici, dcn, devices)
         self.rules = rules_from_config(config.sharding.rules)
         self.model = model_spec(config)
         self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,

@@ -20,7 +20,7 @@ from jaxscale.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
-# What a run that starts from step 0 sets aside when an earlier start left them without a checkpoint.
+# What a start from step 0 sets aside when an earlier start left them but no checkpoint.
 _EARLIER_START_FILES = (METRICS_FILE, "tensorboard", "run.json")
 
 

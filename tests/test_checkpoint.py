@@ -17,7 +17,7 @@ from jaxscale.checkpoint import Checkpoints
 from jaxscale.config import validate
 from jaxscale.data import make_input
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.train_state import TrainState
+from jaxscale.state import TrainState
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
 
@@ -193,7 +193,7 @@ def test_an_unwritable_checkpoint_dir_is_an_error_before_anything_runs(tmp_path)
     (tmp_path / "a_file").write_text("hello")
     config = make_config(**FSDP8)
     config.checkpoint.dir = str(tmp_path / "a_file" / "checkpoints")
-    with pytest.raises(ConfigError, match="checkpoint directory .* cannot be written: .* is a file"):
+    with pytest.raises(ConfigError, match="checkpoint dir.* cannot be written: .* is a file"):
         Checkpoints(config, str(tmp_path)).check_writable()
     with pytest.raises(ConfigError, match="checkpoint directory .* cannot be written"):
         Checkpoints(config, str(tmp_path)).open_for_saving()

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxscale.models import create_model
-from jaxscale.train_state import model_config
+from jaxscale.state import model_config
 from jaxscale.models.layers import MLP, Attention, RMSNorm, apply_rope
 from tests.helpers import small_config
 

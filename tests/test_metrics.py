@@ -10,6 +10,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxscale import metrics
+from jaxscale.progress import is_interactive
 
 
 class FakeTerminal(io.StringIO):
@@ -216,8 +217,8 @@ def test_write_clears_the_progress_bar_first(tmp_path):
 
 
 def test_is_interactive():
-    assert metrics.is_interactive(FakeTerminal())
-    assert not metrics.is_interactive(io.StringIO())
+    assert is_interactive(FakeTerminal())
+    assert not is_interactive(io.StringIO())
     closed = io.StringIO()
     closed.close()
-    assert not metrics.is_interactive(closed)
+    assert not is_interactive(closed)

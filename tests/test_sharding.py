@@ -4,7 +4,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.sharding import logical_to_mesh
+from jaxscale.parallel.sharding import logical_to_mesh
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jaxscale.preemption import Interrupted, Preempted, RunStopped
+from jaxscale.checkpoint.signals import Interrupted, Preempted, RunStopped
 from jaxscale.trainer import StepsInFlight, Trainer
 from tests.helpers import small_config
 

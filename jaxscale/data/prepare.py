@@ -16,6 +16,7 @@ import time
 
 from jaxscale.cli import Option, fail, parse_config_flags
 from jaxscale.errors import JaxscaleError
+from jaxscale.progress import StatusLine
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
 _MANIFEST_FORMAT = "jaxscale-prepare-v1"
@@ -24,24 +25,26 @@ _REDRAW_SECONDS = 0.5
 
 
 class _Progress:
-    """One line redrawn in place on a terminal; elsewhere only the final count, so logs stay
-    clean."""
+    """The count of one source's split, redrawn on a terminal; elsewhere only the final count."""
 
     def __init__(self, label: str, total: int):
         self.label, self.total = label, total
-        self.start = self.drawn = time.perf_counter()
-        self.interactive = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.line = StatusLine(sys.stderr, _REDRAW_SECONDS)
 
     def update(self, done: int, tokens: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if not final and (not self.interactive or now - self.drawn < _REDRAW_SECONDS):
+        if not (final or (self.line.interactive and self.line.due(now))):
             return
-        self.drawn = now
         rate = tokens / max(now - self.start, 1e-9)
-        line = (f"{self.label}: {done}/{self.total} documents, {tokens:,} tokens "
+        text = (f"{self.label}: {done}/{self.total} documents, {tokens:,} tokens "
                 f"({rate:,.0f} tokens/s)")
-        end = "\n" if final else ""
-        print(("\r" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
+        if self.line.interactive:
+            self.line.draw(text, now)
+            if final:
+                self.line.finish()
+        else:
+            print(text, file=sys.stderr, flush=True)
 
 
 _worker_documents = None

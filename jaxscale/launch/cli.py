@@ -1,6 +1,6 @@
 """What the launcher CLIs share: argparse with the `error: ...` exit (one line, status 2) for every
-bad flag or value, the number types of their flags, splitting a command line at `--`, and checking a training command's config against the cluster shape before anything is
-started or submitted."""
+bad flag or value, the number types of their flags, splitting a command line at `--`, and checking
+a training command's config against the cluster shape before anything is started or submitted."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int)
     from jaxscale.train import parse_flags  # a bad flag exits here, exactly as training would
 
     config, _ = parse_flags([sys.argv[0], *train_args])
-    # Granules count only when the config asks for DCN factors (see jaxscale.mesh.dcn_granules).
+    # Granules count only when the config asks for DCN factors (see parallel.mesh.dcn_granules).
     granules = 1 if all(int(config.mesh.dcn[a]) == 1 for a in MESH_AXES) else num_granules
     try:
         validate(config, num_devices, granules)

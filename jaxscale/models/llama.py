@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import MLP, Attention, RMSNorm, float32_accumulating, param
-from jaxscale.sharding import constrain
+from jaxscale.parallel.sharding import constrain
 
 REMAT_POLICIES = {
     "none": None,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import ml_collections
+import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxscale.config import MESH_AXES, resolve_mesh_shape
+from jaxscale.config import MESH_AXES
 
 
 def dcn_granules(mesh_config: ml_collections.ConfigDict, devices) -> int:
@@ -21,17 +20,16 @@ def dcn_granules(mesh_config: ml_collections.ConfigDict, devices) -> int:
     return len({d.process_index for d in devices})
 
 
-def build_mesh(mesh_config: ml_collections.ConfigDict, devices=None) -> Mesh:
-    """Builds the Mesh described by `config.mesh` over `devices` (default: all devices).
+def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
+    """The Mesh of (ici, dcn) axis sizes (from `jaxscale.config.validate`) over `devices`.
 
     With every DCN factor 1 the whole mesh is laid out as if ICI-connected; otherwise
-    `create_hybrid_device_mesh` keeps the fast axes inside a slice and the DCN factors across them.
+    `create_hybrid_device_mesh` keeps the fast axes inside a slice (or host) and the DCN factors
+    across them.
     """
-    devices = list(devices if devices is not None else jax.devices())
-    granules = dcn_granules(mesh_config, devices)
-    ici, dcn = resolve_mesh_shape(mesh_config, len(devices), granules)
+    devices = list(devices)
     ici_shape = [ici[a] for a in MESH_AXES]
-    if granules > 1:
+    if any(dcn[a] > 1 for a in MESH_AXES):
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici_shape, [dcn[a] for a in MESH_AXES], devices,
             process_is_granule=not hasattr(devices[0], "slice_index"))

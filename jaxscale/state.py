@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale import models
-from jaxscale.sharding import Rules, tree_shardings
+from jaxscale.parallel.sharding import Rules, tree_shardings
 
 
 class TrainState(NamedTuple):

@@ -34,7 +34,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.train_state import TrainState
+from jaxscale.state import TrainState
 from jaxscale.workdir import check_writable
 
 logger = logging.getLogger(__name__)
