@@ -34,7 +34,7 @@ import time
 
 from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, USAGE_EXIT_CODE,
                              describe_exit, interrupted, shell_exit_status)
-from jaxscale.launch.cli import ArgumentParser, nonnegative, nonnegative_float
+from jaxscale.launch.cli import ArgumentParser, StopRequest, nonnegative, nonnegative_float
 
 # A run that lived this long before crashing was healthy: the next crash starts a fresh backoff.
 HEALTHY_RUN_SECONDS = 600.0
@@ -54,17 +54,13 @@ class Supervisor:
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
         self.child: subprocess.Popen | None = None
-        self.stop_signal: int | None = None  # the first SIGTERM or SIGINT received
-        self.killed = False  # a second Ctrl-C: the run is killed at once
+        self.stop = StopRequest()
         self.delivered: set[int] = set()  # signals already sent to the current child
 
     def on_signal(self, signum, frame) -> None:
         """The SIGTERM and SIGINT handler. It only records and sends signals (no output, no
         waiting), so it is safe wherever the main thread is."""
-        if self.stop_signal is None:
-            self.stop_signal = signum
-        elif signum == signal.SIGINT:
-            self.killed = True
+        self.stop.record(signum)
         self._deliver()
 
     def _deliver(self) -> None:
@@ -72,14 +68,11 @@ class Supervisor:
         child = self.child
         if child is None or child.returncode is not None:
             return
-        for signum, wanted in ((self.stop_signal, self.stop_signal is not None),
-                               (signal.SIGKILL, self.killed)):
-            if wanted and signum not in self.delivered:
-                self.delivered.add(signum)
-                try:
-                    os.killpg(child.pid, signum)  # the child leads its own process group
-                except ProcessLookupError:
-                    pass  # it has exited; wait() collects its status
+        for signum in self.stop.undelivered(self.delivered):
+            try:
+                os.killpg(child.pid, signum)  # the child leads its own process group
+            except ProcessLookupError:
+                pass  # it has exited; wait() collects its status
 
     def _start(self) -> subprocess.Popen:
         self.delivered = set()
@@ -91,7 +84,7 @@ class Supervisor:
     def _wait_before_restart(self, delay: float) -> None:
         """Sleeps `delay` seconds, or less if supervise is told to stop meanwhile."""
         deadline = time.monotonic() + delay
-        while self.stop_signal is None and (left := deadline - time.monotonic()) > 0:
+        while self.stop.signal is None and (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, STOP_POLL_SECONDS))
 
     def run(self) -> int:
@@ -99,21 +92,21 @@ class Supervisor:
         restarts; returns the exit status for this process."""
         restarts, crashes_in_a_row, status = 0, 0, None
         while True:
-            if self.stop_signal is not None:  # told to stop before a (re)start: nothing to save
-                name = signal.Signals(self.stop_signal).name
+            if self.stop.signal is not None:  # told to stop before a (re)start: nothing to save
+                name = signal.Signals(self.stop.signal).name
                 if status is not None:
                     log(f"got {name} while waiting to restart the run; not restarting it")
-                if self.stop_signal == signal.SIGINT:
+                if self.stop.signal == signal.SIGINT:
                     return INTERRUPTED_EXIT_CODE
-                return 128 + self.stop_signal if status is None else shell_exit_status(status)
+                return 128 + self.stop.signal if status is None else shell_exit_status(status)
             began = time.monotonic()
             status = self._start().wait()
-            if self.killed:
+            if self.stop.killed:
                 log("killed the run at once (second Ctrl-C); it saved nothing since its last "
                     "checkpoint; run the same command again to resume from that one")
                 return INTERRUPTED_EXIT_CODE
             if (status in (0, USAGE_EXIT_CODE) or interrupted(status)
-                    or self.stop_signal is not None):
+                    or self.stop.signal is not None):
                 return shell_exit_status(status)
             if restarts == self.max_restarts:
                 log(f"run {describe_exit(status)}; no restarts left (--max_restarts="

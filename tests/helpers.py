@@ -17,6 +17,18 @@ def small_config(**mesh):
     return c
 
 
+TEXTS = [f"document {i}: " + "abc" * (i % 17) for i in range(120)]
+
+
+def config_with(*specs, **data):
+    """The default config reading `specs` as its data sources, with small batches."""
+    config = default_config()
+    config.train.update(batch_size=8, seq_len=32)
+    config.data.sources = tuple(specs)
+    config.data.update(data)
+    return config
+
+
 def random_batch(config, seed=0):
     """A [batch, seq_len] batch of random tokens with two packed documents per row and padding."""
     rng = np.random.default_rng(seed)

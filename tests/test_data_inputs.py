@@ -13,20 +13,12 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxscale.cli import DEFAULT_CONFIG
-from jaxscale.config import default_config, validate
+from jaxscale.config import validate
 from jaxscale.data import check_splits, formats, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
+from tests.helpers import TEXTS, config_with
 
-TEXTS = [f"document {i}: " + "abc" * (i % 17) for i in range(120)]
-
-
-def config_with(*specs, **data):
-    config = default_config()
-    config.train.update(batch_size=8, seq_len=32)
-    config.data.sources = tuple(specs)
-    config.data.update(data)
-    return config
 
 
 def one_line_error(error_type, build):

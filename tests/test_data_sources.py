@@ -14,17 +14,8 @@ from jaxscale.config import default_config, validate
 from jaxscale.data import make_input, pipeline, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
-from tests.helpers import model_attention_mask
+from tests.helpers import TEXTS, config_with, model_attention_mask
 
-TEXTS = [f"document {i}: " + "abc" * (i % 17) for i in range(120)]
-
-
-def config_with(*specs, **data):
-    config = default_config()
-    config.train.update(batch_size=8, seq_len=32)
-    config.data.sources = tuple(specs)
-    config.data.update(data)
-    return config
 
 
 def write_text_files(directory):

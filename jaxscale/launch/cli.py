@@ -5,6 +5,7 @@ a training command's config against the cluster shape before anything is started
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from jaxscale.cli import fail
@@ -16,6 +17,30 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         fail(f"{message} (see {self.prog} --help)")
+
+
+class StopRequest:
+    """What a launcher has been told by signals: the first SIGTERM or SIGINT (`signal`) goes on to
+    each child once; a second Ctrl-C (`killed`) escalates to SIGKILL. Recording is all a signal
+    handler does, so it is safe wherever the main thread is."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.killed = False
+
+    def record(self, signum: int) -> None:
+        if self.signal is None:
+            self.signal = signum
+        elif signum == signal.SIGINT:
+            self.killed = True
+
+    def undelivered(self, delivered: set[int]) -> list[int]:
+        """The signals a child already sent `delivered` should get now; adds them to it."""
+        wanted = [signum for signum, on in ((self.signal, self.signal is not None),
+                                            (signal.SIGKILL, self.killed))
+                  if on and signum not in delivered]
+        delivered.update(wanted)
+        return wanted
 
 
 def _number(text: str, kind: type, lowest: float):

@@ -36,8 +36,8 @@ import time
 
 from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, describe_exit,
                              interrupted, shell_exit_status)
-from jaxscale.launch.cli import (ArgumentParser, check_train_args, nonnegative, nonnegative_float,
-                                 parse_launcher_args, positive)
+from jaxscale.launch.cli import (ArgumentParser, StopRequest, check_train_args, nonnegative,
+                                 nonnegative_float, parse_launcher_args, positive)
 
 POLL_S = 0.1
 
@@ -135,8 +135,7 @@ class Launcher:
         self.grace_s = grace_s
         self.verbose = verbose
         self.output_lock = threading.Lock()
-        self.stop_signal: int | None = None  # the first SIGTERM or SIGINT received
-        self.killed = False  # a second Ctrl-C
+        self.stop = StopRequest()
         self.procs: list[subprocess.Popen] = []
         self.delivered: list[set[int]] = []  # signals already sent to each process
         self.pumps: list[threading.Thread] = []
@@ -166,20 +165,14 @@ class Launcher:
     def on_signal(self, signum, frame) -> None:
         """Runs on the main thread wherever it is: it only records and sends signals (no output,
         no locks), and wait() reports."""
-        if self.stop_signal is None:
-            self.stop_signal = signum
-        elif signum == signal.SIGINT:
-            self.killed = True
+        self.stop.record(signum)
         self._deliver()
 
     def _deliver(self) -> None:
         """Sends each process what it has not been sent yet: the stop signal, then SIGKILL."""
         for i, p in enumerate(self.procs):
-            for signum, wanted in ((self.stop_signal, self.stop_signal is not None),
-                                   (signal.SIGKILL, self.killed)):
-                if wanted and signum not in self.delivered[i]:
-                    self.delivered[i].add(signum)
-                    self._send(p, signum)
+            for signum in self.stop.undelivered(self.delivered[i]):
+                self._send(p, signum)
 
     @staticmethod
     def _send(p: subprocess.Popen, signum: int) -> None:
@@ -201,7 +194,7 @@ class Launcher:
     def _expected(self, code: int) -> bool:
         """Whether a process ending with `code` is doing what it was asked: finishing, or stopping
         for a Ctrl-C the launcher passed on."""
-        return code == 0 or (self.stop_signal == signal.SIGINT and interrupted(code))
+        return code == 0 or (self.stop.signal == signal.SIGINT and interrupted(code))
 
     def first_failure(self) -> tuple[int, int] | None:
         """(process id, status) of the first process that failed, if any has."""
@@ -228,7 +221,7 @@ class Launcher:
                 # After a Ctrl-C the processes stop at the same step; one has: the others get the
                 # grace period to follow.
                 kill_at = time.monotonic() + self.grace_s
-            elif time.monotonic() > kill_at and not self.killed:
+            elif time.monotonic() > kill_at and not self.stop.killed:
                 self.say(f"processes still running after {self.grace_s:g} s; killing them")
                 self.signal_all(signal.SIGKILL)
                 kill_at = float("nan")  # never again (nan compares false)
@@ -236,7 +229,7 @@ class Launcher:
         for t in self.pumps:
             t.join()
         codes = [p.returncode for p in self.procs]
-        if self.killed:
+        if self.stop.killed:
             self.say(f"second Ctrl-C: killed all {len(codes)} processes at once, without saving; "
                      "run the same command again to resume from the last checkpoint")
             return INTERRUPTED_EXIT_CODE
