@@ -133,7 +133,7 @@ def test_sigterm_to_one_process_checkpoints_all_and_resumes_to_the_same_losses(
     # One data position, written once, holding the row streams of both processes.
     with open(os.path.join(saved, "data", "iterator.json")) as f:
         assert len(json.load(f)["streams"]) == 8  # train.batch_size rows
-    assert sorted(os.listdir(os.path.join(saved, "data"))) == ["iterator.json"]
+    assert not [f for f in os.listdir(os.path.join(saved, "data")) if f.startswith("process_")]
 
     resumed = launch(tmp_path, compiled_in=reference_dir)
     output = resumed.communicate(timeout=600)[0]
