@@ -38,23 +38,31 @@ def default_config() -> ml_collections.ConfigDict:
         eval_batches=4,
         # Stop the run after this many non-finite (skipped) steps in a row.
         max_bad_steps=20,
+        # Multi-host: warn when the slowest host makes each step this much longer (metrics:
+        # step_time_max_host_s, slowest_host, host_time_*).
+        straggler_ratio=1.2,
     )
     # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
     # across slices / hosts connected by the data-centre network.
     c.mesh = dict(data=-1, fsdp=1, tensor=1, pipeline=1,
                   dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1))
     # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
-    c.sharding = dict(rules=dict(
-        batch=("data", "fsdp"),
-        length=(),
-        embed=("fsdp",),
-        heads=("tensor",),
-        kv_heads=("tensor",),
-        head_dim=(),
-        mlp=("tensor",),
-        vocab=("tensor",),
-        layers=(),
-    ))
+    c.sharding = dict(
+        rules=dict(
+            batch=("data", "fsdp"),
+            length=(),
+            embed=("fsdp",),
+            heads=("tensor",),
+            kv_heads=("tensor",),
+            head_dim=(),
+            mlp=("tensor",),
+            vocab=("tensor",),
+            layers=(),
+        ),
+        # Where the optimizer state lives: "params" (with each parameter) or "data" (ZeRO-1: also
+        # split over the data-parallel axes; see docs/parallelism.md).
+        optimizer_state="params",
+    )
     c.model = dict(
         name="llama",
         vocab_size=259,  # the byte tokenizer: 256 bytes + pad, bos, eos
@@ -223,6 +231,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     t, m = config.train, config.model
     if t.eval_every < 0 or t.eval_batches < 0:
         raise ConfigError("train.eval_every and train.eval_batches must be >= 0")
+    if not t.straggler_ratio > 1:
+        raise ConfigError(f"train.straggler_ratio={t.straggler_ratio} must be > 1 (1.2: warn when "
+                          "the slowest host makes each step 20% longer)")
     if not 0 <= config.optim.warmup_steps:
         raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
     if not 0 <= config.optim.min_lr_ratio <= 1:
@@ -303,6 +314,12 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    from jaxscale.state import OPTIMIZER_STATE_LAYOUTS  # imports JAX; validation needs it anyway
+
+    layout = config.sharding.optimizer_state
+    if layout not in OPTIMIZER_STATE_LAYOUTS:
+        raise ConfigError(f"sharding.optimizer_state={layout!r} is unknown; use one of "
+                          f"{OPTIMIZER_STATE_LAYOUTS} ('data' is ZeRO-1)")
     rules = config.sharding.rules
     for name in rules.keys():
         if name not in LOGICAL_AXES:
@@ -322,3 +339,8 @@ def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) 
                 f"logical axis {name!r} has size {sizes[name]}, not divisible by {where} "
                 f"(= {shards}) it is sharded over; change the mesh or the size, or set "
                 f"sharding.rules.{name} to shard it over fewer axes")
+    if layout == "data":  # ZeRO-1 must split every parameter's moments: checked on its shapes
+        from jaxscale.parallel.sharding import rules_from_config
+        from jaxscale.state import model_spec, moment_specs
+
+        moment_specs(model_spec(config), rules_from_config(rules), mesh_shape, layout)

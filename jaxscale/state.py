@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale import models
-from jaxscale.parallel.sharding import Rules, tree_shardings
+from jaxscale.errors import ConfigError
+from jaxscale.parallel.sharding import Rules, logical_to_mesh, split_further
 
 
 class TrainState(NamedTuple):
@@ -65,13 +66,48 @@ def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
     return config.precision.compute_dtype == "float16"
 
 
-def state_shardings(abstract_state: TrainState, spec: ModelSpec, tx: optax.GradientTransformation,
-                    mesh: Mesh, rules: Rules) -> TrainState:
-    """Parameters follow the rules; optimizer moments follow their parameters; scalars replicate."""
+OPTIMIZER_STATE_LAYOUTS = ("params", "data")
+
+
+def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
+                 layout: str) -> Any:
+    """Where each parameter's optimizer moments (and its gradient, before the update) live, as
+    PartitionSpecs over mesh axes.
+
+    `params`: with the parameter. `data` (ZeRO-1): also split over the data-parallel axes the
+    parameter is not split over (those of the `batch` rule), so each data-parallel replica holds
+    and updates 1/N of the state; the gradients are reduce-scattered onto that layout and the
+    updated parameters gathered back to theirs. ConfigError when a parameter has no dimension
+    those axes divide.
+    """
+    param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
+                               is_leaf=lambda x: isinstance(x, P))
+    if layout == "params":
+        return param_specs
+    data_axes = rules.get("batch", ())
+
+    def further(path, param_spec, abstract):
+        split = split_further(param_spec, abstract.shape, data_axes, mesh_shape)
+        if split is None:
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            degree = "x".join(f"{a}={mesh_shape[a]}" for a in data_axes if mesh_shape[a] > 1)
+            raise ConfigError(
+                f"sharding.optimizer_state='data': parameter {name!r} {list(abstract.shape)} has "
+                f"no dimension divisible by the data-parallel degree {degree}; use "
+                "sharding.optimizer_state='params' or a data degree that divides its dimensions")
+        return split
+
+    return jax.tree_util.tree_map_with_path(further, param_specs, spec.abstract_params,
+                                            is_leaf=lambda x: isinstance(x, P))
+
+
+def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
+                    tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """Parameters as `param_shardings`; each optimizer moment as its parameter's entry of
+    `moments` (see `moment_shardings`); scalars replicated."""
     replicated = NamedSharding(mesh, P())
-    param_shardings = tree_shardings(spec.logical_specs, mesh, rules)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_state.opt_state, param_shardings,
+        tx, lambda _, sharding: sharding, abstract_state.opt_state, moments,
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
                       loss_scale=replicated, good_steps=replicated)

@@ -7,7 +7,7 @@ tokens of the whole batch, so k microbatches give exactly the update of one k-ti
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,14 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
 
 
 def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
-                    tx: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple]:
-    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call."""
+                    tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    grad_shardings: Any = None) -> Callable[[TrainState, Batch], tuple]:
+    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call.
+
+    `grad_shardings` (ZeRO-1): the layout of the optimizer moments; the gradients are reduced
+    onto it (a reduce-scatter instead of an all-reduce), the update is computed on each shard, and
+    the new parameters are gathered back to their own layout.
+    """
     k = config.train.microbatches
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
@@ -77,6 +82,8 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         total, grads = accumulate(state.params, batch, state.loss_scale / denominator)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         loss = total / denominator
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -18,6 +18,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxscale.metrics import throughput
 
@@ -75,6 +76,7 @@ class StepWindow:
         self.timed_steps = 0
         self.start: float | None = None  # None until the first step has finished
         self.data_wait = 0.0
+        self.device_wait = 0.0  # blocked on the devices (StepsInFlight): not the host's own time
         # Productive seconds of earlier processes of this run (from the checkpoint) and of the
         # windows this process has closed.
         self.productive = productive_seconds
@@ -85,6 +87,12 @@ class StepWindow:
         begin = time.perf_counter()
         yield
         self.data_wait += time.perf_counter() - begin
+
+    @contextlib.contextmanager
+    def waiting_for_devices(self):
+        begin = time.perf_counter()
+        yield
+        self.device_wait += time.perf_counter() - begin
 
     @contextlib.contextmanager
     def paused(self):
@@ -100,7 +108,7 @@ class StepWindow:
             jax.block_until_ready(step_metrics)
             self.start = time.perf_counter()
             self.first_line["time_to_first_step"] = self.start - self.started_at
-            self.data_wait = 0.0
+            self.data_wait = self.device_wait = 0.0
         else:
             self.timed_steps += 1
 
@@ -112,7 +120,8 @@ class StepWindow:
         return self.productive + time.perf_counter() - self.start
 
     def summary(self) -> dict[str, float]:
-        fetched = jax.device_get(self.metrics)
+        with self.waiting_for_devices():
+            fetched = jax.device_get(self.metrics)
         # Averages over the steps that counted: a skipped step's inf/NaN would hide the others.
         finite = [m for m in fetched if not m["skipped"]] or fetched
         summary = {k: float(np.mean([m[k] for m in finite])) for k in ("loss", "grad_norm")}
@@ -126,10 +135,44 @@ class StepWindow:
             summary.update(throughput(steps=self.timed_steps, seconds=seconds,
                                       **dataclasses.asdict(self.speed)))
             summary["data_wait_fraction"] = self.data_wait / seconds
+            # What the host spent per step on its own work (data, dispatch, Python), not waiting
+            # for the devices: the measure that tells a slow host apart in a job whose hosts all
+            # step together.
+            summary["host_time"] = (seconds - self.device_wait) / self.timed_steps
         self.productive += now - self.start
         summary["goodput"] = self.run_clock.goodput(self.productive)
         summary.update(self.first_line)
         self.first_line = {}
-        self.metrics, self.timed_steps, self.data_wait = [], 0, 0.0
+        self.metrics, self.timed_steps, self.data_wait, self.device_wait = [], 0, 0.0, 0.0
         self.start = now
         return summary
+
+
+def compare_hosts(summary: dict[str, float], straggler_ratio: float
+                  ) -> tuple[dict[str, float], str | None]:
+    """Every process's step time, data wait and host time from this window's `summary`, gathered
+    (a collective: every process calls it at the same logging steps; no other step syncs).
+
+    Returns the metrics process 0 logs (`step_time_max_host_s`, `slowest_host`, ...) and a
+    warning when the slowest host's own time per step exceeds the median host's by more than
+    `straggler_ratio - 1` of the median step: in a job whose hosts step together, that host makes
+    every step about that much longer.
+    """
+    if jax.process_count() == 1 or "step_time" not in summary:
+        return {}, None
+    mine = np.array([summary["step_time"], summary["data_wait_fraction"], summary["host_time"]])
+    step_time, data_wait, host_time = np.asarray(multihost_utils.process_allgather(mine)).T
+    slowest = int(np.argmax(host_time))
+    median_step, median_host = float(np.median(step_time)), float(np.median(host_time))
+    metrics = {"step_time_max_host_s": float(step_time.max()), "slowest_host": slowest,
+               "host_time_max_s": float(host_time[slowest]), "host_time_median_s": median_host,
+               "data_wait_fraction_max_host": float(data_wait.max())}
+    excess = float(host_time[slowest]) - median_host
+    warning = None
+    if excess > (straggler_ratio - 1) * median_step:
+        warning = (f"warning: host {slowest} is slow: it spends {host_time[slowest]:.3g}s of "
+                   f"each {median_step:.3g}s step on its own work (data wait "
+                   f"{data_wait[slowest]:.0%}) against {median_host:.3g}s on the median host, so "
+                   f"every step is about {median_step / max(median_step - excess, 1e-9):.2f}x "
+                   f"longer than it needs to be (train.straggler_ratio={straggler_ratio})")
+    return metrics, warning

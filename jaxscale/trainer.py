@@ -28,6 +28,7 @@ import jax
 import ml_collections
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import metrics as metrics_lib
 from jaxscale.bad_steps import BadSteps
@@ -37,10 +38,12 @@ from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
 from jaxscale.optim import make_optimizer
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
-from jaxscale.parallel.sharding import batch_sharding, rules_from_config, use_rules
-from jaxscale.state import TrainState, init_state, model_spec, state_shardings
+from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
+                                        use_rules)
+from jaxscale.state import (TrainState, init_state, model_spec, moment_specs,
+                            state_shardings)
 from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
-from jaxscale.timing import RunClock, Speed, StepWindow
+from jaxscale.timing import RunClock, Speed, StepWindow, compare_hosts
 from jaxscale.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                               set_aside_earlier_start)
 
@@ -83,8 +86,14 @@ class Trainer:
 
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
-        self.state_shardings = state_shardings(abstract_state, self.model, self.tx, self.mesh,
-                                               self.rules)
+        param_shardings = tree_shardings(self.model.logical_specs, self.mesh, self.rules)
+        zero1 = config.sharding.optimizer_state == "data"
+        moments = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            moment_specs(self.model, self.rules, self.mesh.shape, config.sharding.optimizer_state),
+            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        self.state_shardings = state_shardings(abstract_state, param_shardings, moments, self.tx,
+                                               self.mesh)
         # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
         # that wrote it.
         self.abstract_state = jax.tree.map(
@@ -94,8 +103,8 @@ class Trainer:
         batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.init_state = jax.jit(init, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
-            self._with_rules(make_train_step(config, self.model.graphdef, self.tx,
-                                             self.schedule)),
+            self._with_rules(make_train_step(config, self.model.graphdef, self.tx, self.schedule,
+                                             grad_shardings=moments if zero1 else None)),
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
         self.eval_step = jax.jit(
@@ -260,6 +269,9 @@ class _Loop:
         self.window, self.writer, self.signals = window, writer, signals
         self.bad_steps = BadSteps(self.t.max_bad_steps)
         self.in_flight = StepsInFlight(limit=2)
+        # Tests make one host slow with JAXSCALE_TEST_SLOW_HOST=<process>:<seconds per step>.
+        process, _, seconds = os.environ.get("JAXSCALE_TEST_SLOW_HOST", "").partition(":")
+        self.test_slow_host_s = float(seconds) if process == str(jax.process_index()) else 0.0
 
     def is_log_step(self, step: int) -> bool:
         return step % self.t.log_every == 0 or step == self.t.steps
@@ -273,12 +285,18 @@ class _Loop:
         logged: dict[str, float] = {}
         first_step = int(state.step)
         for step in range(first_step, t.steps):
+            if self.test_slow_host_s:
+                time.sleep(self.test_slow_host_s)
             with window.waiting_for_data():
                 batch = next(self.train_input)
-            state, step_metrics = trainer.train_step(state, batch)
+            # Waiting on the devices is not the host's own time: in the dispatch (which blocks on
+            # some backends, e.g. for cross-process collectives on CPU) and for older steps.
+            with window.waiting_for_devices():
+                state, step_metrics = trainer.train_step(state, batch)
             done = step + 1
             window.add(step_metrics)
-            self.in_flight.add(step_metrics["loss"])
+            with window.waiting_for_devices():
+                self.in_flight.add(step_metrics["loss"])
             self.bad_steps.add(done, step_metrics["skipped"])
             if stop := self.signals.reached(done):
                 self.stop(stop, done, state)
@@ -288,6 +306,10 @@ class _Loop:
                 self.bad_steps.settle()  # raises TooManyBadSteps
                 logged = {**window.summary(), **self.checkpoints.take_metrics(),
                           "data_skipped_records": self.train_input.skipped_records()}
+                hosts, warning = compare_hosts(logged, t.straggler_ratio)
+                logged.update(hosts)
+                if warning:
+                    trainer.say(warning)
                 self.writer.write(done, logged)
             if self.is_eval_step(done):
                 with window.paused():

@@ -10,14 +10,25 @@ from jax.sharding import Mesh
 from jaxscale.config import MESH_AXES
 
 
+def granules_are_slices(devices) -> bool:
+    """TPU devices are grouped by slice (ICI inside, DCN between); everything else by host. GPU
+    and CPU devices of a multi-process run carry a `slice_index` too, but it is 0 on every host:
+    it says nothing about the network between them."""
+    return devices[0].platform == "tpu" and hasattr(devices[0], "slice_index")
+
+
+def granule_of(device, slices: bool) -> int:
+    return device.slice_index if slices else device.process_index
+
+
 def dcn_granules(mesh_config: ml_collections.ConfigDict, devices) -> int:
     """How many DCN-connected granules the mesh spans: 1 unless a `mesh.dcn` factor asks for more,
-    then the number of TPU slices, or of hosts where devices have no slice."""
+    then the number of TPU slices, or of hosts (processes) elsewhere. The launchers' pre-checks
+    count the same way (`--granules`: slices on TPU, hosts or nodes on GPU)."""
     if all(int(mesh_config.dcn[a]) == 1 for a in MESH_AXES):
         return 1
-    if hasattr(devices[0], "slice_index"):
-        return len({d.slice_index for d in devices})
-    return len({d.process_index for d in devices})
+    slices = granules_are_slices(devices)
+    return len({granule_of(d, slices) for d in devices})
 
 
 def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
@@ -32,7 +43,7 @@ def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
     if any(dcn[a] > 1 for a in MESH_AXES):
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici_shape, [dcn[a] for a in MESH_AXES], devices,
-            process_is_granule=not hasattr(devices[0], "slice_index"))
+            process_is_granule=not granules_are_slices(devices))
     elif devices[0].platform == "cpu":
         # CPU devices have no physical topology; keep their order so that process-local devices
         # stay contiguous along the leading axes.

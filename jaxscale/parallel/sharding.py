@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -47,6 +48,24 @@ def tree_shardings(logical_specs: Any, mesh: Mesh, rules: Rules) -> Any:
     """NamedShardings for a pytree whose leaves are PartitionSpecs of logical names."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh(spec, rules)),
                         logical_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def split_further(spec: P, shape: Sequence[int], axes: Sequence[str],
+                  mesh_shape: Mapping[str, int]) -> P | None:
+    """`spec` also split over those of `axes` it does not use yet, on the first dimension they
+    divide (with the axes it is split over already); None when no dimension is divisible."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    as_tuple = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else entry
+    used = {a for entry in entries for a in as_tuple(entry)}
+    extra = tuple(a for a in axes if a not in used and mesh_shape[a] > 1)
+    if not extra:
+        return spec
+    for dim, size in enumerate(shape):
+        axes_here = as_tuple(entries[dim]) + extra
+        if size % math.prod(mesh_shape[a] for a in axes_here) == 0:
+            entries[dim] = axes_here
+            return P(*entries)
+    return None
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:

@@ -1,0 +1,25 @@
+"""Run under `jaxscale.launch.local --module=tests.mesh_layout_probe -- <training flags>`: builds
+the training mesh as the trainer does and prints, for each index along the `data` axis, the hosts
+that hold its devices (tests/test_layouts.py checks that each ICI group sits on one host)."""
+
+import json
+import sys
+
+from jaxscale import distributed
+from jaxscale.train import parse_flags
+
+config, _ = parse_flags(sys.argv)
+distributed.initialize(config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
+
+import jax  # noqa: E402 - after joining the cluster
+import numpy as np  # noqa: E402
+
+from jaxscale.config import validate  # noqa: E402
+from jaxscale.parallel.mesh import build_mesh, dcn_granules  # noqa: E402
+
+devices = jax.devices()
+mesh = build_mesh(*validate(config, len(devices), dcn_granules(config.mesh, devices)), devices)
+data = list(mesh.axis_names).index("data")
+groups = [sorted({d.process_index for d in np.ravel(group)})
+          for group in np.moveaxis(mesh.devices, data, 0)]
+print("hosts by data index:", json.dumps(groups), flush=True)

@@ -1,0 +1,220 @@
+"""Multi-node layouts: one notion of DCN granules (TPU slices, else hosts) shared by the trainer and
+the launchers' pre-checks, HSDP (a hybrid mesh across hosts), ZeRO-1 optimizer-state sharding, and
+the slowest host named in the metrics."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxscale.checkpoint import Checkpoints
+from jaxscale.config import validate
+from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.launch.cli import check_train_args
+from jaxscale.parallel.mesh import dcn_granules
+from jaxscale.parallel.sharding import split_further
+from jaxscale.trainer import Trainer
+from tests.helpers import random_batch, small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- one notion of DCN granules ----------------------------------------------------------------
+
+def fake_devices(processes, per_process, platform):
+    """What the trainer sees of a cluster: GPU and CPU devices of a multi-process run report
+    slice_index 0 on every host; TPU devices report their slice."""
+    return [types.SimpleNamespace(platform=platform, process_index=p, slice_index=0
+                                  if platform != "tpu" else p, id=p * per_process + i)
+            for p in range(processes) for i in range(per_process)]
+
+
+LAYOUTS = [  # (overrides, accepted on 2 hosts x 4 devices)
+    (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=4", "--config.mesh.data=1"], True),
+    (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"], True),
+    (["--config.mesh.dcn.data=2", "--config.mesh.data=-1"], True),
+    (["--config.mesh.fsdp=8", "--config.mesh.data=1"], True),  # flat: no DCN factor
+    (["--config.mesh.dcn.data=4", "--config.mesh.data=-1"], False),  # 4 granules asked, 2 exist
+    (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=8", "--config.mesh.data=1"], False),
+    (["--config.mesh.dcn.tensor=2", "--config.mesh.data=-1",
+      "--config.model.n_kv_heads=1"], False),  # tensor=2 does not divide 1 kv head
+]
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu", "tpu"])
+@pytest.mark.parametrize("overrides, accepted", LAYOUTS)
+def test_launcher_pre_checks_and_the_trainer_agree_on_layouts(overrides, accepted, platform,
+                                                              capsys):
+    """launch.local / launch.fit / Slurm / GKE count hosts (slices on TPU), as the trainer does."""
+    args = ["--config=configs/tiny.py", *overrides]
+    try:
+        check_train_args(args, num_devices=8, num_granules=2)
+        launcher_accepts = True
+    except SystemExit as e:
+        assert e.code == 2
+        launcher_accepts = False
+    from jaxscale.train import parse_flags
+    config, _ = parse_flags(["train", *args])
+    devices = fake_devices(2, 4, platform)
+    try:
+        validate(config, len(devices), dcn_granules(config.mesh, devices))
+        trainer_accepts = True
+    except ConfigError:
+        trainer_accepts = False
+    capsys.readouterr()
+    assert launcher_accepts == trainer_accepts == accepted
+
+
+# --- ZeRO-1 ------------------------------------------------------------------------------------
+
+def test_split_further_adds_the_unused_axes_to_the_first_dimension_they_divide():
+    mesh_shape = dict(data=2, fsdp=4, tensor=1)
+    on_fsdp = P(None, "fsdp")
+    both = ("data", "fsdp", "tensor")
+    assert split_further(on_fsdp, (6, 8), both, mesh_shape) == P("data", "fsdp")
+    assert split_further(on_fsdp, (3, 8), both, mesh_shape) == P(None, ("fsdp", "data"))
+    assert split_further(on_fsdp, (3, 4), both, mesh_shape) is None  # 4 % (4 * 2) != 0
+    assert split_further(on_fsdp, (3, 4), ("fsdp",), mesh_shape) is on_fsdp  # nothing to add
+
+
+def optimizer_bytes_per_device(state):
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state.opt_state))
+
+
+def three_steps(layout, tmp_path, **mesh):
+    config = small_config(**mesh)
+    config.sharding.optimizer_state = layout
+    config.checkpoint.compilation_cache = False
+    trainer = Trainer(config, str(tmp_path / layout))
+    state, losses = trainer.init_state(0), []
+    for seed in range(3):
+        batch = jax.device_put(random_batch(config, seed), trainer.batch_sharding)
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return trainer, state, losses
+
+
+@pytest.mark.parametrize("mesh, fraction", [
+    (dict(data=8), 1 / 8),  # pure data parallelism: the state split 8 ways
+    (dict(data=2, fsdp=4), 1 / 2),  # HSDP's layout: already split over fsdp, now over data too
+])
+def test_zero1_trains_like_the_unsharded_optimizer_on_a_fraction_of_the_bytes(tmp_path, mesh,
+                                                                              fraction):
+    _, reference, expected = three_steps("params", tmp_path, **mesh)
+    trainer, state, losses = three_steps("data", tmp_path, **mesh)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 jax.device_get(state.params), jax.device_get(reference.params))
+    ratio = optimizer_bytes_per_device(state) / optimizer_bytes_per_device(reference)
+    assert ratio == pytest.approx(fraction, rel=0.02)  # the step counters stay replicated
+    # The parameters keep their own layout.
+    assert jax.tree.map(lambda x: x.sharding, state.params) == jax.tree.map(
+        lambda x: x.sharding, reference.params)
+
+
+def test_zero1_state_restores_into_the_other_layout(tmp_path):
+    trainer, state, _ = three_steps("data", tmp_path, data=8)
+    with Checkpoints(trainer.config, str(tmp_path / "run")) as checkpoints:
+        checkpoints.save(3, state, {}, {"step": 3})
+    config = small_config(data=8)
+    config.checkpoint.compilation_cache = False
+    other = Trainer(config, str(tmp_path / "run"))  # optimizer_state="params"
+    with Checkpoints(config, str(tmp_path / "run")) as checkpoints:
+        restored = checkpoints.restore_newest(other.abstract_state)
+    jax.tree.map(np.testing.assert_array_equal, restored.train["opt_state"],
+                 jax.device_get(state.opt_state))
+    restored_layout = [x.sharding for x in jax.tree.leaves(restored.train["opt_state"])]
+    assert restored_layout == jax.tree.leaves(other.state_shardings.opt_state)
+
+
+def test_zero1_that_cannot_split_a_parameter_is_one_config_error():
+    config = small_config(data=8)
+    config.model.update(d_model=36, head_dim=9, mlp_dim=72)  # norm scales [2, 36]: 8 divides none
+    config.sharding.optimizer_state = "data"
+    with pytest.raises(ConfigError) as error:
+        validate(config, 8)  # what the trainer and launch.fit check before anything starts
+    message = str(error.value)
+    assert "\n" not in message
+    assert "no dimension divisible by the data-parallel degree data=8" in message
+    assert "sharding.optimizer_state='params'" in message
+
+
+def test_an_unknown_optimizer_state_layout_is_a_config_error():
+    config = small_config(data=8)
+    config.sharding.optimizer_state = "zero3"
+    with pytest.raises(JaxscaleError, match="sharding.optimizer_state='zero3' is unknown"):
+        validate(config, 8)
+
+
+# --- real processes: HSDP, the hybrid mesh's device order, the slowest host --------------------
+
+SMALL = ["--config=configs/tiny.py", "--config.train.steps=6", "--config.train.log_every=3",
+         "--config.train.seq_len=32", "--config.train.batch_size=8",
+         "--config.train.eval_every=0", "--config.model.n_layers=1", "--config.model.d_model=64",
+         "--config.model.n_heads=2", "--config.model.n_kv_heads=2", "--config.model.mlp_dim=128",
+         "--config.precision.compute_dtype=float32", "--config.checkpoint.enabled=False"]
+
+
+def launch_two(workdir, *overrides, env=None, module="jaxscale.train"):
+    args = [f"--workdir={workdir}"] if module == "jaxscale.train" else []
+    return subprocess.run(
+        [sys.executable, "-m", "jaxscale.launch.local", "--processes=2",
+         "--devices_per_process=4", f"--module={module}", "--", *SMALL, *overrides, *args],
+        cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600)
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def one_process_losses(tmp_path, overrides):
+    from jaxscale.train import parse_flags
+    config, _ = parse_flags(["train", *SMALL, *overrides])
+    Trainer(config, str(tmp_path)).run()
+    return losses(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("two_hosts, one_host", [
+    (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=4", "--config.mesh.data=1",
+      "--config.sharding.optimizer_state=data"],
+     ["--config.mesh.data=2", "--config.mesh.fsdp=4"]),
+    (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"],
+     ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"]),
+], ids=["hsdp_with_zero1", "dcn_fsdp_x_tensor_x_data"])
+def test_two_hosts_equal_one_host_with_the_same_logical_layout(tmp_path, two_hosts, one_host):
+    run = launch_two(tmp_path / "two", *two_hosts)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    two, one = losses(tmp_path / "two"), one_process_losses(tmp_path / "one", one_host)
+    assert sorted(two) == sorted(one) == [3, 6]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_each_ici_group_of_a_hybrid_mesh_is_on_one_host():
+    run = launch_two(None, "--config.mesh.dcn.data=2", "--config.mesh.fsdp=4",
+                     "--config.mesh.data=1", module="tests.mesh_layout_probe")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("[0] hosts by data index:"))
+    # data is the DCN axis: each of its 2 entries is one ICI group of fsdp=4 devices.
+    assert json.loads(line.split(":", 1)[1]) == [[0], [1]]
+
+
+@pytest.mark.slow
+def test_the_slowest_host_is_named(tmp_path):
+    run = launch_two(tmp_path, "--config.mesh.data=-1",
+                     env={"JAXSCALE_TEST_SLOW_HOST": "1:0.25"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        lines = [r for r in map(json.loads, f) if "slowest_host" in r]
+    assert lines and all(r["slowest_host"] == 1 for r in lines), lines
+    assert all(r["host_time_max_s"] >= 0.25 for r in lines)  # the injected sleep is its own time
+    assert "[0] warning: host 1 is slow" in run.stdout
