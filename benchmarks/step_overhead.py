@@ -94,7 +94,7 @@ def main() -> None:
     start = time.perf_counter()
     bare = bare_step_fn(config, trainer.tx)
     model = create_model(model_config(config), 0)
-    params = jax.device_put(nnx.split(model)[1].to_pure_dict(), device[0])
+    params = jax.device_put(nnx.to_pure_dict(nnx.split(model)[1]), device[0])
     opt_state = trainer.tx.init(params)
     bare_batch = jax.device_put(batch_np, device[0])
     params, opt_state, loss = bare(params, opt_state, bare_batch)

@@ -24,13 +24,13 @@ import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxscale.train import parse_flags  # noqa: E402
+from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402
 
 
 def build(layout: str, overrides: list[str], workdir: str):
-    config, _ = parse_flags(["zero", "--config.mesh.data=8", "--config.train.batch_size=16",
+    config, _ = parse_train_flags(["zero", "--config.mesh.data=8", "--config.train.batch_size=16",
                              f"--config.sharding.optimizer_state={layout}", *overrides])
     trainer = Trainer(config, workdir)
     state = trainer.init_state(0)

@@ -136,6 +136,19 @@ def print_help(prog: str, about: str, options: list[Option], config_help: str) -
     print("\n".join(lines))
 
 
+DEFAULT_WORKDIR = os.path.join("runs", "default")
+TRAIN_OPTIONS = [Option("workdir", DEFAULT_WORKDIR, "folder for metrics, TensorBoard files and "
+                        "checkpoints; a workdir with checkpoints resumes from the newest", "DIR")]
+
+
+def parse_train_flags(argv: list[str], about: str = "") -> tuple[ml_collections.ConfigDict, str]:
+    """(config, workdir) from a `python -m jaxscale.train` command line; the launchers' pre-checks
+    parse a training command with it too, so they accept exactly what training accepts."""
+    config, values = parse_config_flags(argv, prog="python -m jaxscale.train", about=about,
+                                        options=TRAIN_OPTIONS)
+    return config, values["workdir"]
+
+
 def parse_config_flags(argv: list[str], *, prog: str, about: str, options: list[Option],
                        config_help: str = "the config: a Python file whose get_config() returns "
                                           "an ml_collections.ConfigDict",

@@ -12,20 +12,8 @@ import os
 import signal
 import sys
 
-from jaxscale.cli import Option, fail, parse_config_flags
+from jaxscale.cli import fail, parse_train_flags
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError
-
-DEFAULT_WORKDIR = os.path.join("runs", "default")
-PROG = "python -m jaxscale.train"
-OPTIONS = [Option("workdir", DEFAULT_WORKDIR, "folder for metrics, TensorBoard files and "
-                  "checkpoints; a workdir with checkpoints resumes from the newest", "DIR")]
-
-
-def parse_flags(argv: list[str]):
-    """(config, workdir) from the command line; exits with `error: ...` on a mistake."""
-    config, values = parse_config_flags(argv, prog=PROG, about=__doc__, options=OPTIONS)
-    return config, values["workdir"]
-
 
 def _stop_before_training(signum, frame) -> None:
     # Until the trainer takes Ctrl-C over (after its checks), nothing is worth saving; a
@@ -37,7 +25,7 @@ def _stop_before_training(signum, frame) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, _stop_before_training)
     try:
-        config, workdir = parse_flags(argv)
+        config, workdir = parse_train_flags(argv, about=__doc__)
         # Import JAX only now, so that --help and flag errors stay fast.
         from jaxscale import distributed
         from jaxscale.checkpoint.signals import RunStopped

@@ -6,9 +6,9 @@ import json
 import sys
 
 from jaxscale import distributed
-from jaxscale.train import parse_flags
+from jaxscale.cli import parse_train_flags
 
-config, _ = parse_flags(sys.argv)
+config, _ = parse_train_flags(sys.argv)
 distributed.initialize(config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
 
 import jax  # noqa: E402 - after joining the cluster

@@ -59,8 +59,8 @@ def test_launcher_pre_checks_and_the_trainer_agree_on_layouts(overrides, accepte
     except SystemExit as e:
         assert e.code == 2
         launcher_accepts = False
-    from jaxscale.train import parse_flags
-    config, _ = parse_flags(["train", *args])
+    from jaxscale.cli import parse_train_flags
+    config, _ = parse_train_flags(["train", *args])
     devices = fake_devices(2, 4, platform)
     try:
         validate(config, len(devices), dcn_granules(config.mesh, devices))
@@ -175,8 +175,8 @@ def losses(workdir):
 
 
 def one_process_losses(tmp_path, overrides):
-    from jaxscale.train import parse_flags
-    config, _ = parse_flags(["train", *SMALL, *overrides])
+    from jaxscale.cli import parse_train_flags
+    config, _ = parse_train_flags(["train", *SMALL, *overrides])
     Trainer(config, str(tmp_path)).run()
     return losses(tmp_path)
 

@@ -8,7 +8,7 @@ import argparse
 import signal
 import sys
 
-from jaxscale.cli import fail
+from jaxscale.cli import fail, parse_train_flags
 from jaxscale.config import MESH_AXES, validate
 from jaxscale.errors import JaxscaleError
 
@@ -90,9 +90,7 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int)
     validates it for `num_devices` devices in `num_granules` DCN-connected granules (TPU slices, or
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
     is started for a run that would fail at once."""
-    from jaxscale.train import parse_flags  # a bad flag exits here, exactly as training would
-
-    config, _ = parse_flags([sys.argv[0], *train_args])
+    config, _ = parse_train_flags([sys.argv[0], *train_args])  # a bad flag exits here
     # Granules count only when the config asks for DCN factors (see parallel.mesh.dcn_granules).
     granules = 1 if all(int(config.mesh.dcn[a]) == 1 for a in MESH_AXES) else num_granules
     try:
