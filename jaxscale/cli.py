@@ -104,7 +104,9 @@ def config_path(argv: list[str], default: str = DEFAULT_CONFIG) -> str:
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):
             return arg.split("=", 1)[1]
-        if arg == "--config" and i + 1 < len(argv):
+        if arg == "--config":
+            if i + 1 == len(argv):
+                fail("--config needs a FILE: --config=configs/NAME.py")
             return argv[i + 1]
     return default
 

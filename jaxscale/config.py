@@ -21,6 +21,8 @@ LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+# sharding.optimizer_state: with each parameter, or also split over the data-parallel axes (ZeRO-1).
+OPTIMIZER_STATE_LAYOUTS = ("params", "data")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -195,6 +197,14 @@ def resolve_mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int,
 
 
 def _unknown_keys(config: Any, defaults: Any, prefix: str = "") -> list[str]:
+    """Keys `config` has that `defaults` lacks; ConfigError when a group lost keys (a config file
+    that replaced a whole group, e.g. `c.mesh.dcn = dict(data=2)`)."""
+    if prefix and prefix != "sharding.rules.":
+        missing = [key for key in defaults.keys() if key not in config]
+        if missing:
+            raise ConfigError(
+                f"config key {prefix + missing[0]!r} is missing: the group {prefix[:-1]!r} was "
+                f"replaced whole; set its keys one by one (c.{prefix}{missing[0]} = ...) instead")
     unknown = []
     for key in config.keys():
         path = f"{prefix}{key}"
@@ -314,8 +324,6 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    from jaxscale.state import OPTIMIZER_STATE_LAYOUTS  # imports JAX; validation needs it anyway
-
     layout = config.sharding.optimizer_state
     if layout not in OPTIMIZER_STATE_LAYOUTS:
         raise ConfigError(f"sharding.optimizer_state={layout!r} is unknown; use one of "

@@ -26,7 +26,10 @@ INTERRUPTED_EXIT_CODE = 130
 def describe_exit(status: int) -> str:
     """How a child process ended, from its `Popen.returncode` (negative: killed by a signal)."""
     if status < 0:
-        return f"was killed by {signal.Signals(-status).name}"
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"was killed by signal {-status}"
     if status == RESTART_EXIT_CODE:
         return f"exited with status {status} (restart me)"
     if status == INTERRUPTED_EXIT_CODE:

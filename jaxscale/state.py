@@ -66,9 +66,6 @@ def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
     return config.precision.compute_dtype == "float16"
 
 
-OPTIMIZER_STATE_LAYOUTS = ("params", "data")
-
-
 def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
                  layout: str) -> Any:
     """Where each parameter's optimizer moments (and its gradient, before the update) live, as
@@ -104,7 +101,7 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
 def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
                     tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
     """Parameters as `param_shardings`; each optimizer moment as its parameter's entry of
-    `moments` (see `moment_shardings`); scalars replicated."""
+    `moments` (see `moment_specs`); scalars replicated."""
     replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract_state.opt_state, moments,

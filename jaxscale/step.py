@@ -89,6 +89,8 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        if grad_shardings is not None:  # applied on the shard; the new parameters are gathered
+            updates = jax.lax.with_sharding_constraint(updates, grad_shardings)
         new_params = optax.apply_updates(state.params, updates)
         # A non-finite step changes nothing but the counters: the update is dropped whole.
         keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 
+from jaxscale.cli import fail
 from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, USAGE_EXIT_CODE,
                              describe_exit, interrupted, shell_exit_status)
 from jaxscale.launch.cli import ArgumentParser, StopRequest, nonnegative, nonnegative_float
@@ -77,7 +78,10 @@ class Supervisor:
     def _start(self) -> subprocess.Popen:
         self.delivered = set()
         # Its own process group: a Ctrl-C in the terminal reaches the run only through supervise.
-        self.child = subprocess.Popen(self.command, process_group=0)
+        try:
+            self.child = subprocess.Popen(self.command, process_group=0)
+        except OSError as e:  # e.g. a misspelt program: restarting cannot fix it
+            fail(f"cannot start {self.command[0]!r} ({e.strerror}); check the command after --")
         self._deliver()  # a signal that came while it was starting
         return self.child
 

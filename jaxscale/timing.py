@@ -172,7 +172,7 @@ def compare_hosts(summary: dict[str, float], straggler_ratio: float
     if excess > (straggler_ratio - 1) * median_step:
         warning = (f"warning: host {slowest} is slow: it spends {host_time[slowest]:.3g}s of "
                    f"each {median_step:.3g}s step on its own work (data wait "
-                   f"{data_wait[slowest]:.0%}) against {median_host:.3g}s on the median host, so "
-                   f"every step is about {median_step / max(median_step - excess, 1e-9):.2f}x "
-                   f"longer than it needs to be (train.straggler_ratio={straggler_ratio})")
+                   f"{data_wait[slowest]:.0%}) against {median_host:.3g}s on the median host, "
+                   f"which adds about {excess / median_step:.0%} to every step of every host "
+                   f"(train.straggler_ratio={straggler_ratio})")
     return metrics, warning

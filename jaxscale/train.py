@@ -15,15 +15,16 @@ import sys
 from jaxscale.cli import fail, parse_train_flags
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError
 
-def _stop_before_training(signum, frame) -> None:
-    # Until the trainer takes Ctrl-C over (after its checks), nothing is worth saving; a
-    # KeyboardInterrupt raised inside `import jax` could crash the interpreter instead of stopping.
-    print("\ninterrupted before training began; nothing was saved", file=sys.stderr, flush=True)
+def _stop_at_once(signum, frame) -> None:
+    # Outside the training loop (start-up checks, imports, the final clean-up) nothing is left to
+    # save, and a KeyboardInterrupt raised inside `import jax` could crash the interpreter.
+    print("\ninterrupted: stopped at once, outside the training loop (nothing more to save)",
+          file=sys.stderr, flush=True)
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
 def main(argv: list[str]) -> None:
-    signal.signal(signal.SIGINT, _stop_before_training)
+    signal.signal(signal.SIGINT, _stop_at_once)
     try:
         config, workdir = parse_train_flags(argv, about=__doc__)
         # Import JAX only now, so that --help and flag errors stay fast.

@@ -36,6 +36,7 @@ from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
+from jaxscale.errors import ConfigError
 from jaxscale.optim import make_optimizer
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
 from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
@@ -159,6 +160,13 @@ class Trainer:
                          f"{own.meta['step']} (train.steps={t.steps}); to train it further, pass "
                          f"--config.train.steps=<more than {own.meta['step']}>")
                 return latest_metrics(self.workdir)
+            if own is None and restored is not None and restored.train is not None \
+                    and restored.meta["step"] >= t.steps:
+                raise ConfigError(
+                    f"checkpoint.restore_from={config.checkpoint.restore_from!r} is at step "
+                    f"{restored.meta['step']}, not before train.steps={t.steps}; raise "
+                    "train.steps, or start from its parameters only with "
+                    "checkpoint.restore_params_only=True")
 
             # Every check has passed: from here on the run writes.
             self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
@@ -268,6 +276,7 @@ class _Loop:
         self.checkpoints, self.train_input, self.held_out = checkpoints, train_input, held_out
         self.window, self.writer, self.signals = window, writer, signals
         self.bad_steps = BadSteps(self.t.max_bad_steps)
+        self.last_saved: int | None = None
         self.in_flight = StepsInFlight(limit=2)
         # Tests make one host slow with JAXSCALE_TEST_SLOW_HOST=<process>:<seconds per step>.
         process, _, seconds = os.environ.get("JAXSCALE_TEST_SLOW_HOST", "").partition(":")
@@ -301,9 +310,11 @@ class _Loop:
             if stop := self.signals.reached(done):
                 self.stop(stop, done, state)
             if self.checkpoints.due(done, log_step=self.is_log_step(done), final=done == t.steps):
-                self.save(done, state)
+                if self.save(done, state):
+                    self.last_saved = done
             if self.is_log_step(done):
-                self.bad_steps.settle()  # raises TooManyBadSteps
+                with window.waiting_for_devices():
+                    self.bad_steps.settle()  # raises TooManyBadSteps
                 logged = {**window.summary(), **self.checkpoints.take_metrics(),
                           "data_skipped_records": self.train_input.skipped_records()}
                 hosts, warning = compare_hosts(logged, t.straggler_ratio)
@@ -328,7 +339,8 @@ class _Loop:
         """Starts an async checkpoint of `step`, unless it was not finite (see Checkpoints.save)."""
         if not self.checkpoints.enabled:
             return False
-        finite = self.bad_steps.settle() == 0  # waits for the step: its time is step time
+        with self.window.waiting_for_devices():  # waits for the step: its time is step time
+            finite = self.bad_steps.settle() == 0
         with self.window.paused():
             config = self.trainer.config
             meta = dict(step=step, seed=config.train.seed,
@@ -364,8 +376,13 @@ class _Loop:
             parts.append(f"loss {logged['loss']:.4g}")
         if "eval_loss" in logged:
             parts.append(f"eval loss {logged['eval_loss']:.4g}")
-        parts.append(f"checkpoint {self.checkpoints.directory / str(t.steps)}"
-                     if self.checkpoints.enabled else "no checkpoint (checkpoint.enabled=False)")
+        if not self.checkpoints.enabled:
+            parts.append("no checkpoint (checkpoint.enabled=False)")
+        elif self.last_saved == t.steps:
+            parts.append(f"checkpoint {self.checkpoints.directory / str(t.steps)}")
+        else:  # the last step was not finite: no checkpoint follows a non-finite step
+            parts.append(f"no checkpoint of the last step (not finite); the newest is from step "
+                         f"{self.last_saved or 'none this start'}")
         return "; ".join(parts)
 
 

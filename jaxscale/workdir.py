@@ -66,8 +66,14 @@ def logged_metrics(workdir: str) -> list[dict]:
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return []
+    lines = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:  # a line torn by a killed process, or a blank one
+                continue
+    return lines
 
 
 def latest_metrics(workdir: str) -> dict:

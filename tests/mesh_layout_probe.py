@@ -1,6 +1,6 @@
 """Run under `jaxscale.launch.local --module=tests.mesh_layout_probe -- <training flags>`: builds
-the training mesh as the trainer does and prints, for each index along the `data` axis, the hosts
-that hold its devices (tests/test_layouts.py checks that each ICI group sits on one host)."""
+the training mesh as the trainer does and prints, for each mesh axis and each index along it, the
+hosts that hold its devices (tests/test_layouts.py checks that each ICI group sits on one host)."""
 
 import json
 import sys
@@ -19,7 +19,8 @@ from jaxscale.parallel.mesh import build_mesh, dcn_granules  # noqa: E402
 
 devices = jax.devices()
 mesh = build_mesh(*validate(config, len(devices), dcn_granules(config.mesh, devices)), devices)
-data = list(mesh.axis_names).index("data")
-groups = [sorted({d.process_index for d in np.ravel(group)})
-          for group in np.moveaxis(mesh.devices, data, 0)]
-print("hosts by data index:", json.dumps(groups), flush=True)
+for axis in mesh.axis_names:
+    along = list(mesh.axis_names).index(axis)
+    groups = [sorted({d.process_index for d in np.ravel(group)})
+              for group in np.moveaxis(mesh.devices, along, 0)]
+    print(f"hosts by {axis} index:", json.dumps(groups), flush=True)

@@ -295,6 +295,17 @@ def test_a_non_finite_step_is_skipped_counted_and_never_checkpointed(tmp_path, m
     assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints")) == [1, 2, 4, 5]
 
 
+def test_a_non_finite_last_step_is_not_reported_as_saved(tmp_path, monkeypatch, capsys):
+    poison(monkeypatch, bad_steps={3})
+    config = nan_config(steps=3)
+    config.checkpoint.every_steps = 2
+    Trainer(config, str(tmp_path)).run()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.endswith("no checkpoint of the last step (not finite); the newest is from "
+                            "step 2"), summary
+
+
 def test_too_many_bad_steps_in_a_row_stop_the_run_and_keep_the_last_good_checkpoint(
         tmp_path, monkeypatch):
     poison(monkeypatch, bad_steps=set(range(3, 20)))

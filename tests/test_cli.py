@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jaxscale.trainer import Trainer
+from jaxscale.workdir import latest_metrics
 from tests.helpers import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,3 +92,8 @@ def test_a_fresh_start_over_metrics_without_a_checkpoint_sets_them_aside(tmp_pat
     steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if "loss" in l]
     assert steps == [2, 2]  # one train line, one eval line: no step logged twice
+
+
+def test_a_torn_metrics_line_does_not_hide_the_others(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 3.5}\n{"step": 4, "lo')
+    assert latest_metrics(str(tmp_path)) == {"step": 2, "loss": 3.5}

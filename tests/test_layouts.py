@@ -186,9 +186,11 @@ def one_process_losses(tmp_path, overrides):
     (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=4", "--config.mesh.data=1",
       "--config.sharding.optimizer_state=data"],
      ["--config.mesh.data=2", "--config.mesh.fsdp=4"]),
+    (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=4", "--config.mesh.data=1"],
+     ["--config.mesh.data=2", "--config.mesh.fsdp=4"]),
     (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"],
      ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"]),
-], ids=["hsdp_with_zero1", "dcn_fsdp_x_tensor_x_data"])
+], ids=["hsdp_with_zero1", "hsdp", "dcn_fsdp_x_tensor_x_data"])
 def test_two_hosts_equal_one_host_with_the_same_logical_layout(tmp_path, two_hosts, one_host):
     run = launch_two(tmp_path / "two", *two_hosts)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
@@ -199,12 +201,16 @@ def test_two_hosts_equal_one_host_with_the_same_logical_layout(tmp_path, two_hos
 
 
 @pytest.mark.slow
-def test_each_ici_group_of_a_hybrid_mesh_is_on_one_host():
-    run = launch_two(None, "--config.mesh.dcn.data=2", "--config.mesh.fsdp=4",
-                     "--config.mesh.data=1", module="tests.mesh_layout_probe")
+@pytest.mark.parametrize("layout, dcn_axis", [
+    (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=4", "--config.mesh.data=1"], "data"),
+    (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"], "fsdp"),
+])
+def test_each_ici_group_of_a_hybrid_mesh_is_on_one_host(layout, dcn_axis):
+    run = launch_two(None, *layout, module="tests.mesh_layout_probe")
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    line = next(l for l in run.stdout.splitlines() if l.startswith("[0] hosts by data index:"))
-    # data is the DCN axis: each of its 2 entries is one ICI group of fsdp=4 devices.
+    line = next(l for l in run.stdout.splitlines()
+                if l.startswith(f"[0] hosts by {dcn_axis} index:"))
+    # Each index along the DCN axis is one ICI group: all its devices on one host.
     assert json.loads(line.split(":", 1)[1]) == [[0], [1]]
 
 

@@ -117,3 +117,19 @@ def test_steps_in_flight_waits_for_all_but_the_newest_two():
     for step in range(1, 6):
         in_flight.add(Marker(waited, step))
         assert waited == list(range(1, step - 1)), step  # steps step-1 and step may still run
+
+
+def test_only_a_second_ctrl_c_kills_a_launchers_children():
+    from jaxscale.launch.cli import StopRequest
+
+    ctrl_c_twice = StopRequest()
+    ctrl_c_twice.record(signal.SIGINT)
+    assert ctrl_c_twice.undelivered(set()) == [signal.SIGINT]
+    ctrl_c_twice.record(signal.SIGINT)
+    assert ctrl_c_twice.killed
+
+    saving_for_a_restart = StopRequest()  # a SIGTERM's save must not be cut short by a Ctrl-C
+    saving_for_a_restart.record(signal.SIGTERM)
+    saving_for_a_restart.record(signal.SIGINT)
+    assert not saving_for_a_restart.killed
+    assert saving_for_a_restart.undelivered({signal.SIGTERM}) == []

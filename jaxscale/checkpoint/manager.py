@@ -46,7 +46,7 @@ _CORRUPT_SUFFIX = ".corrupt-"
 class Restored(NamedTuple):
     params: Any
     train: dict | None  # the TrainState's other fields; None for a params-only restore
-    data_state: dict | None  # this process's data iterator position; None for params only
+    data_state: dict | None  # every row stream's data position; None for params only
     meta: dict
     path: str
     seconds: float

@@ -24,6 +24,7 @@ import signal
 import sys
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE
@@ -97,7 +98,10 @@ class StopSignals:
             return self._stop
         try:
             if multihost_utils.reached_preemption_sync_point(step):
-                return self._stop or Preempted
+                # Every process is here: agree on why, so all exit alike (130 if anyone saw a
+                # Ctrl-C, else 42).
+                ctrl_c = multihost_utils.process_allgather(np.bool_(self._stop is Interrupted))
+                return Interrupted if np.any(ctrl_c) else Preempted
         except RuntimeError:  # the preemption service is off; warned about on entry
             pass
         return None

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from jaxscale.cli import fail, parse_train_flags
-from jaxscale.config import MESH_AXES, validate
+from jaxscale.config import validate
 from jaxscale.errors import JaxscaleError
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -31,8 +31,8 @@ class StopRequest:
     def record(self, signum: int) -> None:
         if self.signal is None:
             self.signal = signum
-        elif signum == signal.SIGINT:
-            self.killed = True
+        elif signum == signal.SIGINT == self.signal:  # a second Ctrl-C (not one during a SIGTERM's
+            self.killed = True                       # save: that run is saving for a restart)
 
     def undelivered(self, delivered: set[int]) -> list[int]:
         """The signals a child already sent `delivered` should get now; adds them to it."""
@@ -90,9 +90,11 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int)
     validates it for `num_devices` devices in `num_granules` DCN-connected granules (TPU slices, or
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
     is started for a run that would fail at once."""
+    from jaxscale.parallel.mesh import asks_for_dcn  # imports JAX: not for supervise's start
+
     config, _ = parse_train_flags([sys.argv[0], *train_args])  # a bad flag exits here
-    # Granules count only when the config asks for DCN factors (see parallel.mesh.dcn_granules).
-    granules = 1 if all(int(config.mesh.dcn[a]) == 1 for a in MESH_AXES) else num_granules
+    # Granules count only when the config asks for DCN factors, as in parallel.mesh.dcn_granules.
+    granules = num_granules if asks_for_dcn(config.mesh) else 1
     try:
         validate(config, num_devices, granules)
     except JaxscaleError as e:

@@ -21,11 +21,16 @@ def granule_of(device, slices: bool) -> int:
     return device.slice_index if slices else device.process_index
 
 
+def asks_for_dcn(mesh_config: ml_collections.ConfigDict) -> bool:
+    """Whether any `mesh.dcn` factor is above 1 (a missing key is `validate`'s to report)."""
+    return any(int(mesh_config.dcn.get(a, 1)) != 1 for a in MESH_AXES)
+
+
 def dcn_granules(mesh_config: ml_collections.ConfigDict, devices) -> int:
     """How many DCN-connected granules the mesh spans: 1 unless a `mesh.dcn` factor asks for more,
     then the number of TPU slices, or of hosts (processes) elsewhere. The launchers' pre-checks
     count the same way (`--granules`: slices on TPU, hosts or nodes on GPU)."""
-    if all(int(mesh_config.dcn[a]) == 1 for a in MESH_AXES):
+    if not asks_for_dcn(mesh_config):
         return 1
     slices = granules_are_slices(devices)
     return len({granule_of(d, slices) for d in devices})
