@@ -109,7 +109,9 @@ def test_zero1_trains_like_the_unsharded_optimizer_on_a_fraction_of_the_bytes(tm
     _, reference, expected = three_steps("params", tmp_path, **mesh)
     trainer, state, losses = three_steps("data", tmp_path, **mesh)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+    # Summed in another order, a near-zero gradient differs in its last bits, and AdamW divides by
+    # its root mean square: a weight (~0.02) can move by 5e-7 more in 3 steps (seen on jax 0.12).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  jax.device_get(state.params), jax.device_get(reference.params))
     ratio = optimizer_bytes_per_device(state) / optimizer_bytes_per_device(reference)
     assert ratio == pytest.approx(fraction, rel=0.02)  # the step counters stay replicated
@@ -216,11 +218,12 @@ def test_each_ici_group_of_a_hybrid_mesh_is_on_one_host(layout, dcn_axis):
 
 @pytest.mark.slow
 def test_the_slowest_host_is_named(tmp_path):
+    # A second per step: far above what a busy test machine adds to either host's own time.
     run = launch_two(tmp_path, "--config.mesh.data=-1",
-                     env={"JAXSCALE_TEST_SLOW_HOST": "1:0.25"})
+                     env={"JAXSCALE_TEST_SLOW_HOST": "1:1.0"})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     with open(tmp_path / "metrics.jsonl") as f:
         lines = [r for r in map(json.loads, f) if "slowest_host" in r]
     assert lines and all(r["slowest_host"] == 1 for r in lines), lines
-    assert all(r["host_time_max_s"] >= 0.25 for r in lines)  # the injected sleep is its own time
+    assert all(r["host_time_max_s"] >= 1.0 for r in lines)  # the injected sleep is its own time
     assert "[0] warning: host 1 is slow" in run.stdout
