@@ -1,5 +1,7 @@
 """Llama 3 8B shapes (8.03B parameters), for a GPU node (8x H100) or a TPU slice and up.
 
+Llama 3 (not 3.1): 8192 positions, plain RoPE (model.rope_scaling.type stays "none").
+
     python -m jaxscale.train --config=configs/llama3_8b.py --workdir=runs/llama3_8b
 
 Defaults to FSDP over all devices with full rematerialisation; add tensor parallelism with

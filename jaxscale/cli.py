@@ -22,7 +22,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from jaxscale.errors import USAGE_EXIT_CODE, ConfigError
+from jaxscale.errors import USAGE_EXIT_CODE, ConfigError, JaxscaleError
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
@@ -44,9 +44,14 @@ class Option:
     metavar: str = "VALUE"
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """Imports `path` and returns its `get_config()`; ConfigError naming the file, the line and the
-    fix when it does not load or does not return a ConfigDict."""
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """Imports the config file and returns its `get_config()`, or `get_config(ARG)` for
+    `spec` = FILE:ARG (as ml_collections' config_flags: configs/hf.py:/path/to/model); ConfigError
+    naming the file, the line and the fix when it does not load or does not return a
+    ConfigDict."""
+    path, arg = spec, None
+    if not os.path.isfile(spec) and ":" in spec:
+        path, arg = spec.split(":", 1)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist; pass --config=configs/NAME.py "
                           "(a Python file with get_config())")
@@ -64,7 +69,9 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {path!r} has no get_config() function; define one that "
                           "returns jaxscale.config.default_config() with your changes")
     try:
-        config = get_config()
+        config = get_config() if arg is None else get_config(arg)
+    except JaxscaleError as e:  # the file's own check of its argument, already worded
+        raise ConfigError(f"config file {spec!r}: {e}") from None
     except Exception as e:  # noqa: BLE001 - e.g. a str assigned to an int key
         raise ConfigError(_raised_in(path, e, "get_config() failed")) from None
     if not isinstance(config, ml_collections.ConfigDict):
@@ -153,7 +160,8 @@ def parse_train_flags(argv: list[str], about: str = "") -> tuple[ml_collections.
 
 def parse_config_flags(argv: list[str], *, prog: str, about: str, options: list[Option],
                        config_help: str = "the config: a Python file whose get_config() returns "
-                                          "an ml_collections.ConfigDict",
+                                          "an ml_collections.ConfigDict; FILE:ARG calls "
+                                          "get_config(ARG), e.g. configs/hf.py:/path/to/model",
                        ) -> tuple[ml_collections.ConfigDict, dict]:
     """(config with overrides applied, {option name: value}) from `argv` (argv[0] is the
     program). Exits with `error: ...` on any mistake and with status 0 after `--help`."""

@@ -16,6 +16,9 @@ import os
 import tempfile
 import time
 
+import ml_collections
+
+from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
@@ -59,6 +62,24 @@ def open_workdir(workdir: str, config_json: str) -> None:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as f:
         f.write(config_json)
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config the run in `workdir` last started with, over today's defaults (a key added
+    since keeps its default); ConfigError when there is no such run."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"workdir {workdir!r} has no {CONFIG_FILE}; pass the workdir of a run "
+                          "that python -m jaxscale.train has started")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"{path} is not JSON ({e}); it is the run's config as jaxscale.train "
+                          "wrote it: restore it, or start the run again") from None
+    config = default_config()
+    config.update(saved)
+    return config
 
 
 def logged_metrics(workdir: str) -> list[dict]:

@@ -133,7 +133,7 @@ def test_kill_9_during_an_async_save_loses_nothing_but_that_save(tmp_path):
     trainer = Trainer(config, str(tmp_path / "reader"))
     for step in complete:
         restored = restore_from(str(checkpoint_dir / str(step)), trainer.abstract_state,
-                                params_only=False)
+                                params_only=False, model_config=trainer.model.config)
         assert int(restored.train["step"]) == step
 
 

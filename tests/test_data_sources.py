@@ -80,7 +80,7 @@ def decoded(config, split):
     """The texts of the first source's `split`, in order."""
     documents = sources.source_documents(sources.source_specs(config)[0], split,
                                          ByteTokenizer(), config)
-    return [ByteTokenizer().decode(d).decode() for d in documents]
+    return [ByteTokenizer().decode(d) for d in documents]
 
 
 @pytest.mark.parametrize("name", list(FIXTURES))
@@ -105,7 +105,7 @@ def test_row_stream_shares_of_a_source_hold_each_document_once(tmp_path, streams
     config = config_with(write_jsonl(tmp_path / "texts.jsonl"))
     documents = sources.source_documents(sources.source_specs(config)[0], "train",
                                          ByteTokenizer(), config)
-    seen = [ByteTokenizer().decode(d).decode()
+    seen = [ByteTokenizer().decode(d)
             for stream in range(streams)
             for d in pipeline.stream_share(documents, stream, streams)]
     assert sorted(seen) == sorted(decoded(config, "train"))
@@ -267,6 +267,7 @@ def test_sentencepiece_tokenizer(tmp_path, sentencepiece_model):
     assert tokenizer.vocab_size == 40 and (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
     ids = tokenizer.encode(TEXTS[5])
     assert ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < 40
+    assert tokenizer.decode(ids) == TEXTS[5]
     config.model.vocab_size = 40
     validate(config, 8)
     rows = next(iter(pipeline.local_batches(config, "train", range(8), sources.SkippedRecords())))
@@ -281,6 +282,8 @@ def test_huggingface_tokenizer(tmp_path, huggingface_tokenizer):
     tokenizer = tokenizer_from_config(config)
     assert (tokenizer.bos_id, tokenizer.eos_id) == (2, 3)
     assert tokenizer.encode("document 3: abc").max() < tokenizer.vocab_size
+    # This BPE has no decoder, so its pieces come back joined by spaces.
+    assert tokenizer.decode(tokenizer.encode("document 3: abc")) == "document 3 : abc"
     config.data.bos_token = "<nope>"
     assert "not in the tokenizer's vocabulary" in one_line_error(
         ConfigError, lambda: tokenizer_from_config(config))

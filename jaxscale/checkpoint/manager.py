@@ -34,6 +34,9 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.hf.config import is_hf_folder
+from jaxscale.hf.weights import load_params
+from jaxscale.models import LlamaConfig
 from jaxscale.state import TrainState
 from jaxscale.workdir import check_writable
 
@@ -236,9 +239,17 @@ def _quiet_read_only_notice():
         absl_logger.removeFilter(keep)
 
 
-def restore_from(path: str, abstract_state: TrainState, *, params_only: bool) -> Restored:
+def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
+                 model_config: LlamaConfig) -> Restored:
     """Another run's checkpoint (`checkpoint.restore_from`): a workdir, its checkpoint folder or
-    one step folder. Nothing in it is written. Raises JaxscaleError when it is no checkpoint."""
+    one step folder; or a Hugging Face model folder, whose weights are the params (params only,
+    whatever `params_only` says: it has nothing else). Nothing in it is written. Raises
+    JaxscaleError when it is no checkpoint."""
+    if is_hf_folder(path):
+        begin = time.perf_counter()
+        params = load_params(path, model_config, abstract_state.params)
+        return Restored(params=params, train=None, data_state=None, meta={"step": 0},
+                        path=os.path.abspath(path), seconds=time.perf_counter() - begin)
     directory, step = _locate(path)
     with _reader(directory) as manager:
         if step is None:
@@ -252,8 +263,8 @@ def restore_from(path: str, abstract_state: TrainState, *, params_only: bool) ->
 
 def _locate(path: str) -> tuple[epath.Path, int | None]:
     """(checkpoint folder, step or None for the newest) for a `restore_from` path."""
-    hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder or one "
-            "step folder in it")
+    hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder, one "
+            "step folder in it, or a Hugging Face model folder")
     # Orbax needs absolute paths; a URL (gs://...) is absolute already.
     given = epath.Path(path if "://" in path else os.path.abspath(path))
     if not given.exists():
@@ -288,7 +299,8 @@ def _try_restore(manager: ocp.CheckpointManager, step: int, abstract_state: Trai
         return None, problem or "its metadata failed to load on another process"
     _check_fits(saved["params"].tree, abstract_state.params, "parameter", path)
     if not params_only:
-        _check_fits(saved["train"].tree, _train_part(abstract_state), "train state entry", path)
+        _check_fits(saved["train"].tree, _train_part(abstract_state), "train state entry", path,
+                    cast_floats=True)
     try:
         items = manager.restore(step, args=_restore_args(abstract_state, params_only))
     except Exception as e:  # noqa: BLE001 - as above
@@ -309,9 +321,11 @@ def _restore_args(abstract_state: TrainState, params_only: bool) -> ocp.args.Com
     return ocp.args.Composite(**items)
 
 
-def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path) -> None:
+def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path, *,
+                cast_floats: bool = False) -> None:
     """Raises ConfigError naming the first entry whose shape or dtype differs, or that one side
-    lacks."""
+    lacks. With `cast_floats`, floating-point entries may differ in dtype: Orbax casts them on
+    restore (the optimizer moments, when `optim.moment_dtype` changed between starts)."""
     saved_leaves, expected_leaves = _leaves_by_name(saved), _leaves_by_name(expected)
     fix = ("resume with the config that wrote it, or train in a new workdir (with "
            "checkpoint.restore_from to start from it)")
@@ -320,7 +334,10 @@ def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path) -> None:
         if have is None:
             raise ConfigError(f"checkpoint {path} does not fit the model config: {kind} {name!r} "
                               f"is not in the checkpoint; {fix}")
-        if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
+        have_dtype, want_dtype = np.dtype(have.dtype), np.dtype(want.dtype)
+        castable = cast_floats and all(jax.numpy.issubdtype(d, jax.numpy.floating)
+                                       for d in (have_dtype, want_dtype))
+        if tuple(have.shape) != tuple(want.shape) or (have_dtype != want_dtype and not castable):
             raise ConfigError(
                 f"checkpoint {path} does not fit the model config: {kind} {name!r} is "
                 f"{np.dtype(have.dtype).name}{list(have.shape)} in the checkpoint but "

@@ -32,9 +32,12 @@ class ByteTokenizer:
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32) + self._offset
 
-    def decode(self, ids: np.ndarray) -> bytes:
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of the byte ids (special ids dropped); a byte sequence that is not UTF-8, such as
+        a character cut off by the end of a sample, becomes U+FFFD."""
         ids = np.asarray(ids)
-        return (ids[ids >= self._offset] - self._offset).astype(np.uint8).tobytes()
+        data = (ids[ids >= self._offset] - self._offset).astype(np.uint8).tobytes()
+        return data.decode("utf-8", errors="replace")
 
 
 def _as_text(text: str | bytes) -> str:
@@ -70,6 +73,9 @@ class SentencePieceTokenizer:
     def encode(self, text: str | bytes) -> np.ndarray:
         return np.asarray(self._model.encode(_as_text(text)), dtype=np.int32)
 
+    def decode(self, ids: np.ndarray) -> str:
+        return self._model.decode(np.asarray(ids).tolist())
+
 
 class HuggingFaceTokenizer:
     def __init__(self, path: str, bos_token: str, eos_token: str):
@@ -94,6 +100,9 @@ class HuggingFaceTokenizer:
     def encode(self, text: str | bytes) -> np.ndarray:
         encoding = self._tokenizer.encode(_as_text(text), add_special_tokens=False)
         return np.asarray(encoding.ids, dtype=np.int32)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self._tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
 
 
 Tokenizer = ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer

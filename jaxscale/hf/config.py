@@ -1,0 +1,166 @@
+"""A Hugging Face Llama folder's config.json <-> jaxscale's `model` section, and the folder's
+tokenizer. No JAX here: config files (configs/hf.py) import it before JAX may start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxscale.errors import JaxscaleError
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_ARCHITECTURE = "LlamaForCausalLM"
+_FOLDER_HINT = ("point at a local Hugging Face Llama folder: config.json and model.safetensors "
+                "(or model.safetensors.index.json and its shards), as save_pretrained writes")
+
+
+def is_hf_folder(path: str) -> bool:
+    """Whether `path` looks like a Hugging Face model folder (not a jaxscale checkpoint)."""
+    return os.path.isfile(os.path.join(path, CONFIG_FILE)) and any(
+        os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, INDEX_FILE))
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The folder's config.json; JaxscaleError unless it describes a Llama jaxscale can load."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise JaxscaleError(f"Hugging Face model folder {path!r} does not exist; {_FOLDER_HINT}")
+    if not os.path.isfile(file):
+        raise JaxscaleError(f"{path!r} has no {CONFIG_FILE}, so it is no Hugging Face model "
+                            f"folder; {_FOLDER_HINT}")
+    try:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except ValueError as e:
+        raise JaxscaleError(f"{file} is not JSON ({e}); {_FOLDER_HINT}") from None
+    model_type, architectures = hf.get("model_type"), hf.get("architectures") or [_ARCHITECTURE]
+    if model_type != "llama" or architectures != [_ARCHITECTURE]:
+        raise JaxscaleError(
+            f"{file}: model_type {model_type!r}, architectures {architectures} is not supported; "
+            f"jaxscale imports model_type 'llama' with architectures ['{_ARCHITECTURE}']")
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False),
+                           ("mlp_bias", False)):
+        if hf.get(key, supported) != supported:
+            raise JaxscaleError(f"{file}: {key}={hf[key]!r} is not supported; jaxscale's Llama "
+                                f"has {key}={supported!r}")
+    return hf
+
+
+def _rope(hf: dict[str, Any], file: str) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, model.rope_scaling) from either form: `rope_theta` + `rope_scaling` (written
+    by transformers 4) or `rope_parameters` (transformers 5)."""
+    if "rope_parameters" in hf:
+        params = dict(hf["rope_parameters"] or {})
+        theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        params, theta = dict(hf.get("rope_scaling") or {}), hf.get("rope_theta", 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), dict(type="none")
+    if kind != "llama3":
+        raise JaxscaleError(f"{file}: RoPE type {kind!r} is not supported; jaxscale has the "
+                            "default RoPE and 'llama3' scaling")
+    try:
+        return float(theta), dict(
+            type="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_seq_len=int(params["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise JaxscaleError(f"{file}: llama3 RoPE scaling lacks {e.args[0]!r}; add it to the "
+                            "rope_scaling (or rope_parameters) entry") from None
+
+
+def model_section(path: str) -> dict[str, Any]:
+    """The folder's model as jaxscale's `config.model` keys (rope_scaling is a group of keys)."""
+    hf = read_config(path)
+    file = os.path.join(path, CONFIG_FILE)
+    try:
+        d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        theta, rope_scaling = _rope(hf, file)
+        return dict(
+            vocab_size=int(hf["vocab_size"]), d_model=d_model,
+            n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(hf.get("head_dim") or d_model // n_heads),
+            mlp_dim=int(hf["intermediate_size"]),
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+            rope_theta=theta, rope_scaling=rope_scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise JaxscaleError(f"{file} lacks {e.args[0]!r}; a Llama config.json has it (see "
+                            "transformers' LlamaConfig)") from None
+
+
+def apply_model_section(config: ml_collections.ConfigDict, section: dict[str, Any]) -> None:
+    """Sets `config.model` from `model_section`'s keys (the rope group key by key, as the
+    config's validation expects)."""
+    section = dict(section)
+    config.model.rope_scaling.update(section.pop("rope_scaling"))
+    config.model.update(section)
+
+
+def update_config(config: ml_collections.ConfigDict, path: str) -> None:
+    """Makes `config` fine-tune the folder: its model shapes, its tokenizer (tokenizer.json, with
+    config.json's BOS/EOS ids as data.bos_token/eos_token) and its weights
+    (checkpoint.restore_from)."""
+    apply_model_section(config, model_section(path))
+    hf = read_config(path)
+    tokenizer = os.path.join(path, TOKENIZER_FILE)
+    if os.path.isfile(tokenizer):
+        config.data.tokenizer = tokenizer
+        for key in ("bos", "eos"):
+            token = _token(tokenizer, hf.get(f"{key}_token_id"))
+            config.data[f"{key}_token"] = token or ""
+            config.data[f"add_{key}"] = token is not None
+    config.checkpoint.restore_from = path
+
+
+def _token(tokenizer: str, token_id: int | list[int] | None) -> str | None:
+    """The text of `token_id` (the first, if config.json lists several EOS ids) in a
+    tokenizer.json, or None."""
+    if isinstance(token_id, list):
+        token_id = token_id[0] if token_id else None
+    if token_id is None:
+        return None
+    try:
+        with open(tokenizer, encoding="utf-8") as f:
+            spec = json.load(f)
+    except ValueError as e:
+        raise JaxscaleError(f"{tokenizer} is not JSON ({e}); give the tokenizer.json that came "
+                            "with the model") from None
+    for added in spec.get("added_tokens", []):
+        if added.get("id") == token_id:
+            return added["content"]
+    vocab = (spec.get("model") or {}).get("vocab") or {}
+    return next((text for text, i in vocab.items() if i == token_id), None) \
+        if isinstance(vocab, dict) else None
+
+
+def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
+              eos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json for `model_config` (a LlamaConfig) in the `rope_theta` + `rope_scaling` form,
+    which transformers 4 and 5 both read."""
+    c, r = model_config, model_config.rope_scaling
+    rope_scaling = None if r is None else dict(
+        rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
+        high_freq_factor=r.high_freq_factor,
+        original_max_position_embeddings=r.original_max_seq_len)
+    config = dict(
+        architectures=[_ARCHITECTURE], model_type="llama", vocab_size=c.vocab_size,
+        hidden_size=c.d_model, intermediate_size=c.mlp_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+        rope_scaling=rope_scaling, tie_word_embeddings=c.tie_embeddings, hidden_act="silu",
+        attention_bias=False, mlp_bias=False, torch_dtype=dtype)
+    config.update({k: v for k, v in (("bos_token_id", bos_token_id),
+                                     ("eos_token_id", eos_token_id)) if v is not None})
+    return config

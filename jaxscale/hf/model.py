@@ -1,0 +1,94 @@
+"""`load_model` and `save_model`: a Hugging Face Llama folder as a jaxscale model, and back."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxscale.config import default_config
+from jaxscale.errors import JaxscaleError
+from jaxscale.hf import weights
+from jaxscale.hf.config import CONFIG_FILE, apply_model_section, hf_config, model_section
+from jaxscale.models import LlamaConfig
+from jaxscale.parallel.sharding import Rules, rules_from_config, tree_shardings
+from jaxscale.state import model_spec
+
+
+def load_model(path: str, dtype: str = "float32", *, compute_dtype: str = "bfloat16",
+               mesh: Mesh | None = None, rules: Rules | None = None
+               ) -> tuple[nnx.Module, LlamaConfig]:
+    """(model, its LlamaConfig) from a local Hugging Face Llama folder.
+
+    `dtype`: the parameters' (float32, the training master copy; bfloat16 halves the memory to
+    sample). `compute_dtype`: matmuls and activations. With `mesh`, every parameter is sharded by
+    `rules` (default: jaxscale's default rules) and each process reads only its devices' slices;
+    without, the model lands on the first device. JaxscaleError when the folder is not a Llama
+    jaxscale can load (the message names the file or tensor).
+    """
+    config = default_config()
+    apply_model_section(config, model_section(path))
+    config.precision.compute_dtype = compute_dtype
+    spec = model_spec(config)
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]),
+                                 spec.abstract_params)
+    else:
+        shardings = tree_shardings(spec.logical_specs, mesh,
+                                   rules or rules_from_config(config.sharding.rules))
+    wanted = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, dtype,
+                                                                   sharding=sharding),
+                          spec.abstract_params, shardings)
+    params = weights.load_params(path, spec.config, wanted)
+    return nnx.merge(spec.graphdef, params), spec.config
+
+
+def save_model(model_or_params: nnx.Module | Any, model_config: LlamaConfig, path: str,
+               dtype: str = "bfloat16", *, bos_token_id: int | None = None,
+               eos_token_id: int | None = None,
+               shard_bytes: int = weights.SHARD_BYTES) -> list[str]:
+    """Writes `path`/config.json and the weights as safetensors (sharded at `shard_bytes`, with
+    model.safetensors.index.json), without the padded vocabulary rows, in `dtype`, so that
+    transformers' LlamaForCausalLM.from_pretrained(path) loads them. `path` must not exist or be
+    an empty folder. Every process calls it; process 0 writes. Returns the weight files."""
+    if dtype not in weights.DTYPES:
+        raise JaxscaleError(f"dtype {dtype!r} cannot be saved; use one of {weights.DTYPES}")
+    params = (nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
+              if isinstance(model_or_params, nnx.Module) else model_or_params)
+    _check_params(params, model_config)
+    if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
+        raise JaxscaleError(f"{path!r} exists and is not an empty folder; save to a new folder "
+                            "(old shards left beside new ones would be loaded too)")
+    if jax.process_index() == 0:
+        os.makedirs(path, exist_ok=True)
+    files = weights.save_params(params, model_config, path, dtype, shard_bytes)
+    if jax.process_index() == 0:
+        with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(hf_config(model_config, dtype, bos_token_id, eos_token_id), f, indent=2)
+    return files
+
+
+def _check_params(params: Any, cfg: LlamaConfig) -> None:
+    """JaxscaleError naming the first parameter that `cfg`'s model lacks or shapes otherwise."""
+    for t in weights.layout(cfg):
+        node = params
+        for key in t.path:
+            node = node.get(key) if isinstance(node, dict) else None
+        name = "/".join(t.path)
+        if node is None:
+            raise JaxscaleError(f"the params have no {name!r}, which the model config needs; "
+                                "pass the LlamaConfig the params were made with")
+        ours = [t.view[p] for p in t.perm]
+        vocab_dim = {("embed",): 0, ("head",): 1}.get(t.path)
+        if vocab_dim is not None:  # the embedding and head have the padded rows
+            ours[vocab_dim] = cfg.padded_vocab_size
+        expected = ((cfg.n_layers,) if "{}" in t.hf_name else ()) + tuple(ours)
+        if tuple(np.shape(node)) != expected:
+            raise JaxscaleError(f"parameter {name!r} is {list(np.shape(node))} but the model "
+                                f"config needs {list(expected)}; pass the LlamaConfig the params "
+                                "were made with")

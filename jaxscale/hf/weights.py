@@ -1,0 +1,236 @@
+"""Hugging Face Llama weights <-> jaxscale parameters.
+
+Each jaxscale parameter is one Hugging Face tensor (or one per layer, stacked on the `layers`
+axis) reshaped and transposed: HF's Linear weights are [out, in], ours [in, ..., out] with the
+heads split out; both use RoPE's "rotate half" layout, so no permutation of q/k rows is needed.
+The embedding and head have `padded_vocab_size` rows here and `vocab_size` in the files.
+
+Loading is sharded: every parameter is made by `jax.make_array_from_callback`, which asks for
+the slices this process's devices hold, and each slice is read from a memory map of the file,
+so no process reads (or holds) more than its devices' part, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxscale.errors import JaxscaleError
+from jaxscale.hf import safetensors
+from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
+from jaxscale.models import LlamaConfig
+
+SHARD_BYTES = 5_000_000_000  # transformers' save_pretrained default, "5GB"
+DTYPES = ("float32", "bfloat16", "float16")
+# Tensors a Llama file may hold that jaxscale has no parameter for: non-persistent RoPE buffers
+# saved by old transformers versions.
+_IGNORED_SUFFIX = ".rotary_emb.inv_freq"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One parameter: `hf_name` ("{}" = the layer), whose [out, in] tensor reshaped to `view` and
+    transposed by `perm` is our (one layer's, unpadded) array."""
+    path: tuple[str, ...]
+    hf_name: str
+    view: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The file's shape: `view` with the heads merged back into one dimension."""
+        if len(self.view) == 3:  # q/k/v: [heads, head_dim, in]; o: [out, heads, head_dim]
+            return ((self.view[0] * self.view[1], self.view[2]) if self.perm[0] == 2
+                    else (self.view[0], self.view[1] * self.view[2]))
+        return self.view
+
+    def names(self, n_layers: int) -> list[str]:
+        return [self.hf_name.format(i) for i in range(n_layers)] if "{}" in self.hf_name \
+            else [self.hf_name]
+
+
+def layout(cfg: LlamaConfig) -> list[Tensor]:
+    """Every parameter of `cfg`'s model, in the order transformers writes them."""
+    d, h, kv, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                          cfg.vocab_size)
+    layer = "model.layers.{}."
+    tensors = [
+        Tensor(("embed",), "model.embed_tokens.weight", (v, d), (0, 1)),
+        Tensor(("blocks", "attn_norm", "scale"), layer + "input_layernorm.weight", (d,), (0,)),
+        Tensor(("blocks", "attn", "q"), layer + "self_attn.q_proj.weight", (h, hd, d), (2, 0, 1)),
+        Tensor(("blocks", "attn", "k"), layer + "self_attn.k_proj.weight", (kv, hd, d),
+               (2, 0, 1)),
+        Tensor(("blocks", "attn", "v"), layer + "self_attn.v_proj.weight", (kv, hd, d),
+               (2, 0, 1)),
+        Tensor(("blocks", "attn", "o"), layer + "self_attn.o_proj.weight", (d, h, hd), (1, 2, 0)),
+        Tensor(("blocks", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,),
+               (0,)),
+        Tensor(("blocks", "mlp", "gate"), layer + "mlp.gate_proj.weight", (f, d), (1, 0)),
+        Tensor(("blocks", "mlp", "up"), layer + "mlp.up_proj.weight", (f, d), (1, 0)),
+        Tensor(("blocks", "mlp", "down"), layer + "mlp.down_proj.weight", (d, f), (1, 0)),
+        Tensor(("final_norm", "scale"), "model.norm.weight", (d,), (0,)),
+    ]
+    if not cfg.tie_embeddings:
+        tensors.append(Tensor(("head",), "lm_head.weight", (v, d), (1, 0)))
+    return tensors
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+def tensor_index(path: str) -> dict[str, safetensors.TensorInfo]:
+    """Every tensor in the folder's safetensors file(s), from their headers only."""
+    index_file = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_file):
+        try:
+            with open(index_file, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise JaxscaleError(f"{index_file} is not a safetensors index ({type(e).__name__}: "
+                                f"{e}); re-download it") from None
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise JaxscaleError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; jaxscale "
+                            "loads safetensors weights (save them with save_pretrained)")
+    tensors = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise JaxscaleError(f"{index_file} names the shard {name!r}, which is missing from "
+                                f"{path!r}; download every shard the index lists")
+        tensors.update(safetensors.read_header(file))
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise JaxscaleError(f"{index_file} puts {missing[0]!r} in {weight_map[missing[0]]!r}, "
+                                "which does not hold it; re-download that shard")
+    return tensors
+
+
+def check_tensors(cfg: LlamaConfig, tensors: dict[str, safetensors.TensorInfo],
+                  path: str) -> None:
+    """JaxscaleError naming the first tensor that is missing, has another shape than `cfg`
+    needs, or that `cfg`'s model has no place for."""
+    expected = {}
+    for t in layout(cfg):
+        expected.update(dict.fromkeys(t.names(cfg.n_layers), t.hf_shape))
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise JaxscaleError(f"{path!r} has no tensor {name!r}, which the model config needs "
+                                "(tie_embeddings=False needs lm_head.weight); use the folder's "
+                                "own config.json")
+        if tensors[name].shape != shape:
+            raise JaxscaleError(
+                f"tensor {name!r} in {tensors[name].path} is {list(tensors[name].shape)} but the "
+                f"model config needs {list(shape)}; the weights do not match config.json")
+    tied_head = "lm_head.weight" if cfg.tie_embeddings else None  # tied: the embedding is used
+    extra = sorted(n for n in tensors
+                   if n not in expected and n != tied_head and not n.endswith(_IGNORED_SUFFIX))
+    if extra:
+        raise JaxscaleError(f"tensor {extra[0]!r} in {tensors[extra[0]].path} has no place in "
+                            "jaxscale's Llama (biases or another architecture?); only plain "
+                            "Llama weights load")
+
+
+def _reader(tensor: Tensor, infos: list[safetensors.TensorInfo], shape: tuple[int, ...],
+            dtype: np.dtype):
+    """`make_array_from_callback`'s callback for one parameter of global `shape`: the requested
+    slice, read layer by layer, with the padding (vocabulary rows past the file's) zero."""
+    stacked = "{}" in tensor.hf_name
+    layer_shape = shape[1:] if stacked else shape  # padded
+    ours = tuple(tensor.view[p] for p in tensor.perm)  # unpadded
+    inverse = np.argsort(tensor.perm)
+
+    def one_layer(info, index):
+        bounds = [s.indices(n)[:2] for s, n in zip(index, layer_shape)]
+        out = np.zeros([stop - start for start, stop in bounds], dtype)
+        in_file = [slice(min(start, m), min(stop, m)) for (start, stop), m in zip(bounds, ours)]
+        block = safetensors.read_slice(info, tensor.view, tuple(in_file[i] for i in inverse))
+        block = block.transpose(tensor.perm)
+        out[tuple(slice(0, n) for n in block.shape)] = block
+        return out
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        if not stacked:
+            return one_layer(infos[0], index)
+        layers = range(*index[0].indices(shape[0]))
+        return np.stack([one_layer(infos[i], index[1:]) for i in layers])
+
+    return read
+
+
+def load_params(path: str, cfg: LlamaConfig, abstract_params: Any) -> Any:
+    """The folder's weights as a params tree shaped like `abstract_params` (ShapeDtypeStructs
+    with shardings: each array is born with its sharding and dtype). Reads only the tensor slices
+    this process's devices hold. JaxscaleError (before anything is read but headers) when the
+    files do not match `cfg`."""
+    tensors = tensor_index(path)
+    check_tensors(cfg, tensors, path)
+    params = jax.tree.map(lambda x: x, abstract_params)  # a copy to fill in
+    for t in layout(cfg):
+        node = params
+        for key in t.path[:-1]:
+            node = node[key]
+        want = node[t.path[-1]]
+        infos = [tensors[name] for name in t.names(cfg.n_layers)]
+        node[t.path[-1]] = jax.make_array_from_callback(
+            want.shape, want.sharding, _reader(t, infos, want.shape, np.dtype(want.dtype)))
+    return params
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """The whole array on this host (gathered from the other processes when they hold parts)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def save_params(params: Any, cfg: LlamaConfig, path: str, dtype: str,
+                shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Writes the params as safetensors files in `path` (an existing folder), sharded like
+    save_pretrained; returns the file names. Every process must call it (a parameter split over
+    processes is gathered); process 0 writes."""
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    tensors = {}  # hf name -> (Tensor, layer)
+    for t in layout(cfg):
+        for layer, name in enumerate(t.names(cfg.n_layers)):
+            tensors[name] = (t, layer if "{}" in t.hf_name else None)
+
+    def produce(name: str) -> np.ndarray:
+        t, layer = tensors[name]
+        array = params
+        for key in t.path:
+            array = array[key]
+        ours = _to_host(array if layer is None else array[layer])
+        unpadded = ours[tuple(slice(0, n) for n in (t.view[p] for p in t.perm))]
+        return unpadded.transpose(np.argsort(t.perm)).reshape(t.hf_shape).astype(np_dtype)
+
+    sizes = [(name, math.prod(t.hf_shape) * np_dtype.itemsize) for name, (t, _) in
+             tensors.items()]
+    shards = safetensors.plan_shards(sizes, shard_bytes)
+    files = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    writer = jax.process_index() == 0
+    for file, names in zip(files, shards):
+        shapes = [tensors[name][0].hf_shape for name in names]
+        if writer:
+            safetensors.write(os.path.join(path, file), names, shapes, np_dtype, produce)
+        else:  # take part in the gathers process 0 makes
+            for name in names:
+                produce(name)
+    if writer and len(files) > 1:
+        weight_map = {name: file for file, names in zip(files, shards) for name in names}
+        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": sum(size for _, size in sizes)},
+                       "weight_map": weight_map}, f, indent=2)
+    return files

@@ -1,0 +1,149 @@
+"""`python -m jaxscale.sample --workdir=DIR | --hf=FOLDER --prompt=TEXT [--max_new_tokens=N]
+[--temperature=T] [--top_p=P] [--seed=S]`
+
+Continues a prompt with a trained run's newest checkpoint (its parameters only) or a Hugging Face
+Llama folder, and prints the continuation. One jitted program prefills a KV cache with the prompt
+and decodes one token at a time, sharded on the run's mesh (all devices on `data` when the run's
+mesh does not fit the devices here). Temperature 0 is greedy; top-p keeps the smallest set of most
+likely tokens whose probability reaches P. The same seed gives the same text. The text stops at the
+tokenizer's EOS when the run framed documents with one. A mistake the user can fix prints one
+`error: ...` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from jaxscale.cli import fail
+from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.launch.cli import ArgumentParser, nonnegative, nonnegative_float, positive
+
+PROG = "python -m jaxscale.sample"
+
+
+def top_p_value(text: str) -> float:
+    """argparse type: a probability mass in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass one in (0, 1]") from None
+    if not 0 < value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]; 1 keeps every token")
+    return value
+
+
+def finite_temperature(text: str) -> float:
+    """argparse type: a temperature >= 0 (0: greedy), not infinite."""
+    value = nonnegative_float(text)
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} must be finite; 0 is greedy, 1 the model's own "
+                                         "distribution")
+    return value
+
+
+def make_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n", 1)[1].strip(),
+                            epilog=f"example: {PROG} --workdir=runs/default "
+                                   "--prompt='def fib(n):' --temperature=0.7")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", metavar="DIR",
+                        help="A run's workdir: its config.json and newest checkpoint.")
+    source.add_argument("--hf", metavar="FOLDER",
+                        help="A Hugging Face Llama folder (config.json, safetensors, "
+                             "tokenizer.json).")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="The text to continue.")
+    parser.add_argument("--max_new_tokens", type=positive, default=100, metavar="N",
+                        help="How many tokens to generate (default 100).")
+    parser.add_argument("--temperature", type=finite_temperature, default=0.8, metavar="T",
+                        help="Softmax temperature; 0 is greedy (default 0.8).")
+    parser.add_argument("--top_p", type=top_p_value, default=0.95, metavar="P",
+                        help="Nucleus sampling: sample among the most likely tokens that together "
+                             "have this probability; 1 keeps all (default 0.95).")
+    parser.add_argument("--seed", type=nonnegative, default=0, metavar="S",
+                        help="Random seed: the same seed gives the same text (default 0).")
+    return parser
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def run_config(workdir: str):
+    """The run's config (config.json over the defaults) and the checkpoint folder holding at least
+    one step; ConfigError naming what is missing."""
+    from etils import epath
+
+    from jaxscale.checkpoint.manager import checkpoint_dir
+    from jaxscale.workdir import read_config
+
+    config = read_config(workdir)
+    directory = checkpoint_dir(config, workdir)
+    path = epath.Path(directory)  # local, or a bucket (checkpoint.dir=gs://...)
+    if not (path.is_dir() and any(step.name.isdigit() for step in path.iterdir())):
+        raise ConfigError(f"workdir {workdir!r} has no checkpoint in {directory}; train it first "
+                          f"(python -m jaxscale.train --workdir={workdir}), or pass the workdir "
+                          "of a run that has saved one")
+    return config, directory
+
+
+def prompt_ids(tokenizer, config, text: str, max_new_tokens: int):
+    """[1, length] ids of `text`, after BOS when the run framed documents with one; ConfigError
+    when the prompt and the tokens to generate do not fit in model.max_seq_len."""
+    import numpy as np
+
+    max_seq_len = config.model.max_seq_len
+    ids = tokenizer.encode(text)
+    if config.data.add_bos:
+        ids = np.concatenate([[tokenizer.bos_id], ids])
+    if not len(ids):
+        raise ConfigError("--prompt='' is empty and the tokenizer adds no BOS token; give some "
+                          "text to continue")
+    if len(ids) + max_new_tokens > max_seq_len:
+        raise ConfigError(f"the prompt is {len(ids)} tokens and --max_new_tokens={max_new_tokens}:"
+                          f" {len(ids) + max_new_tokens} positions, more than the model's "
+                          f"max_seq_len={max_seq_len}; shorten the prompt or lower "
+                          "--max_new_tokens")
+    return np.asarray(ids, np.int32)[None]
+
+
+def continuation(args: argparse.Namespace) -> str:
+    """The text that follows `args.prompt`."""
+    import jax
+    import numpy as np
+
+    from jaxscale.config import default_config
+    from jaxscale.data.tokenizers import tokenizer_from_config
+    from jaxscale.parallel.sharding import rules_from_config
+    from jaxscale.sampler import Sampler, restored_model, sampling_mesh
+
+    if args.workdir is not None:
+        config, source = run_config(args.workdir)
+    else:
+        from jaxscale.hf.config import update_config  # no JAX; the weights load as a checkpoint's
+
+        config, source = default_config(), args.hf
+        update_config(config, args.hf)  # the model section and the tokenizer from the folder
+    tokenizer = tokenizer_from_config(config)
+    prompt = prompt_ids(tokenizer, config, args.prompt, args.max_new_tokens)
+    mesh = sampling_mesh(config, jax.devices())
+    rules = rules_from_config(config.sharding.rules)
+    model, restored = restored_model(config, source, mesh, rules)
+    print(f"restored {restored}", file=sys.stderr, flush=True)
+    tokens = Sampler(model, mesh, rules).generate(
+        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed)[0]
+    ends = np.flatnonzero(tokens == tokenizer.eos_id) if config.data.add_eos else []
+    return tokenizer.decode(tokens[:ends[0]] if len(ends) else tokens)
+
+
+def main(argv: list[str]) -> None:
+    args = make_parser().parse_args(argv)  # before JAX is imported: --help and flag errors are fast
+    try:
+        text = continuation(args)
+    except JaxscaleError as e:
+        fail(str(e))
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
