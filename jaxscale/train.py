@@ -28,11 +28,13 @@ def main(argv: list[str]) -> None:
     try:
         config, workdir = parse_train_flags(argv, about=__doc__)
         # Import JAX only now, so that --help and flag errors stay fast.
-        from jaxscale import distributed
+        from jaxscale import distributed, xla_flags
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.trainer import Trainer
 
         try:
+            # Before JAX starts a backend, which reads XLA_FLAGS once.
+            xla_flags.apply(config.performance.xla_flags)
             # Before anything touches a device: every process of a multi-host run must join.
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)

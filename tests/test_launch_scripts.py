@@ -1,6 +1,8 @@
-"""The TPU VM and Slurm scripts: syntax, shellcheck, the TPU dry run, and the Slurm script's
-requeue logic run against stand-ins for srun and scontrol."""
+"""The TPU VM and Slurm scripts and the accelerator benchmark: syntax, shellcheck, the TPU dry run,
+the Slurm script's requeue logic run against stand-ins for srun and scontrol, and the benchmark's
+--tiny run on CPU."""
 
+import glob
 import os
 import re
 import shutil
@@ -15,7 +17,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(REPO, "launch", "tpu", "tpu.sh")
 SBATCH = os.path.join(REPO, "launch", "slurm", "jaxscale.sbatch")
-SCRIPTS = [TPU, SBATCH]
+ACCELERATOR = os.path.join(REPO, "benchmarks", "accelerator.sh")
+SCRIPTS = [TPU, SBATCH, ACCELERATOR]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -193,3 +196,30 @@ def test_slurm_checks_the_config_before_starting_anything(slurm):
     _, err = job.communicate(timeout=120)
     assert job.returncode == 2 and err.startswith("error: ")
     assert logged() == []
+
+
+@pytest.mark.slow
+def test_the_accelerator_benchmark_runs_its_tiny_recipe_on_cpu(tmp_path):
+    # The conftest's 8 simulated CPU devices stand in for a host's accelerators.
+    result = subprocess.run([ACCELERATOR, "--tiny", f"--workdir={tmp_path}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    block = (tmp_path / "RESULTS.md").read_text()
+    assert block.startswith("\n## Accelerator run, ")
+    assert "8 x cpu (cpu, 0 GiB each), jax " in block
+    row = next(line for line in block.splitlines() if line.startswith("| tiny |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1] == "16 x 128" and cells[2].endswith(" ms")
+    assert float(cells[3].replace(",", "")) > 0  # tokens/s
+    assert cells[5:7] == ["n/a", "n/a"]  # no MFU or device memory on CPU
+    assert cells[7].endswith(" GiB")  # the compiled step's memory
+    assert glob.glob(os.path.join(cells[9], "*.xplane.pb")), cells[9]
+
+
+def test_the_accelerator_benchmark_refuses_bad_flags():
+    for args, message in ((["--steps=35"], "--steps=35 must be a multiple of 10"),
+                          (["--models=gpt2"], "--models: unknown model 'gpt2'"),
+                          (["--per_device_batch=0"], "--per_device_batch=0"),
+                          (["--fast"], "unknown flag --fast")):
+        result = subprocess.run([ACCELERATOR, *args], capture_output=True, text=True)
+        assert result.returncode == 2 and result.stderr.startswith(f"error: {message}"), args

@@ -81,15 +81,19 @@ def test_a_preempted_run_raises_an_ordinary_exception_in_python(tmp_path):
     config.train.steps = 10
     config.checkpoint.compilation_cache = False
     trainer = Trainer(config, str(tmp_path))
-    step_fn, calls = trainer.train_step, []
+    compile_step, calls = trainer.compile_train_step, []
 
-    def step_then_sigterm(state, batch):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler takes it
-        return step_fn(state, batch)
+    def compile_step_then_sigterm():
+        step_fn, memory = compile_step()
 
-    trainer.train_step = step_then_sigterm
+        def step_then_sigterm(state, batch):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler takes it
+            return step_fn(state, batch)
+        return step_then_sigterm, memory
+
+    trainer.compile_train_step = compile_step_then_sigterm
     with pytest.raises(Preempted) as stopped:
         trainer.run()
     assert stopped.value.step == 2 and stopped.value.exit_code == 42

@@ -1,0 +1,241 @@
+"""Seeing where time and memory go (docs/performance.md): the profiler window, device memory in
+the metrics, the train step's compiled memory, bfloat16 Adam moments and optimizer-state offload."""
+
+import glob
+import gzip
+import json
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import random_batch, small_config
+from jaxscale import offload, profiling
+from jaxscale.device_memory import memory_metrics
+from jaxscale.errors import ConfigError
+from jaxscale.optim import make_optimizer
+from jaxscale.trainer import Trainer
+from jaxscale.workdir import logged_metrics
+
+GIB = 2 ** 30
+
+
+def traced_steps(directory) -> list[list[int]]:
+    """For each trace file under `directory`: the step numbers of its `train` step annotations."""
+    files = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.trace.json.gz")))
+    traces = []
+    for path in files:
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+        traces.append(sorted(int(e["args"]["step_num"]) for e in events
+                             if e.get("name") == "train"))
+    return traces
+
+
+class FakeDevice:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+# --- the profiler window ---------------------------------------------------------------------
+
+def profile(start_step=0, steps=0, all_processes=False):
+    return ml_collections.ConfigDict(dict(start_step=start_step, steps=steps,
+                                          all_processes=all_processes))
+
+
+def run_steps(window, steps):
+    for step in steps:
+        with window.annotate(step):
+            out = jnp.ones(4) * step
+        window.step_done(step, out)
+
+
+@pytest.mark.parametrize("process, all_processes, traced", [
+    (0, False, True), (1, False, False), (1, True, True)])
+def test_only_the_chosen_processes_trace(tmp_path, monkeypatch, process, all_processes, traced):
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    window = profiling.ProfileWindow(profile(1, 2, all_processes), str(tmp_path))
+    run_steps(window, range(4))
+    window.close()
+    written = os.listdir(tmp_path / "profile") if (tmp_path / "profile").exists() else []
+    assert written == ([f"process_{process}"] if traced else [])
+    if traced:
+        assert traced_steps(tmp_path / "profile" / f"process_{process}") == [[1, 2]]
+
+
+def test_a_window_cut_short_is_still_written(tmp_path):
+    window = profiling.ProfileWindow(profile(1, 10), str(tmp_path))
+    run_steps(window, range(3))  # the run stops (SIGTERM, last step) inside the window
+    assert window.tracing
+    window.close()
+    assert not window.tracing
+    assert traced_steps(tmp_path / "profile" / "process_0") == [[1, 2]]
+
+
+def test_a_run_resumed_inside_the_window_traces_the_rest(tmp_path):
+    window = profiling.ProfileWindow(profile(2, 4), str(tmp_path))
+    run_steps(window, range(4, 8))
+    assert traced_steps(tmp_path / "profile" / "process_0") == [[4, 5]]
+
+
+@pytest.mark.parametrize("start, steps, total, ok", [
+    (0, 0, 5, True), (0, 5, 5, True), (4, 1, 5, True), (4, 2, 5, False), (-1, 1, 5, False),
+    (99, 0, 5, True), (0, -1, 5, False)])
+def test_the_window_must_lie_inside_the_run(start, steps, total, ok):
+    if ok:
+        profiling.check_window(profile(start, steps), total)
+    else:
+        with pytest.raises(ConfigError, match="profile."):
+            profiling.check_window(profile(start, steps), total)
+
+
+# --- device memory ---------------------------------------------------------------------------
+
+def test_memory_metrics_take_the_fullest_device():
+    devices = [FakeDevice({"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB,
+                           "bytes_limit": 80 * GIB}),
+               FakeDevice({"bytes_in_use": 4 * GIB, "peak_bytes_in_use": 4.5 * GIB,
+                           "bytes_limit": 80 * GIB})]
+    assert memory_metrics(devices) == {"memory_in_use_gib": 4.0, "memory_peak_gib": 5.0,
+                                       "memory_limit_gib": 80.0}
+
+
+def test_memory_metrics_are_absent_where_the_backend_reports_none():
+    assert memory_metrics(jax.devices()) == {}  # CPU: memory_stats() is None
+    assert memory_metrics([FakeDevice(None), FakeDevice({})]) == {}
+    assert memory_metrics([FakeDevice({"bytes_in_use": GIB})]) == {"memory_in_use_gib": 1.0}
+
+
+# --- bfloat16 moments ------------------------------------------------------------------------
+
+def reference_adamw(params, grads_per_step, optim, lr_per_step):
+    """AdamW in float64 numpy, written out from the paper (no optax), decay on every entry."""
+    mu = {k: np.zeros_like(v) for k, v in params.items()}
+    nu = {k: np.zeros_like(v) for k, v in params.items()}
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    for t, (grads, lr) in enumerate(zip(grads_per_step, lr_per_step), start=1):
+        for k in params:
+            g = grads[k].astype(np.float64)
+            mu[k] = optim.b1 * mu[k] + (1 - optim.b1) * g
+            nu[k] = optim.b2 * nu[k] + (1 - optim.b2) * g * g
+            mu_hat, nu_hat = mu[k] / (1 - optim.b1 ** t), nu[k] / (1 - optim.b2 ** t)
+            update = mu_hat / (np.sqrt(nu_hat) + optim.eps) + optim.weight_decay * params[k]
+            params[k] = params[k] - lr * update
+    return params
+
+
+def optimizer_run(moment_dtype, steps=20):
+    optim = small_config().optim
+    optim.update(moment_dtype=moment_dtype, grad_clip=0.0, warmup_steps=0, lr=1e-2,
+                 min_lr_ratio=1.0, b2=0.95)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(64, 32)).astype(np.float32),
+              "v": rng.normal(size=(128, 16)).astype(np.float32)}
+    specs = {"w": P("embed", "mlp"), "v": P("vocab", "embed")}  # both decayed
+    # Gradients of very different sizes, as a network's are.
+    grads = [{k: (rng.normal(size=v.shape) * 10.0 ** rng.uniform(-4, 1, size=v.shape))
+              .astype(np.float32) for k, v in params.items()} for _ in range(steps)]
+    tx, schedule = make_optimizer(optim, steps, specs)
+    state = tx.init(params)
+    new = {k: jnp.asarray(v) for k, v in params.items()}
+    update = jax.jit(tx.update)
+    for g in grads:
+        updates, state = update(g, state, new)
+        new = optax.apply_updates(new, updates)
+    lrs = [float(schedule(i)) for i in range(steps)]
+    return params, new, state, reference_adamw(params, grads, optim, lrs)
+
+
+def change_error(params, got, want):
+    """Largest difference between the two runs' parameter changes, over the largest change."""
+    return max(float(np.max(np.abs(np.asarray(got[k], np.float64) - want[k]))
+                     / np.max(np.abs(want[k] - params[k]))) for k in want)
+
+
+def test_float32_moments_match_an_independent_adamw():
+    params, new, state, reference = optimizer_run("float32")
+    assert change_error(params, new, reference) < 1e-5  # float32 rounding only
+
+
+def test_bfloat16_moments_stay_close_to_float32_adamw_in_half_the_bytes():
+    params, new, state, reference = optimizer_run("bfloat16")
+    adam = state[0][0]  # no clipping: the chain holds adamw's chain, Adam first
+    for moment in (adam.mu, adam.nu):
+        assert all(m.dtype == jnp.bfloat16 for m in jax.tree.leaves(moment))
+    _, _, state32, _ = optimizer_run("float32", steps=1)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    adam32 = state32[0][0]
+    assert nbytes((adam.mu, adam.nu)) * 2 == nbytes((adam32.mu, adam32.nu))
+    # bfloat16 keeps 8 significand bits: each stored moment is off by up to 2^-9 relative, and
+    # so is each update mu/sqrt(nu). Over 20 steps the parameters' changes stay within 1% of
+    # float32 AdamW's largest change (measured: 0.35%), and differ from them by more than float32
+    # rounding does (< 1e-5, above): the moments are really stored in bfloat16.
+    error = change_error(params, new, reference)
+    assert 1e-4 < error < 1e-2, error
+
+
+# --- host offload ----------------------------------------------------------------------------
+
+def test_offload_is_refused_where_the_devices_have_no_host_memory():
+    device = types.SimpleNamespace(
+        process_index=0, platform="tpu", device_kind="TPU v9",
+        addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
+    with pytest.raises(ConfigError, match="optim.offload_state=True: tpu devices"):
+        offload.check_supported([device])
+    offload.check_supported(jax.devices())  # XLA:CPU has pinned_host memory
+
+
+def test_an_offloaded_step_equals_one_on_the_device(tmp_path):
+    states = []
+    for offloaded in (False, True):
+        config = small_config(data=4, fsdp=2)
+        config.optim.offload_state = offloaded
+        trainer = Trainer(config, str(tmp_path))
+        state = trainer.init_state(0)
+        batch = {k: jax.device_put(v, trainer.batch_sharding)
+                 for k, v in random_batch(config).items()}
+        for _ in range(2):
+            state, _ = trainer.train_step(state, batch)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state[1][0].mu)}
+        assert kinds == {"pinned_host" if offloaded else "device"}
+        states.append(jax.device_get(state))
+    jax.tree.map(np.testing.assert_array_equal, *states)
+
+
+# --- a run with all of them ------------------------------------------------------------------
+
+def test_a_run_resumed_with_bfloat16_offloaded_moments_logs_memory_and_a_profile(tmp_path):
+    """A float32 run's checkpoint resumes with bfloat16 moments in host memory; the resumed run
+    logs the compiled step's memory, the devices' memory (a fake GPU's) and traces its window."""
+    def config(steps, **optim):
+        c = small_config(data=8)
+        c.train.steps = steps
+        c.data.sources = (dict(format="synthetic"),)
+        c.checkpoint.update(compilation_cache=False, every_steps=2)
+        c.optim.update(**optim)
+        return c
+
+    Trainer(config(2), str(tmp_path)).run()
+    resumed = config(5, moment_dtype="bfloat16", offload_state=True)
+    resumed.profile.update(start_step=3, steps=1)
+    trainer = Trainer(resumed, str(tmp_path))
+    trainer.local_devices = [FakeDevice({"bytes_in_use": 2 * GIB, "peak_bytes_in_use": 3 * GIB})]
+    metrics = trainer.run()
+
+    lines = [line for line in logged_metrics(str(tmp_path)) if "loss" in line]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert all(np.isfinite(line["loss"]) for line in lines)
+    assert lines[2]["step_memory_gib"] > lines[2]["step_memory_temporaries_gib"] > 0
+    assert "step_memory_gib" not in lines[3]  # first line of each start only
+    assert metrics["memory_peak_gib"] == 3.0 and metrics["memory_in_use_gib"] == 2.0
+    assert traced_steps(tmp_path / "profile" / "process_0") == [[3]]
