@@ -47,7 +47,11 @@ def default_config() -> ml_collections.ConfigDict:
     # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
     # across slices / hosts connected by the data-centre network.
     c.mesh = dict(data=-1, fsdp=1, tensor=1, pipeline=1,
-                  dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1))
+                  dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1),
+                  # True: the planner chooses the sizes above, the remat policy, accumulation and
+                  # optimizer-state layout at start-up (docs/planning.md), planning for
+                  # auto_memory_gib GiB per device (0: the chip's; CPUs have none).
+                  auto=False, auto_memory_gib=0.0)
     # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
     c.sharding = dict(
         rules=dict(
@@ -77,9 +81,19 @@ def default_config() -> ml_collections.ConfigDict:
         mlp_dim=768,
         max_seq_len=2048,
         rope_theta=10000.0,
+        # Llama 3.1+ RoPE frequency scaling (Hugging Face rope_type "llama3"): type none | llama3;
+        # the other keys are read for llama3 only (their defaults are Llama 3.1's).
+        rope_scaling=dict(type="none", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_seq_len=8192),
         norm_eps=1e-5,
         tie_embeddings=False,
         remat="none",  # jaxscale.models.REMAT_POLICIES: none | full | save_dots
+        # The attention kernel: auto (splash on TPU, else xla) | xla | splash (TPU); see
+        # jaxscale/parallel/attention.py.
+        attention="auto",
+        # Sequence positions whose float32 logits the loss holds at once (0: the whole
+        # sequence); smaller saves memory per device at large vocabularies, same loss.
+        loss_chunk_len=1024,
     )
     c.optim = dict(
         lr=3e-3,
@@ -90,6 +104,11 @@ def default_config() -> ml_collections.ConfigDict:
         eps=1e-8,
         weight_decay=0.1,  # not applied to norms and biases
         grad_clip=1.0,  # global-norm clipping; 0 disables
+        # Storage dtype of Adam's moments (mu and nu; the update is computed in float32):
+        # float32 | bfloat16 (half their memory; see docs/performance.md for nu's precision).
+        moment_dtype="float32",
+        # Keep the moments in host memory (pinned_host) and move them to the device for the update.
+        offload_state=False,
     )
     c.precision = dict(
         compute_dtype="bfloat16",  # matmuls and activations; params/optimizer stay float32
@@ -114,6 +133,12 @@ def default_config() -> ml_collections.ConfigDict:
         workers=-1,
         prefetch=2,  # batches prepared ahead of the step
     )
+    # A jax.profiler trace of steps start_step .. start_step + steps - 1 in <workdir>/profile/
+    # (docs/performance.md); steps=0: off. Process 0 only unless all_processes.
+    c.profile = dict(start_step=10, steps=0, all_processes=False)
+    # XLA flags: "auto" (a tuned set on NVIDIA GPUs; jaxscale/xla_flags.py), "none", or a string of
+    # "--xla_...=..." flags. Flags already in the XLA_FLAGS environment variable win.
+    c.performance = dict(xla_flags="auto")
     # Multi-process runs (docs/launch.md): how long to wait for every process to join, and how long
     # a silent process may go before the others are stopped.
     c.distributed = dict(init_timeout_s=DEFAULT_INIT_TIMEOUT_S,
@@ -258,6 +283,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
                           f"{m.n_heads} (grouped-query attention)")
+    _check_rope(m)
     if m.name != "llama":
         raise ConfigError(f"model.name={m.name!r} is unknown; the available model is 'llama'")
     from jaxscale.models import REMAT_POLICIES  # imports JAX; validation needs it anyway
@@ -265,10 +291,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     if m.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "
                           f"{tuple(REMAT_POLICIES)}")
+    from jaxscale.parallel.attention import IMPLEMENTATIONS
+
+    if m.attention not in IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention={m.attention!r} is unknown; use one of "
+                          f"{IMPLEMENTATIONS}")
+    if m.loss_chunk_len < 0:
+        raise ConfigError(f"model.loss_chunk_len={m.loss_chunk_len} must be >= 0 (0: the whole "
+                          "sequence's logits at once)")
     if config.precision.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")
     _check_data(config)
+    _check_performance(config)
     for key in ("init_timeout_s", "heartbeat_timeout_s"):
         if not config.distributed[key] > 0:
             raise ConfigError(f"distributed.{key}={config.distributed[key]} must be > 0 seconds")
@@ -277,6 +312,31 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
     _check_rules(config, {a: ici[a] * dcn[a] for a in MESH_AXES})
     return ici, dcn
+
+
+ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+def _check_rope(m: ml_collections.ConfigDict) -> None:
+    r = m.rope_scaling
+    if not m.rope_theta > 1:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 1 (10000.0 for Llama 2, "
+                          "500000.0 for Llama 3)")
+    if r.type not in ROPE_SCALING_TYPES:
+        raise ConfigError(f"model.rope_scaling.type={r.type!r} is unknown; use one of "
+                          f"{ROPE_SCALING_TYPES}")
+    if r.type == "none":
+        return
+    if not r.factor >= 1:
+        raise ConfigError(f"model.rope_scaling.factor={r.factor} must be >= 1 (how much longer "
+                          "the context is than original_max_seq_len; 8 for Llama 3.1)")
+    if not 0 < r.low_freq_factor < r.high_freq_factor:
+        raise ConfigError(
+            f"model.rope_scaling low_freq_factor={r.low_freq_factor} and high_freq_factor="
+            f"{r.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")
+    if not r.original_max_seq_len > 0:
+        raise ConfigError(f"model.rope_scaling.original_max_seq_len={r.original_max_seq_len} "
+                          "must be > 0 (the pre-training context, 8192 for Llama 3.1)")
 
 
 def _check_data(config: ml_collections.ConfigDict) -> None:
@@ -301,6 +361,17 @@ def _check_data(config: ml_collections.ConfigDict) -> None:
     if vocab > m.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
                           f"{vocab} ids; set model.vocab_size >= {vocab}")
+
+
+def _check_performance(config: ml_collections.ConfigDict) -> None:
+    """The profile window, the XLA flags setting and the optimizer's memory options."""
+    from jaxscale.optim import check_memory_options
+    from jaxscale.profiling import check_window
+    from jaxscale.xla_flags import check_setting
+
+    check_window(config.profile, config.train.steps)
+    check_setting(config.performance.xla_flags)
+    check_memory_options(config.optim)
 
 
 def _check_checkpoint(config: ml_collections.ConfigDict) -> None:

@@ -7,52 +7,18 @@ TensorBoard event files in `<workdir>/tensorboard/`.
 
 import json
 import os
-import re
 import sys
 from time import monotonic
 
 import tensorboardX
 
+from jaxscale.plan.chips import peak_flops_per_device  # noqa: F401 - the MFU's peak, re-exported
 from jaxscale.progress import StatusLine
-
-# Dense (no sparsity) bf16 peak, TFLOP/s per device, from the vendors' datasheets.
-PEAK_BF16_TFLOPS = {
-    "H100 SXM": 989.0,
-    "H100 PCIe": 756.0,
-    "H200": 989.0,
-    "A100": 312.0,
-    "TPU v4": 275.0,
-    "TPU v5e": 197.0,
-    "TPU v5p": 459.0,
-    "TPU v6e": 918.0,
-}
-
-# `jax.Device.device_kind` strings -> table keys, searched in order (the more specific first:
-# "H100 PCIe" before any H100, "TPU v5 lite" before the bare "TPU v5" that JAX reports for v5p).
-_DEVICE_KIND_PATTERNS = (
-    (r"h100.*pcie", "H100 PCIe"),
-    (r"h100", "H100 SXM"),
-    (r"h200", "H200"),
-    (r"a100", "A100"),
-    (r"tpu v4\b(?! ?lite)", "TPU v4"),
-    (r"tpu v5 ?(lite|e)", "TPU v5e"),
-    (r"tpu v5p?\b", "TPU v5p"),
-    (r"tpu v6 ?(lite|e)", "TPU v6e"),
-)
 
 _BAR_WIDTH = 30
 # Redraw the progress bar at most this often (seconds): fast steps would otherwise spend their
 # time writing to the terminal.
 _BAR_MIN_INTERVAL = 0.1
-
-
-def peak_flops_per_device(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one device of this kind, or None for CPUs and unknown chips."""
-    kind = device_kind.lower()
-    for pattern, chip in _DEVICE_KIND_PATTERNS:
-        if re.search(pattern, kind):
-            return PEAK_BF16_TFLOPS[chip] * 1e12
-    return None
 
 
 def throughput(*, steps: int, seconds: float, tokens_per_step: int, flops_per_token: float,

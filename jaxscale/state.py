@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale import models
 from jaxscale.errors import ConfigError
+from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import Rules, logical_to_mesh, split_further
 
 
@@ -24,14 +25,25 @@ class TrainState(NamedTuple):
     good_steps: jax.Array  # int32 scalar: finite steps since the loss scale last changed
 
 
+def rope_scaling(section: ml_collections.ConfigDict) -> RopeScaling | None:
+    """`model.rope_scaling` as the model takes it: None for type "none"."""
+    if section.type == "none":
+        return None
+    return RopeScaling(factor=section.factor, low_freq_factor=section.low_freq_factor,
+                       high_freq_factor=section.high_freq_factor,
+                       original_max_seq_len=section.original_max_seq_len)
+
+
 def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
     """The model's config from the run's `model` and `precision` sections."""
     m = config.model
     return models.LlamaConfig(
         vocab_size=m.vocab_size, vocab_multiple=m.vocab_multiple, d_model=m.d_model,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-        mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-        tie_embeddings=m.tie_embeddings, remat=m.remat, dtype=config.precision.compute_dtype)
+        mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
+        max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
+        dtype=config.precision.compute_dtype)
 
 
 class ModelSpec(NamedTuple):

@@ -7,6 +7,7 @@ tokens of the whole batch, so k microbatches give exactly the update of one k-ti
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -15,6 +16,8 @@ import ml_collections
 import optax
 from flax import nnx
 
+from jaxscale.loss import summed_cross_entropy
+from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.parallel.sharding import constrain
 from jaxscale.state import TrainState, uses_dynamic_loss_scale
 
@@ -22,13 +25,17 @@ Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of token losses over real tokens, number of real tokens), both float32."""
+def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch,
+                loss_chunk_len: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(sum of token losses over real tokens, number of real tokens), both float32; the logits
+    exist `loss_chunk_len` positions of the sequence at a time (0: all at once)."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    features = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
     mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(token_loss * mask), jnp.sum(mask)
+    logits_fn = functools.partial(logits_from, cfg=model.cfg)
+    total = summed_cross_entropy(logits_fn, model.head_weight(), HEAD_AXES, features,
+                                 batch["targets"], mask, loss_chunk_len)
+    return total, jnp.sum(mask)
 
 
 def _split_microbatches(batch: Batch, k: int) -> Batch:
@@ -50,13 +57,14 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     the new parameters are gathered back to their own layout.
     """
     k = config.train.microbatches
+    chunk = config.model.loss_chunk_len
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
     def loss_and_grad(params, batch, multiplier):
         """(summed token loss, gradient of the summed loss times `multiplier`)."""
         def scaled(p):
-            total, _ = summed_loss(graphdef, p, batch)
+            total, _ = summed_loss(graphdef, p, batch, chunk)
             return total * multiplier, total
         (_, total), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return total, grads
@@ -117,8 +125,8 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, loss_chunk_len: int) -> Callable:
     """Returns eval_step(params, batch) -> (summed loss, real tokens)."""
     def eval_step(params, batch: Batch):
-        return summed_loss(graphdef, params, batch)
+        return summed_loss(graphdef, params, batch, loss_chunk_len)
     return eval_step

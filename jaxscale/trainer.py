@@ -8,8 +8,11 @@
   3. restores, read-only, this run's newest good checkpoint, else `checkpoint.restore_from`
      (a checkpoint that does not fit the config stops here, before anything is written);
   4. writes: the workdir's config.json, run.json, metrics and TensorBoard files;
-  5. starts from the restored state or a fresh sharded init, and runs `_Loop`: next batch ->
-     train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval.
+  5. compiles the train step once, ahead of time (its memory per device is printed, and logged on
+     the first metrics line);
+  6. starts from the restored state or a fresh sharded init, and runs `_Loop`: next batch ->
+     train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval. A
+     `profile` window traces chosen steps (jaxscale/profiling.py).
 
 Nothing is fetched from the devices on steps that neither log nor save; the host stays at most
 two steps ahead of the devices, so a stop signal is acted on within two steps.
@@ -31,16 +34,21 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import metrics as metrics_lib
+from jaxscale import offload
 from jaxscale.bad_steps import BadSteps
 from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
+from jaxscale.device_memory import memory_metrics
 from jaxscale.errors import ConfigError
 from jaxscale.optim import make_optimizer
+from jaxscale.parallel.attention import check_implementation
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
 from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
                                         use_rules)
+from jaxscale.plan.compiled import GIB, StepMemory, abstract_batch, step_memory
+from jaxscale.profiling import ProfileWindow
 from jaxscale.state import (TrainState, init_state, model_spec, moment_specs,
                             state_shardings)
 from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
@@ -74,12 +82,19 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
         self.start_time = time.perf_counter()
         devices = list(devices if devices is not None else jax.devices())
+        if config.mesh.auto:  # the planner chooses the layout (docs/planning.md)
+            from jaxscale.plan.auto import planned_config  # imported only when asked for
+            config = planned_config(config, devices)
         ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
+        offloaded = config.optim.offload_state
+        if offloaded:
+            offload.check_supported(devices)
         self.config, self.workdir = config, workdir
         self.is_primary = jax.process_index() == 0
         check_workdir(workdir)
 
         self.mesh = build_mesh(ici, dcn, devices)
+        check_implementation(config.model.attention, devices[0].platform, config.train.seq_len)
         self.rules = rules_from_config(config.sharding.rules)
         self.model = model_spec(config)
         self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
@@ -93,8 +108,9 @@ class Trainer:
             lambda spec: NamedSharding(self.mesh, spec),
             moment_specs(self.model, self.rules, self.mesh.shape, config.sharding.optimizer_state),
             is_leaf=lambda x: isinstance(x, PartitionSpec))
-        self.state_shardings = state_shardings(abstract_state, param_shardings, moments, self.tx,
-                                               self.mesh)
+        self.state_shardings = state_shardings(
+            abstract_state, param_shardings, offload.on_host(moments) if offloaded else moments,
+            self.tx, self.mesh)
         # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
         # that wrote it.
         self.abstract_state = jax.tree.map(
@@ -103,15 +119,22 @@ class Trainer:
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
         batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.init_state = jax.jit(init, out_shardings=self.state_shardings)
+        train_step = make_train_step(config, self.model.graphdef, self.tx, self.schedule,
+                                     grad_shardings=moments if zero1 else None)
+        if offloaded:
+            train_step = offload.moments_to_device(train_step, state_shardings(
+                abstract_state, param_shardings, moments, self.tx, self.mesh).opt_state)
         self.train_step = jax.jit(
-            self._with_rules(make_train_step(config, self.model.graphdef, self.tx, self.schedule,
-                                             grad_shardings=moments if zero1 else None)),
+            self._with_rules(train_step),
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
         self.eval_step = jax.jit(
-            self._with_rules(make_eval_step(self.model.graphdef)),
+            self._with_rules(make_eval_step(self.model.graphdef, config.model.loss_chunk_len)),
             in_shardings=(self.state_shardings.params, batch_shardings))
 
+        # This process's devices, whose memory the metrics report.
+        self.local_devices = [d for d in self.mesh.devices.flat
+                              if d.process_index == jax.process_index()]
         t = config.train
         self.speed = Speed(
             tokens_per_step=t.batch_size * t.seq_len,
@@ -126,6 +149,13 @@ class Trainer:
             with use_rules(self.mesh, self.rules):
                 return fn(*args)
         return wrapped
+
+    def compile_train_step(self) -> tuple[jax.stages.Compiled, StepMemory]:
+        """The train step compiled for this run's abstract state and batch, and what it needs per
+        device. The loop calls this compiled step, so nothing compiles twice; the planner and
+        benchmarks/memory.py compile for devices they do not have with it."""
+        compiled = self.train_step.lower(self.abstract_state, abstract_batch(self)).compile()
+        return compiled, step_memory(compiled)
 
     def say(self, message: str) -> None:
         if self.is_primary:
@@ -180,11 +210,21 @@ class Trainer:
                              f"{earlier})")
             use_compilation_cache(cache_dir)
             checkpoints.open_for_saving()
+            train_step, memory = self.compile_train_step()
+            self.say(f"train step: {memory.line()}")
             writer = stack.enter_context(metrics_lib.MetricsWriter(
                 self.workdir, enabled=self.is_primary, total_steps=t.steps))
             signals = stack.enter_context(StopSignals())
             state, window = self.start_state(restored, own)
-            loop = _Loop(self, checkpoints, train_input, held_out, window, writer, signals)
+            window.first_line.update(step_memory_gib=memory.total / GIB,
+                                     step_memory_arguments_gib=memory.arguments / GIB,
+                                     step_memory_temporaries_gib=memory.temporaries / GIB)
+            # Closed however the loop ends (the last step, a stop signal, an error): the trace of
+            # a window cut short is still written.
+            profile = stack.enter_context(contextlib.closing(ProfileWindow(config.profile,
+                                                                           self.workdir)))
+            loop = _Loop(self, train_step, checkpoints, train_input, held_out, window, writer,
+                         signals, profile)
             return loop.run(state)
 
     def restore(self, checkpoints: Checkpoints,
@@ -198,7 +238,8 @@ class Trainer:
         restored = own
         if own is None and c.restore_from:
             restored = restore_from(c.restore_from, self.abstract_state,
-                                    params_only=c.restore_params_only)
+                                    params_only=c.restore_params_only,
+                                    model_config=self.model.config)
         if restored is not None and restored.train is not None:
             train_input.set_state(restored.data_state)
         return own, restored
@@ -269,10 +310,12 @@ class _Loop:
     """One start of a run, from its first step to `train.steps` (or a stop): next batch -> train
     step -> stop check -> checkpoint when due -> metrics on logging steps -> eval on eval steps."""
 
-    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, train_input: Input,
-                 held_out: HeldOut | None, window: StepWindow,
-                 writer: metrics_lib.MetricsWriter, signals: StopSignals):
+    def __init__(self, trainer: Trainer, train_step, checkpoints: Checkpoints,
+                 train_input: Input, held_out: HeldOut | None, window: StepWindow,
+                 writer: metrics_lib.MetricsWriter, signals: StopSignals,
+                 profile: ProfileWindow):
         self.trainer, self.t = trainer, trainer.config.train
+        self.train_step, self.profile = train_step, profile
         self.checkpoints, self.train_input, self.held_out = checkpoints, train_input, held_out
         self.window, self.writer, self.signals = window, writer, signals
         self.bad_steps = BadSteps(self.t.max_bad_steps)
@@ -300,12 +343,13 @@ class _Loop:
                 batch = next(self.train_input)
             # Waiting on the devices is not the host's own time: in the dispatch (which blocks on
             # some backends, e.g. for cross-process collectives on CPU) and for older steps.
-            with window.waiting_for_devices():
-                state, step_metrics = trainer.train_step(state, batch)
+            with window.waiting_for_devices(), self.profile.annotate(step):
+                state, step_metrics = self.train_step(state, batch)
             done = step + 1
             window.add(step_metrics)
             with window.waiting_for_devices():
                 self.in_flight.add(step_metrics["loss"])
+                self.profile.step_done(step, step_metrics)
             self.bad_steps.add(done, step_metrics["skipped"])
             if stop := self.signals.reached(done):
                 self.stop(stop, done, state)
@@ -316,7 +360,8 @@ class _Loop:
                 with window.waiting_for_devices():
                     self.bad_steps.settle()  # raises TooManyBadSteps
                 logged = {**window.summary(), **self.checkpoints.take_metrics(),
-                          "data_skipped_records": self.train_input.skipped_records()}
+                          "data_skipped_records": self.train_input.skipped_records(),
+                          **memory_metrics(trainer.local_devices)}
                 hosts, warning = compare_hosts(logged, t.straggler_ratio)
                 logged.update(hosts)
                 if warning:

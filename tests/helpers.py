@@ -47,8 +47,8 @@ def random_batch(config, seed=0):
 
 def model_attention_mask(segment_ids):
     """bool[batch, q, k]: what the model lets query q attend to: causal, within its segment."""
-    from jaxscale.models.layers import attention_mask
+    from jaxscale.parallel.attention import segment_mask
 
     length = segment_ids.shape[-1]
-    same_segment = np.asarray(attention_mask(np.asarray(segment_ids)))[:, 0]
+    same_segment = np.asarray(segment_mask(np.asarray(segment_ids)))[:, 0]
     return same_segment & np.tril(np.ones((length, length), bool))

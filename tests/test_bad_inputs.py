@@ -73,6 +73,22 @@ def sources_file(*sources: str, more: tuple[str, ...] = ()) -> str:
     return config_file(f"c.data.sources = ({', '.join(sources)},)", *more)
 
 
+def _fixture(*parts: str) -> bytes:
+    with open(os.path.join(REPO, "tests", "fixtures", *parts), "rb") as f:
+        return f.read()
+
+
+# Hugging Face model folders (tests/fixtures/hf_*), whole or broken.
+HF_CONFIG = f"--config={REPO}/configs/hf.py:model"
+HF_TIED = {f"model/{name}": _fixture("hf_tied", name) for name in
+           ("config.json", "model.safetensors", "tokenizer.json")}
+HF_MISTRAL = {**HF_TIED, "model/config.json": HF_TIED["model/config.json"].replace(
+    b'"model_type": "llama"', b'"model_type": "mistral"')}
+HF_ONE_SHARD_MISSING = {f"model/{name}": _fixture("hf_untied", name) for name in
+                        ("config.json", "model.safetensors.index.json",
+                         "model-00001-of-00002.safetensors")}
+SYNTHETIC = "--config.data.sources=(dict(format='synthetic'),)"
+
 GOOD_JSONL = "".join(f'{{"text": "document number {i} has some words in it"}}\n'
                      for i in range(40))
 NOT_A_TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "Nonsense"}}'
@@ -109,6 +125,8 @@ def launcher(module: str, id: str, *args: str, names, files=None, workdirs=(), c
 LOCAL, FIT, GKE, CHECK = ("jaxscale.launch.local", "jaxscale.launch.fit", "jaxscale.launch.gke",
                           "jaxscale.launch.check")
 SUPERVISE, PREPARE = "jaxscale.supervise", "jaxscale.data.prepare"
+EXPORT = "jaxscale.export_hf"
+SAMPLE = "jaxscale.sample"
 GKE_OK = ("--image=img", "--bucket=bucket", "--nodes=1", "--gpus_per_node=8")
 NOTES = {"notes.txt": "a file, not a folder\n"}
 
@@ -164,6 +182,17 @@ CASES = [
           names=["checkpoint.keep=0"]),
     train("restoring params only without restore_from is refused",
           "--config.checkpoint.restore_params_only=True", names=["restore_params_only"]),
+    train("a profile window past the run's last step is refused", "--config.profile.steps=3",
+          "--config.profile.start_step=2", names=["profile.start_step=2", "train.steps=4"]),
+    train("an XLA flags setting that is no flags is named", "--config.performance.xla_flags=fast",
+          names=["xla_flags", "fast"]),
+    train("an XLA flag this jaxlib does not know is named",
+          "--config.performance.xla_flags=--xla_gpu_no_such_flag=1",
+          names=["--xla_gpu_no_such_flag=1"]),
+    train("an unknown moment dtype is named", "--config.optim.moment_dtype=fp8", names=["fp8"]),
+    train("bfloat16 moments too slow to decay in bfloat16 are refused",
+          "--config.optim.moment_dtype=bfloat16", "--config.optim.b2=0.999",
+          names=["optim.b2=0.999", "bfloat16"]),
     # --- config files ---------------------------------------------------------------------------
     train("a config file with a syntax error names the file and the line", "--config=broken.py",
           files={"broken.py": "from jaxscale.config import default_config\n\n"
@@ -272,6 +301,26 @@ CASES = [
           "--config.checkpoint.compilation_cache=True",
           "--config.checkpoint.compilation_cache_dir=notes.txt/cache", files=NOTES,
           names=["notes.txt"], workdirs=FRESH),
+    # --- Hugging Face folders ----------------------------------------------------------------
+    train("configs/hf.py without a folder names the FILE:ARG form",
+          f"--config={REPO}/configs/hf.py", names=["configs/hf.py:/path/to/model"], workdirs=FRESH),
+    train("an unknown RoPE scaling type is named", "--config.model.rope_scaling.type=yarn",
+          names=["rope_scaling.type", "yarn"], workdirs=FRESH),
+    train("RoPE frequency factors out of order are refused",
+          "--config.model.rope_scaling.type=llama3",
+          "--config.model.rope_scaling.low_freq_factor=8.0", names=["low_freq_factor=8.0"],
+          workdirs=FRESH),
+    train("a Hugging Face folder without config.json is named", HF_CONFIG,
+          files={"model/model.safetensors": HF_TIED["model/model.safetensors"]},
+          names=["model", "config.json"], workdirs=FRESH),
+    train("a Hugging Face folder of another architecture is named", HF_CONFIG, SYNTHETIC,
+          files=HF_MISTRAL, names=["mistral", "llama"], workdirs=FRESH),
+    train("a Hugging Face tensor of another shape than the config's is named",
+          "--config.checkpoint.restore_from=model", files=HF_TIED,
+          names=["model.embed_tokens.weight", "[300, 32]", "[259, 64]"], workdirs=FRESH),
+    train("a missing Hugging Face shard is named", HF_CONFIG, SYNTHETIC,
+          files=HF_ONE_SHARD_MISSING, names=["model-00002-of-00002.safetensors"],
+          workdirs=FRESH),
     # --- workdirs -------------------------------------------------------------------------------
     train("a URL workdir is refused", "--workdir=gs://bucket/run", names=["gs://bucket/run"],
           workdirs=()),
@@ -361,6 +410,53 @@ CASES = [
              "--config.data.tokenizer=tok/tokenizer.json",
              files={"tok/tokenizer.json": "<html>not json</html>\n"},
              names=["tok/tokenizer.json"]),
+    # --- jaxscale.export_hf ---------------------------------------------------------------------
+    launcher(EXPORT, "export_hf needs --out", "--workdir={workdir}", names=["--out"],
+             workdirs=EXISTING),
+    launcher(EXPORT, "export_hf names a workdir that is no run", "--workdir=notrun",
+             "--out=exported", files={"notrun/notes.txt": "hello\n"},
+             names=["notrun", "config.json"]),
+    launcher(EXPORT, "export_hf names a step that has no checkpoint", "--workdir={workdir}",
+             "--out=exported", "--step=5", names=["--step=5", "[2]"], workdirs=EXISTING),
+    launcher(EXPORT, "export_hf refuses an out folder in use", "--workdir={workdir}",
+             "--out=used", files={"used/notes.txt": "mine\n"}, names=["used", "empty"],
+             workdirs=EXISTING),
+    launcher(EXPORT, "export_hf names an unknown dtype", "--workdir={workdir}",
+             "--out=exported", "--dtype=int8", names=["int8"], workdirs=EXISTING),
+    # --- jaxscale.sample ------------------------------------------------------------------------
+    launcher(SAMPLE, "sample needs --prompt", "--workdir={workdir}", names=["--prompt"],
+             workdirs=EXISTING),
+    launcher(SAMPLE, "sample needs a workdir or a Hugging Face folder", "--prompt=def",
+             names=["--workdir", "--hf"]),
+    launcher(SAMPLE, "sample refuses both a workdir and a Hugging Face folder",
+             "--workdir={workdir}", "--hf=model", "--prompt=def", names=["--hf", "--workdir"],
+             workdirs=EXISTING),
+    launcher(SAMPLE, "sample names a workdir that is no run", "--workdir=notrun", "--prompt=def",
+             files={"notrun/notes.txt": "hello\n"}, names=["notrun", "config.json"]),
+    launcher(SAMPLE, "sample names a workdir without a checkpoint", "--workdir=started",
+             "--prompt=def", files={"started/config.json": "{}\n"},
+             names=["started", "no checkpoint"]),
+    launcher(SAMPLE, "sample names a Hugging Face folder without config.json", "--hf=model",
+             "--prompt=def", files={"model/model.safetensors": HF_TIED["model/model.safetensors"]},
+             names=["model", "config.json"]),
+    launcher(SAMPLE, "sample refuses a negative temperature", "--workdir={workdir}",
+             "--prompt=def", "--temperature=-1", names=["--temperature", "-1"],
+             workdirs=EXISTING),
+    launcher(SAMPLE, "sample refuses an infinite temperature", "--workdir={workdir}",
+             "--prompt=def", "--temperature=inf", names=["--temperature", "inf"],
+             workdirs=EXISTING),
+    launcher(SAMPLE, "sample refuses a top_p of 0", "--workdir={workdir}", "--prompt=def",
+             "--top_p=0", names=["--top_p", "(0, 1]"], workdirs=EXISTING),
+    launcher(SAMPLE, "sample refuses a top_p above 1", "--workdir={workdir}", "--prompt=def",
+             "--top_p=1.5", names=["--top_p", "1.5"], workdirs=EXISTING),
+    launcher(SAMPLE, "sample refuses zero new tokens", "--workdir={workdir}", "--prompt=def",
+             "--max_new_tokens=0", names=["--max_new_tokens", "0"], workdirs=EXISTING),
+    launcher(SAMPLE, "sample refuses a prompt longer than the model's max_seq_len",
+             "--workdir={workdir}", "--prompt=" + "x" * 2048, names=["2049", "max_seq_len=2048"],
+             workdirs=EXISTING),
+    launcher(SAMPLE, "sample refuses more new tokens than max_seq_len leaves",
+             "--workdir={workdir}", "--prompt=def", "--max_new_tokens=2048",
+             names=["--max_new_tokens=2048", "max_seq_len=2048"], workdirs=EXISTING),
     # --- the real command line, as a user runs it -----------------------------------------------
     train("the train command names an unknown config key", "--config.train.stepz=3",
           names=["stepz"], workdirs=FRESH, cli=True),
@@ -372,6 +468,9 @@ CASES = [
              cli=True),
     launcher(SUPERVISE, "the supervise command needs a command", names=["command", "--"],
              cli=True),
+    launcher(SAMPLE, "the sample command names a workdir without a checkpoint",
+             "--workdir=started", "--prompt=def", files={"started/config.json": "{}\n"},
+             names=["started", "no checkpoint"], cli=True),
     launcher(LOCAL, "the launch.local command suggests -- for a training flag",
              "--processes=2", "--config.train.steps=3", names=["--config.train.steps=3", " -- "],
              cli=True),
@@ -575,6 +674,6 @@ def test_a_bad_input_is_one_error_line_and_writes_nothing(case, tmp_path, capfd,
 def test_the_table_covers_every_entry_point_and_enough_cases():
     assert len({c.id for c in CASES}) == len(CASES) >= 45
     assert {c.module for c in CASES} == {"jaxscale.train", LOCAL, FIT, GKE, CHECK, SUPERVISE,
-                                         PREPARE}
+                                         PREPARE, EXPORT, SAMPLE}
     assert any(c.cli for c in CASES)
     assert {"fresh", "existing"} <= {kind for c in CASES for kind in c.workdirs}

@@ -76,7 +76,7 @@ def test_rope_preserves_relative_position_scores():
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (4, 1)])
 def test_attention_matches_reference(n_heads, n_kv_heads):
     attn = Attention(16, n_heads, n_kv_heads, 8, rope_theta=1e4, out_stddev=0.02,
-                     dtype=jnp.float32, rngs=nnx.Rngs(0))
+                     dtype=jnp.float32, implementation="xla", rngs=nnx.Rngs(0))
     for w in (attn.q, attn.k, attn.v, attn.o):
         w[...] = randn(*w.shape) * 0.3
     x = randn(2, 6, 16)

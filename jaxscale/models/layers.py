@@ -1,4 +1,5 @@
-"""Transformer building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+"""Transformer building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP;
+the KV cache that attention decodes with, one token at a time.
 
 Parameters are stored in float32 and cast to the compute dtype where they are used. Every parameter
 and activation is annotated with logical axis names only; the trainer's rules decide the mesh axes.
@@ -6,10 +7,14 @@ and activation is annotated with logical axis names only; the trainer's rules de
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.models.rope import RopeScaling, apply_rope
+from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
 
 
@@ -44,33 +49,13 @@ def float32_accumulating(dtype: jnp.dtype) -> jnp.dtype:
     return dtype
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding ("rotate half" layout) on x: [batch, length, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, length, half]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
-
-
-def attention_mask(segment_ids: jax.Array | None) -> jax.Array | None:
-    """[batch, 1, q, k] mask letting a token see only tokens of its own document (segment).
-
-    Causality is applied separately (`is_causal`), so without packing there is no mask at all and
-    GPUs can take the fused cuDNN kernel.
-    """
-    if segment_ids is None:
-        return None
-    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-
-
 class Attention(nnx.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings; `implementation` names the
+    kernel (jaxscale.parallel.attention.IMPLEMENTATIONS)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope_theta: float, out_stddev: float, dtype: jnp.dtype, rngs: nnx.Rngs):
+                 rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
+                 rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None):
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                        0.02)
@@ -79,23 +64,80 @@ class Attention(nnx.Module):
         self.o = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"),
                        out_stddev)
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         self.dtype = dtype
+        self.implementation = implementation
 
     def __call__(self, x: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array | None) -> jax.Array:
+        q, k, v = self.project(x, positions)
+        wide = float32_accumulating(self.dtype)
+        out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
+                     self.implementation)
+        return self.output(out)
+
+    def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,
+               start: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Attention for x [batch, length, d_model] at positions start, start + 1, ... (the same
+        in every row), after the `start` positions whose keys and values `cache` holds for
+        `layer`: writes this layer's new keys and values in, and lets each query see every cached
+        position up to its own."""
+        positions = jnp.broadcast_to(start + jnp.arange(x.shape[1]), x.shape[:2])
+        q, k, v = self.project(x, positions)
+        cache = cache.write(layer, start, k, v)
+        wide = float32_accumulating(self.dtype)
+        out = attend_to_cache(q.astype(wide), cache.k[layer].astype(wide),
+                              cache.v[layer].astype(wide), start)
+        return self.output(out), cache
+
+    def project(self, x: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(q, k, v) in the compute dtype, q and k rotated to their positions."""
         dt = self.dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
-        q = constrain(apply_rope(q, positions, self.rope_theta),
+        q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, self.rope_theta),
+        k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        wide = float32_accumulating(dt)
-        out = jax.nn.dot_product_attention(q.astype(wide), k.astype(wide), v.astype(wide),
-                                           mask=attention_mask(segment_ids), is_causal=True)
+        return q, k, v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The heads' outputs [batch, length, heads, head_dim] -> [batch, length, d_model]."""
+        dt = self.dtype
         return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o[...].astype(dt))
+
+
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+class KVCache(NamedTuple):
+    """Every layer's keys (after RoPE) and values for the positions decoded so far, for sampling
+    one token at a time: k, v [layers, batch, max_len, kv_heads, head_dim] in the compute dtype;
+    slot i holds position i."""
+    k: jax.Array
+    v: jax.Array
+
+    def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        """The cache with `layer`'s slots start, start + 1, ... set to k, v [batch, length,
+        kv_heads, head_dim]; inside a jitted decode loop XLA writes them in place."""
+        at = (layer, 0, start, 0, 0)
+        return KVCache(constrain(jax.lax.dynamic_update_slice(self.k, k[None], at), CACHE_AXES),
+                       constrain(jax.lax.dynamic_update_slice(self.v, v[None], at), CACHE_AXES))
+
+
+def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
+                    start: jax.Array) -> jax.Array:
+    """q [batch, length, heads, head_dim] at positions start, start + 1, ...; keys, values
+    [batch, max_len, kv_heads, head_dim] by slot. A query sees the slots up to its own position:
+    the earlier tokens and itself, never the unwritten slots after it. Plain masked XLA
+    attention: a decode step has one query per row; a prefill holds [length, max_len] scores per
+    head, which is fine at a prompt's length."""
+    slot = jnp.arange(keys.shape[1])
+    visible = slot[None, :] <= start + jnp.arange(q.shape[1])[:, None]  # [length, max_len]
+    return jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None])
 
 
 class MLP(nnx.Module):

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import MLP, Attention, RMSNorm, float32_accumulating, param
+from jaxscale.models.layers import (CACHE_AXES, MLP, Attention, KVCache, RMSNorm,
+                                    float32_accumulating, param)
+from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
 
 REMAT_POLICIES = {
@@ -38,9 +40,13 @@ class LlamaConfig:
     mlp_dim: int
     vocab_multiple: int = 1  # the embedding's rows are padded to a multiple (shards evenly)
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (Llama 2, Llama 3)
+    max_seq_len: int = 2048  # the longest context the model is meant for (HF's
+    # max_position_embeddings); positions are exact up to 2^24 whatever it is
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"  # a key of REMAT_POLICIES
+    attention: str = "auto"  # jaxscale.parallel.attention.IMPLEMENTATIONS
     dtype: str = "bfloat16"  # compute dtype
 
     @property
@@ -71,7 +77,8 @@ class Block(nnx.Module):
         out_stddev = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                              cfg.rope_theta, out_stddev, dtype, rngs)
+                              cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
+                              rope_scaling=cfg.rope_scaling)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs)
 
@@ -79,6 +86,14 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "embed"))
+
+    def decode(self, x, cache: KVCache, layer, start) -> tuple[jax.Array, KVCache]:
+        """The block on tokens at positions start, start + 1, ..., attending through `cache`
+        (`Attention.decode`); returns the output and the cache with this layer's new entries."""
+        attended, cache = self.attn.decode(self.attn_norm(x), cache, layer, start)
+        x = x + attended
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "embed")), cache
 
 
 class Llama(nnx.Module):
@@ -104,11 +119,17 @@ class Llama(nnx.Module):
         `positions` restart at 0 in each packed document and `segment_ids` keep attention inside a
         document; both default to one unpacked sequence per row.
         """
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        return self.logits(self.features(tokens, positions, segment_ids))
+
+    def features(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens [batch, length] -> the final norm's output [batch, length, d_model], which
+        `logits` turns into scores over the vocabulary. The loss calls the two apart, so that it
+        can make the float32 logits a slice of the sequence at a time."""
+        cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = self.embed_tokens(tokens)
 
         block_def, block_state = nnx.split(self.blocks)
 
@@ -119,10 +140,65 @@ class Llama(nnx.Module):
             run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[cfg.remat],
                                        prevent_cse=False)
         x, _ = jax.lax.scan(run_block, x, block_state)
+        return self.final_norm(x)
 
-        x = self.final_norm(x)
-        head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        wide = float32_accumulating(dtype)
-        logits = jnp.einsum("btd,dv->btv", x.astype(wide), head.astype(wide),
-                            preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "vocab"))
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, length] -> their embeddings in the compute dtype."""
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return constrain(x, ("batch", "length", "embed"))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `max_len` positions (prompt included)."""
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        zeros = constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), CACHE_AXES)
+        return KVCache(k=zeros, v=zeros)
+
+    def decode(self, tokens: jax.Array, cache: KVCache,
+               start: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """The cached forward pass: tokens [batch, length] at positions start, start + 1, ...
+        (the same in every row), after the `start` positions already in `cache` -> (their
+        features, as `features` gives them, and the cache with their keys and values added).
+        Prefill is `decode(prompt, init_cache(...), 0)`, each later token
+        `decode(token[:, None], cache, position)`; every call attends to the whole cache, with
+        the positions not yet written masked."""
+        x = self.embed_tokens(tokens)
+        block_def, block_state = nnx.split(self.blocks)
+
+        def run_block(carry, layer_and_state):
+            x, cache = carry
+            layer, layer_state = layer_and_state
+            return nnx.merge(block_def, layer_state).decode(x, cache, layer, start), None
+
+        layers = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(run_block, (x, cache), (layers, block_state))
+        return self.final_norm(x), cache
+
+    def logits(self, features: jax.Array) -> jax.Array:
+        """[..., d_model] features -> float32 [..., padded_vocab_size] logits."""
+        return logits_from(features, self.head_weight(), self.cfg)
+
+    def head_weight(self) -> jax.Array:
+        """The output head [d_model, padded_vocab_size] in the compute dtype: its own parameter,
+        or the embedding's transpose when they are tied. Cast while still in the parameter's
+        layout, so that a sharded head is gathered in the compute dtype, not in float32."""
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        return constrain(head.astype(float32_accumulating(jnp.dtype(self.cfg.dtype))),
+                         HEAD_AXES)
+
+
+HEAD_AXES = ("embed", "vocab")
+
+
+def logits_from(features: jax.Array, head: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """[..., d_model] features x head [d_model, padded_vocab_size] -> float32 logits. The padding
+    rows (ids no tokenizer makes) get the lowest float32, so softmax, loss and sampling see exactly
+    the real vocabulary. A pure function of its arrays, so the loss can differentiate it a slice
+    of the sequence at a time."""
+    wide = float32_accumulating(jnp.dtype(cfg.dtype))
+    logits = jnp.einsum("...d,dv->...v", features.astype(wide), head.astype(wide),
+                        preferred_element_type=jnp.float32)
+    if cfg.padded_vocab_size > cfg.vocab_size:
+        is_real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+        logits = jnp.where(is_real, logits, jnp.finfo(jnp.float32).min)
+    return constrain(logits, ("batch", "length", "vocab")[-logits.ndim:])

@@ -83,6 +83,11 @@ def use_rules(mesh: Mesh, rules: Rules):
         _ACTIVE.reset(token)
 
 
+def active_mesh_and_rules() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) installed by `use_rules`, or None outside it."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     """Pins `x` to the sharding its logical axis names map to (no-op without active rules)."""
     active = _ACTIVE.get()

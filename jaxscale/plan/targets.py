@@ -1,0 +1,127 @@
+"""Targets to plan for: the local devices, simulated CPUs, a TPU slice compiled by the TPU
+compiler (`libtpu`, the `jaxscale[tpu]` extra) on any host, TPU or not, or GPU nodes.
+
+TPU targets are written `<generation>-<chips>` (`v5p-64`, `v5e-16`) or as a topology
+(`v5p:4x4x4`). The number counts chips: Google's own names for v4 and v5p slices count TensorCores,
+two per chip, so our `v5p-64` is Cloud TPU's `v5p-128`.
+
+GPU targets are `h100:N`, `h200:N`, `a100:N` (N GPUs, 8 per node) or `h100:NODESxGPUS`. There is
+no GPU compiler without a GPU, so they are planned from the analytic models only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+
+import jax
+
+from jaxscale.errors import ConfigError
+from jaxscale.plan.chips import CHIPS, Chip, chip_for_device_kind
+
+# Chips per slice -> the slice's shape, for the shapes Cloud TPU offers. v4 and v5p slices are 3-D
+# tori; v5e and v6e slices are 2-D.
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+              256: "16x16"}
+TPU_GENERATIONS = {"v4": _SHAPES_3D, "v5p": _SHAPES_3D, "v5e": _SHAPES_2D, "v6e": _SHAPES_2D}
+_TPU_CHIPS = {"v4": "TPU v4", "v5p": "TPU v5p", "v5e": "TPU v5e", "v6e": "TPU v6e"}
+GPU_CHIPS = {"h100": "H100 SXM", "h200": "H200", "a100": "A100"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # as the user wrote it
+    platform: str  # "tpu", "cpu", "gpu" or "local"
+    topology: str | None  # e.g. "v5p:4x4x4" for TPU targets
+    num_devices: int
+    chip_name: str | None = None  # a key of chips.CHIPS; None: CPUs (no table entry)
+    # DCN-connected groups the devices form: GPU nodes; 1 for one TPU slice or one host.
+    granules: int = 1
+
+    @property
+    def chip(self) -> Chip | None:
+        return CHIPS[self.chip_name] if self.chip_name else None
+
+    @property
+    def compiles(self) -> bool:
+        """Whether candidates can be compiled for it here (GPUs: estimates only)."""
+        return self.platform != "gpu"
+
+
+def parse_target(spec: str) -> Target:
+    """`local`, `cpu:N`, `v5p-64` or `v5p:4x4x4` -> Target; ConfigError on anything else."""
+    if spec == "local":
+        devices = jax.devices()
+        chip = chip_for_device_kind(devices[0].device_kind)
+        return Target(spec, "local", None, len(devices), chip.name if chip else None)
+    if m := re.fullmatch(r"cpu:(\d+)", spec):
+        return Target(spec, "cpu", None, int(m.group(1)))
+    if m := re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", spec):
+        generation, chips = m.group(1), int(m.group(2))
+        shapes = TPU_GENERATIONS[generation]
+        if chips not in shapes:
+            raise ConfigError(f"target {spec!r} is not a {generation} slice size; use one of "
+                              + ", ".join(f"{generation}-{n}" for n in shapes))
+        return Target(spec, "tpu", f"{generation}:{shapes[chips]}", chips, _TPU_CHIPS[generation])
+    if m := re.fullmatch(r"(v4|v5p|v5e|v6e):(\d+(?:x\d+){1,2})", spec):
+        chips = math.prod(int(d) for d in m.group(2).split("x"))
+        return Target(spec, "tpu", spec, chips, _TPU_CHIPS[m.group(1)])
+    if m := re.fullmatch(r"(h100|h200|a100):(?:(\d+)x)?(\d+)", spec):
+        return _gpu_target(spec, m.group(1), m.group(2), int(m.group(3)))
+    raise ConfigError(f"target {spec!r} is unknown; use local, cpu:N, a TPU slice such as "
+                      "v5p-64 or v5e-16 (chips), a topology such as v5p:4x4x4, or GPUs such as "
+                      "h100:16 or h100:2x8 (nodes x GPUs per node)")
+
+
+def _gpu_target(spec: str, kind: str, nodes: str | None, count: int) -> Target:
+    """`h100:16` (GPUs, 8 per node) or `h100:2x8` (nodes x GPUs per node)."""
+    chip = CHIPS[GPU_CHIPS[kind]]
+    if nodes is None:
+        per_node = min(count, chip.per_granule)
+        if count < 1 or count % per_node:
+            raise ConfigError(f"target {spec!r}: {count} GPUs do not fill whole nodes of "
+                              f"{chip.per_granule}; use a multiple of {chip.per_granule}, or "
+                              f"{kind}:NODESxGPUS")
+        nodes_count = count // per_node
+    else:
+        nodes_count, per_node = int(nodes), count
+        if not (nodes_count >= 1 and 1 <= per_node <= chip.per_granule):
+            raise ConfigError(f"target {spec!r}: a node has 1 to {chip.per_granule} GPUs and "
+                              "there is at least one node")
+    return Target(spec, "gpu", None, nodes_count * per_node, chip.name, granules=nodes_count)
+
+
+def target_devices(target: Target) -> list:
+    """The devices to build the mesh over. TPU devices come from the TPU compiler's description
+    of the topology: they can be compiled for, not run on."""
+    if target.platform == "local":
+        return jax.devices()
+    if target.platform == "gpu":
+        raise ConfigError(f"target {target.name!r}: GPUs cannot be compiled for without one; "
+                          "plan it from the estimates (the planner does) or run on the GPUs")
+    if target.platform == "cpu":
+        devices = jax.devices("cpu")
+        if len(devices) < target.num_devices:
+            raise ConfigError(
+                f"target {target.name!r} needs {target.num_devices} CPU devices, JAX has "
+                f"{len(devices)}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{target.num_devices} before starting")
+        return devices[:target.num_devices]
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(f"target {target.name!r} needs the TPU compiler; install it with "
+                          "pip install 'jaxscale[tpu]'")
+    # libtpu takes a host-wide lock meant for processes that run on the TPU; compiling needs no
+    # TPU, so several processes (tests, a planner beside a benchmark) may compile at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    try:
+        return list(topologies.get_topology_desc(target.topology, "tpu").devices)
+    except Exception as e:  # noqa: BLE001 - e.g. a topology this libtpu does not know
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"the TPU compiler cannot describe target {target.name!r} "
+                          f"({first_line}); pick another slice size") from None

@@ -1,0 +1,51 @@
+"""The train step compiled by the real TPU compiler for a TPU slice this machine does not have
+(libtpu, in the test extra, compiles for a topology description)."""
+
+import re
+
+import pytest
+
+from jaxscale.plan.compiled import compile_train_step, step_memory
+from jaxscale.plan.targets import parse_target, target_devices
+from tests.helpers import small_config
+
+
+# Attention scores of the XLA path: [batch, (kv) heads, (group,) 256 queries, 256 keys] per device.
+SCORES = re.compile(r"\[(\d+,){2,}256,256\]")
+
+
+@pytest.fixture(scope="module")
+def v5p_devices():
+    return target_devices(parse_target("v5p:2x2x1"))
+
+
+def test_splash_attention_and_chunked_loss_compile_for_a_tpu(v5p_devices):
+    """`model.attention=auto` picks the Pallas splash kernel for TPU devices: the compiled program
+    calls the Mosaic kernel, has no [batch, heads, q, k] score tensors, and reports its memory."""
+    config = small_config(fsdp=4)
+    config.train.update(seq_len=256, batch_size=8)
+    config.model.update(head_dim=128, loss_chunk_len=64)
+    compiled = compile_train_step(config, v5p_devices)
+    hlo = compiled.as_text()
+    assert "tpu_custom_call" in hlo
+    assert not SCORES.search(hlo)
+    memory = step_memory(compiled)
+    assert 0 < memory.arguments and 0 < memory.temporaries
+
+
+def test_the_xla_path_compiles_for_a_tpu_and_materialises_the_scores(v5p_devices):
+    """The same step with `model.attention=xla`: no kernel call, and the scores are there (so the
+    check above can fail)."""
+    config = small_config(fsdp=4)
+    config.train.update(seq_len=256, batch_size=8)
+    config.model.update(head_dim=128, attention="xla")
+    hlo = compile_train_step(config, v5p_devices).as_text()
+    assert "tpu_custom_call" not in hlo
+    assert SCORES.search(hlo)
+
+
+def test_targets_name_chips():
+    assert parse_target("v5p-64").topology == "v5p:4x4x4"
+    assert parse_target("v5e-16").topology == "v5e:4x4"
+    assert parse_target("v5p:2x2x1").num_devices == 4
+    assert parse_target("cpu:8").num_devices == 8
