@@ -21,6 +21,7 @@ import jax
 
 from jaxscale.errors import ConfigError
 from jaxscale.plan.chips import CHIPS, Chip, chip_for_device_kind
+from jaxscale.tpu_host import quiet_libtpu
 
 # Chips per slice -> the slice's shape, for the shapes Cloud TPU offers. v4 and v5p slices are 3-D
 # tori; v5e and v6e slices are 2-D.
@@ -120,7 +121,8 @@ def target_devices(target: Target) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
     try:
-        return list(topologies.get_topology_desc(target.topology, "tpu").devices)
+        with quiet_libtpu():
+            return list(topologies.get_topology_desc(target.topology, "tpu").devices)
     except Exception as e:  # noqa: BLE001 - e.g. a topology this libtpu does not know
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"the TPU compiler cannot describe target {target.name!r} "

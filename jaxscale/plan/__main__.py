@@ -1,0 +1,86 @@
+"""`python -m jaxscale.plan --config=configs/NAME.py --target=T [--top=K] [--json]
+[--config.KEY=VALUE ...]`
+
+Chooses how to lay a config's training step out over a target's devices: every data/fsdp/tensor
+layout the model allows, times remat policy, gradient accumulation and optimizer-state layout;
+the most promising are compiled for the target (TPU slices too, on any host, with libtpu) and
+judged by the compiler's memory per device and the collectives in their program. Prints a table,
+the choice, and the --config flags that run it (--json: the same as JSON); when nothing fits,
+one `error:` line says by how much (exit status 2). docs/planning.md explains the estimates and
+how to read the table.
+
+Targets: local, cpu:N, v4-N / v5e-N / v5p-N / v6e-N (chips) or v5p:4x4x4 (topology),
+h100:N / h200:N / a100:N or h100:NODESxGPUS (estimates only: no GPU compiler without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from jaxscale.cli import Option, fail, parse_config_flags
+
+OPTIONS = [
+    Option("target", "local", "what to plan for: local, cpu:8, v5p-64, v5e-16, v5p:2x2x1, h100:16, "
+           "h100:2x8", "TARGET"),
+    Option("top", 3, "how many candidates to compile (more when none of them fits)", "K"),
+    Option("hbm_gib", "", "memory per device to plan for, in GiB (default: the chip's; CPUs "
+           "have none unless given)", "GIB"),
+]
+
+
+def _prepare_jax(argv: list[str]) -> None:
+    """Before JAX starts: a non-local target is compiled for, never run on, so JAX stays on the
+    CPU (libtpu would otherwise try to claim a TPU); `cpu:N` needs N simulated devices."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "local")
+    if spec != "local":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if m := re.fullmatch(r"cpu:(\d+)", spec):
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (
+                f"{flags} --xla_force_host_platform_device_count={m.group(1)}").strip()
+
+
+def main(argv: list[str]) -> None:
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    config, options = parse_config_flags(argv, prog="python -m jaxscale.plan", about=__doc__,
+                                         options=OPTIONS)
+    _prepare_jax(argv)
+    import json  # noqa: PLC0415 - after the flags: --help and flag errors stay fast
+
+    from jaxscale.errors import JaxscaleError
+    from jaxscale.plan import report
+    from jaxscale.plan.compiled import GIB
+    from jaxscale.plan.planner import make_plan
+    from jaxscale.plan.targets import parse_target
+
+    if options["top"] < 1:
+        fail(f"--top={options['top']} must be >= 1")
+    try:
+        capacity = int(float(options["hbm_gib"]) * GIB) if options["hbm_gib"] else None
+    except ValueError:
+        fail(f"--hbm_gib={options['hbm_gib']!r} is not a number of GiB, e.g. --hbm_gib=16")
+    if capacity is not None and capacity <= 0:
+        fail(f"--hbm_gib={options['hbm_gib']} must be > 0")
+    try:
+        target = parse_target(options["target"])
+        plan = make_plan(config, target, top=options["top"], capacity=capacity,
+                         log=lambda line: print(line, file=sys.stderr, flush=True))
+    except JaxscaleError as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps(report.as_json(plan), indent=2))
+    else:
+        print(report.header(plan))
+        print(report.table(plan))
+    if plan.chosen is None:
+        fail(report.no_fit(plan))
+    if not as_json:
+        print(report.chosen(plan))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,188 @@
+"""The planner: search the candidates, prune them with the memory model, compile the most promising
+for the target, keep those that fit, and choose by estimated step time.
+
+    plan = make_plan(config, parse_target("v5p-64"), top=3)
+    plan.chosen.candidate.overrides()   # the --config flags that run it
+
+Steps: (1) `search.candidates` lists every layout `config.validate` accepts; (2) each gets the
+analytic memory estimate and step time; (3) the `top` fastest whose estimate fits in
+`FIT_FRACTION` of the chip's memory are compiled ahead of time for the target's devices (abstract
+inputs, nothing allocated) and judged by the compiler's own bytes per device and the collectives
+in their HLO; when none of them fits, the next ones are compiled, up to `top` more; (4) the
+fastest compiled candidate that fits is chosen, the simpler one on a near-tie. GPU targets have
+no compiler here: steps (3)-(4) use the estimates, and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import ml_collections
+
+from jaxscale.errors import ConfigError
+from jaxscale.parallel.attention import splash_fits
+from jaxscale.plan import rank
+from jaxscale.plan.chips import Chip
+from jaxscale.plan.collectives import Collective, parse_collectives
+from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step, step_memory
+from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
+from jaxscale.plan.search import Candidate, candidates
+from jaxscale.plan.targets import Target, target_devices
+from jaxscale.state import model_spec
+
+FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input
+# CPUs have no chip entry: their times are computed at these nominal rates, good for ranking only.
+NOMINAL_CPU = Chip("CPU (nominal)", 0, 1e12, 100e9, 10e9, "memory", 1)
+
+
+@dataclasses.dataclass
+class Row:
+    """One candidate as the planner judged it."""
+    candidate: Candidate
+    estimate: MemoryEstimate
+    # The collectives and the step time they give: from the compiled HLO once compiled, else
+    # counted from the model's shapes (rank.analytic_collectives).
+    collectives: list[Collective]
+    time: rank.StepTime
+    compiled: StepMemory | None = None
+    compile_seconds: float | None = None
+    error: str | None = None  # the compiler's, when it refused (e.g. out of memory)
+    role: str = ""  # "" (searched), or why it is shown: "pure data", "FSDP only"
+
+    @property
+    def bytes(self) -> int:
+        """The compiler's bytes per device when compiled, else the estimate."""
+        return self.compiled.total if self.compiled else self.estimate.total
+
+
+@dataclasses.dataclass
+class Plan:
+    target: Target
+    chip: Chip
+    capacity: int | None  # bytes per device; None: unknown (CPUs without --hbm_gib)
+    rows: list[Row]  # compiled rows first (fastest first), then the reference rows
+    chosen: Row | None
+    searched: int  # candidates considered
+    seconds: float  # planning time
+    smallest: Row  # the candidate with the smallest estimate, for saying by how much none fits
+
+    @property
+    def budget(self) -> float:
+        return FIT_FRACTION * self.capacity if self.capacity else float("inf")
+
+    def fits(self, row: Row) -> bool:
+        return row.error is None and row.bytes <= self.budget
+
+    def verdict(self, row: Row) -> str:
+        if row is self.chosen:
+            return "chosen"
+        if row.error:
+            return "compile failed"
+        fits = "fits" if self.fits(row) else "too big"
+        return fits if row.compiled else f"{fits} (estimate)"
+
+
+def _splash(config: ml_collections.ConfigDict, target: Target) -> bool:
+    """Whether the step will use the splash kernel (no attention scores in memory)."""
+    a = config.model.attention
+    on_tpu = target.platform == "tpu" or (target.platform == "local" and target.chip_name and
+                                          target.chip_name.startswith("TPU"))
+    return a == "splash" or (a == "auto" and on_tpu and splash_fits(config.train.seq_len))
+
+
+def _reference(rows: dict[Candidate, Row], config, role: str, mesh: tuple[int, int, int],
+               granules: int) -> Row | None:
+    """The row of a familiar layout (pure data, FSDP only), with the config's remat and no
+    accumulation, to show beside the choice; None when the model does not allow it."""
+    dcn = (granules, 1) if mesh[0] > 1 else (1, granules)
+    wanted = Candidate(mesh, dcn, config.model.remat, 1, "params")
+    row = rows.get(wanted)
+    return dataclasses.replace(row, role=role) if row else None
+
+
+def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3,
+              capacity: int | None = None, compile_references: bool = False, devices=None,
+              log: Callable[[str], None] = lambda line: None) -> Plan:
+    """Plans `config` for `target`; `capacity` overrides the chip's memory per device (bytes).
+    `compile_references`: also compile the pure-data and FSDP-only rows that the estimate fits
+    (for comparisons). `devices`: compile for these (default: the target's)."""
+    start = time.perf_counter()
+    chip = target.chip or NOMINAL_CPU
+    capacity = capacity or (chip.hbm_bytes if target.chip else None)
+    budget = FIT_FRACTION * capacity if capacity else float("inf")
+    n, granules = target.num_devices, target.granules
+    spec = model_spec(config)
+    found = candidates(config, n, granules)
+    if not found:
+        raise ConfigError(f"no layout of {n} devices over data/fsdp/tensor divides this model "
+                          f"and batch (train.batch_size={config.train.batch_size}); use a batch "
+                          f"size that is a multiple of {n}")
+    splash = _splash(config, target)
+    rows = {}
+    for c in found:
+        c_config = c.apply(config)
+        collectives = rank.analytic_collectives(c_config, spec, c, granules)
+        rows[c] = Row(c, estimate_memory(c_config, spec, c.mesh_shape, splash), collectives,
+                      rank.step_time(c_config, spec, c, collectives, chip, n))
+    log(f"{len(found)} candidates; compiling the fastest that the estimate fits in "
+        f"{budget / GIB:.1f} GiB per device" if capacity else f"{len(found)} candidates")
+    by_speed = sorted(rows.values(), key=lambda r: (r.time.total, rank.simplicity(r.candidate)))
+    promising = [r for r in by_speed if r.estimate.total <= budget]
+    references = [r for r in (
+        _reference(rows, config, "pure data", (n // granules, 1, 1), granules),
+        _reference(rows, config, "FSDP only", (1, n // granules, 1), granules)) if r]
+
+    judged: dict[Candidate, Row] = {}  # compiled (or, for GPUs, the estimates' best)
+    if target.compiles:
+        devices = devices if devices is not None else target_devices(target)
+        for row in promising:
+            fitting = [r for r in judged.values() if r.error is None and r.bytes <= budget]
+            if len(judged) >= top and (fitting or len(judged) >= 2 * top):
+                break
+            judged[row.candidate] = _compile(row, config, devices, chip, log)
+        for ref in references if compile_references else ():
+            if ref.candidate not in judged and ref.estimate.total <= budget:
+                judged[ref.candidate] = _compile(ref, config, devices, chip, log)
+    else:
+        judged = {r.candidate: r for r in promising[:top]}
+    plan = Plan(target, chip, capacity, [], None, len(found), 0.0,
+                smallest=min(rows.values(), key=lambda r: r.estimate.total))
+    fitting = [r for r in judged.values() if plan.fits(r)]
+    plan.chosen = rank.best(fitting) if fitting else None
+    for ref in references:  # shown with their role, compiled or as estimated
+        judged[ref.candidate] = dataclasses.replace(judged.get(ref.candidate, ref), role=ref.role)
+        if plan.chosen and plan.chosen.candidate == ref.candidate:
+            plan.chosen = judged[ref.candidate]
+    plan.rows = sorted(judged.values(), key=lambda r: (bool(r.role) and not r.compiled,
+                                                       r.time.total))
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, log) -> Row:
+    """`row` with the compiler's memory and collectives (or its error)."""
+    c = row.candidate
+    log(f"compiling {c.mesh_label}, remat {c.remat}, {c.microbatches} microbatch(es), "
+        f"optimizer state {c.optimizer_state} ...")
+    start = time.perf_counter()
+    c_config = c.apply(config)
+    out = dataclasses.replace(row)
+    try:
+        compiled = compile_train_step(c_config, devices)
+    except Exception as e:  # noqa: BLE001 - e.g. the TPU compiler's "ran out of memory"
+        out.error = " ".join(str(e).split())[:200] or type(e).__name__
+        out.compile_seconds = time.perf_counter() - start
+        log(f"  compiler refused it: {out.error}")
+        return out
+    out.compile_seconds = time.perf_counter() - start
+    out.compiled = step_memory(compiled)
+    ici = dict(zip(("data", "fsdp", "tensor"), c.ici)) | {"pipeline": 1}
+    out.collectives = parse_collectives(compiled.as_text(), c.mesh_shape, ici)
+    out.time = rank.step_time(c_config, model_spec(c_config), c, out.collectives, chip,
+                              len(devices))
+    log(f"  {out.compiled.total / GIB:.2f} GiB per device (estimate "
+        f"{row.estimate.total / GIB:.2f}), {out.time.total:.3g} s per step, compiled in "
+        f"{out.compile_seconds:.0f} s")
+    return out
