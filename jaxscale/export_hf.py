@@ -19,6 +19,7 @@ import ml_collections
 
 from jaxscale.cli import fail
 from jaxscale.config import default_config
+from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError
 from jaxscale.launch.cli import ArgumentParser, nonnegative
 from jaxscale.workdir import CONFIG_FILE, check_writable
@@ -124,7 +125,8 @@ def export(workdir: str, out: str, step: int | None, dtype: str) -> str:
 def main(argv: list[str]) -> None:
     args = make_parser().parse_args(argv)
     try:
-        print(export(args.workdir, args.out, args.step, args.dtype), flush=True)
+        with quiet_libtpu():
+            print(export(args.workdir, args.out, args.step, args.dtype), flush=True)
     except JaxscaleError as e:
         fail(str(e))
 

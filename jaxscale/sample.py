@@ -17,6 +17,7 @@ import math
 import sys
 
 from jaxscale.cli import fail
+from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.launch.cli import ArgumentParser, nonnegative, nonnegative_float, positive
 
@@ -139,7 +140,8 @@ def continuation(args: argparse.Namespace) -> str:
 def main(argv: list[str]) -> None:
     args = make_parser().parse_args(argv)  # before JAX is imported: --help and flag errors are fast
     try:
-        text = continuation(args)
+        with quiet_libtpu():
+            text = continuation(args)
     except JaxscaleError as e:
         fail(str(e))
     print(text, flush=True)

@@ -29,6 +29,7 @@ def main(argv: list[str]) -> None:
         config, workdir = parse_train_flags(argv, about=__doc__)
         # Import JAX only now, so that --help and flag errors stay fast.
         from jaxscale import distributed, xla_flags
+        from jaxscale.tpu_host import quiet_libtpu
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.trainer import Trainer
 
@@ -38,7 +39,9 @@ def main(argv: list[str]) -> None:
             # Before anything touches a device: every process of a multi-host run must join.
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
-            Trainer(config, workdir).run()
+            # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
+            with quiet_libtpu():
+                Trainer(config, workdir).run()
         except JaxscaleError as e:
             fail(str(e))
         except RunStopped as e:  # the trainer has said where it stopped
