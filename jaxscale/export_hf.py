@@ -10,19 +10,15 @@ tensor at a time; the host holds one tensor at a time.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 
-import ml_collections
-
 from jaxscale.cli import fail
-from jaxscale.config import default_config
 from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError
 from jaxscale.launch.cli import ArgumentParser, nonnegative
-from jaxscale.workdir import CONFIG_FILE, check_writable
+from jaxscale.workdir import check_writable, read_config
 
 DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX
 
@@ -41,31 +37,6 @@ def make_parser() -> ArgumentParser:
                         help="The files' dtype (default bfloat16, as Llama ships; float32 "
                              "keeps the parameters exactly).")
     return parser
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The run's config, from the config.json its last start wrote, on today's defaults (so a
-    run from before a key existed still loads)."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise JaxscaleError(f"--workdir={workdir!r} has no {CONFIG_FILE}; pass the workdir of a "
-                            "jaxscale.train run")
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    config = default_config()
-    for section in ("model", "precision", "data", "checkpoint"):
-        _merge(config[section], saved.get(section, {}))
-    return config
-
-
-def _merge(config: ml_collections.ConfigDict, saved: dict) -> None:
-    for key, value in saved.items():
-        if key not in config or isinstance(value, list):  # lists: data sources, not needed
-            continue
-        if isinstance(config[key], ml_collections.ConfigDict):
-            _merge(config[key], value)
-        else:
-            config[key] = value
 
 
 def checkpoint_step(directory: str, step: int | None) -> int:
@@ -92,7 +63,7 @@ def export(workdir: str, out: str, step: int | None, dtype: str) -> str:
     from jaxscale.hf import save_model
     from jaxscale.state import TrainState, model_spec
 
-    config = run_config(workdir)
+    config = read_config(workdir)
     directory = checkpoint_dir(config, workdir)
     step = checkpoint_step(directory, step)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):

@@ -1,7 +1,5 @@
 """The attention kernels against the XLA reference path, and the TPU kernel compiled for a TPU."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np

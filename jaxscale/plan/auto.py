@@ -7,12 +7,12 @@ import ml_collections
 
 from jaxscale.errors import ConfigError
 from jaxscale.plan import report
-from jaxscale.plan.chips import GIB, chip_for_device_kind
+from jaxscale.plan.chips import GIB
 from jaxscale.plan.planner import make_plan
-from jaxscale.plan.targets import Target
+from jaxscale.plan.targets import local_target
 
-# Candidates compiled at start-up: one that fits is enough to train; the trainer compiles the
-# chosen one again (a second compile, served by the compilation cache on restarts).
+# Candidates compiled at start-up: one that fits is enough to train. The trainer then compiles
+# the chosen one again (a second compile: handing the planner's over is still to do).
 AUTO_TOP = 1
 
 
@@ -27,9 +27,7 @@ def planned_config(config: ml_collections.ConfigDict, devices) -> ml_collections
     gib = config.mesh.auto_memory_gib
     if gib < 0:
         raise ConfigError(f"mesh.auto_memory_gib={gib} must be >= 0 (0: the chip's memory)")
-    chip = chip_for_device_kind(devices[0].device_kind)
-    target = Target("local", devices[0].platform, None, len(devices),
-                    chip.name if chip else None)
+    target = local_target(devices)
     say(f"mesh.auto: planning the layout for {len(devices)} {devices[0].device_kind} device(s)")
     plan = make_plan(config, target, top=AUTO_TOP, capacity=int(gib * GIB) or None,
                      devices=devices, log=say)

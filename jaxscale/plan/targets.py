@@ -54,12 +54,16 @@ class Target:
         return self.platform != "gpu"
 
 
+def local_target(devices) -> Target:
+    """These devices, whatever they are: this process can compile for them (GPUs included)."""
+    chip = chip_for_device_kind(devices[0].device_kind)
+    return Target("local", "local", None, len(devices), chip.name if chip else None)
+
+
 def parse_target(spec: str) -> Target:
     """`local`, `cpu:N`, `v5p-64` or `v5p:4x4x4` -> Target; ConfigError on anything else."""
     if spec == "local":
-        devices = jax.devices()
-        chip = chip_for_device_kind(devices[0].device_kind)
-        return Target(spec, "local", None, len(devices), chip.name if chip else None)
+        return local_target(jax.devices())
     if m := re.fullmatch(r"cpu:(\d+)", spec):
         return Target(spec, "cpu", None, int(m.group(1)))
     if m := re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", spec):
