@@ -42,9 +42,9 @@ def make_parser() -> ArgumentParser:
 def checkpoint_step(directory: str, step: int | None) -> int:
     """The step to export: `step`, or the newest in `directory`; JaxscaleError naming the ones
     there when it is missing."""
-    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit()
-                   and os.path.isdir(os.path.join(directory, name, "params"))) \
-        if os.path.isdir(directory) else []
+    from jaxscale.checkpoint.manager import saved_steps  # imports JAX: only once flags parsed
+
+    steps = saved_steps(directory)
     if not steps:
         raise JaxscaleError(f"{directory!r} holds no checkpoint; train the run first (or "
                             "point --workdir at the run that has them)")

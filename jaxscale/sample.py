@@ -72,15 +72,12 @@ def make_parser() -> ArgumentParser:
 def run_config(workdir: str):
     """The run's config (config.json over the defaults) and the checkpoint folder holding at least
     one step; ConfigError naming what is missing."""
-    from etils import epath
-
-    from jaxscale.checkpoint.manager import checkpoint_dir
+    from jaxscale.checkpoint.manager import checkpoint_dir, saved_steps
     from jaxscale.workdir import read_config
 
     config = read_config(workdir)
-    directory = checkpoint_dir(config, workdir)
-    path = epath.Path(directory)  # local, or a bucket (checkpoint.dir=gs://...)
-    if not (path.is_dir() and any(step.name.isdigit() for step in path.iterdir())):
+    directory = checkpoint_dir(config, workdir)  # local, or a bucket (checkpoint.dir=gs://...)
+    if not saved_steps(directory):
         raise ConfigError(f"workdir {workdir!r} has no checkpoint in {directory}; train it first "
                           f"(python -m jaxscale.train --workdir={workdir}), or pass the workdir "
                           "of a run that has saved one")

@@ -261,6 +261,16 @@ def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
     return restored
 
 
+def saved_steps(directory: str | epath.Path) -> list[int]:
+    """The steps with a checkpoint (a step folder holding params) in `directory`, local or a
+    bucket (gs://...), oldest first; [] when there is no such folder."""
+    directory = epath.Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir()
+                  if p.name.isdigit() and (p / "params").is_dir())
+
+
 def _locate(path: str) -> tuple[epath.Path, int | None]:
     """(checkpoint folder, step or None for the newest) for a `restore_from` path."""
     hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder, one "
@@ -275,7 +285,7 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
         given = given / CHECKPOINT_SUBDIR
     if given.name.isdigit() and (given / "params").is_dir():
         return given.parent, int(given.name)
-    if any(p.name.isdigit() and (p / "params").is_dir() for p in given.iterdir()):
+    if saved_steps(given):
         return given, None
     raise JaxscaleError(f"checkpoint.restore_from={path!r} holds no jaxscale checkpoint; {hint}")
 
