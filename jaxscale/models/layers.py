@@ -7,7 +7,7 @@ and activation is annotated with logical axis names only; the trainer's rules de
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,21 @@ from flax import nnx
 from jaxscale.models.rope import RopeScaling, apply_rope
 from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
+
+
+# A layer as a pure function: (its state, x, *per-row inputs) -> x.
+LayerFn = Callable[..., jax.Array]
+# Runs a stack of layers: (layer_fn, the state stacked along a leading layer axis, x, *per-row
+# inputs) -> x after every layer in order.
+Stack = Callable[..., jax.Array]
+
+
+def scan_layers(layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax.Array:
+    """The plain `Stack`: the layers one after another in a `lax.scan` (compile time does not grow
+    with depth)."""
+    def body(x, layer_state):
+        return layer_fn(layer_state, x, *per_row), None
+    return jax.lax.scan(body, x, stacked_state)[0]
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import (CACHE_AXES, MLP, Attention, KVCache, RMSNorm,
-                                    float32_accumulating, param)
+from jaxscale.models.layers import (CACHE_AXES, MLP, Attention, KVCache, LayerFn, RMSNorm,
+                                    Stack, float32_accumulating, param, scan_layers)
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
 
@@ -122,25 +122,31 @@ class Llama(nnx.Module):
         return self.logits(self.features(tokens, positions, segment_ids))
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, stack: Stack | None = None) -> jax.Array:
         """tokens [batch, length] -> the final norm's output [batch, length, d_model], which
         `logits` turns into scores over the vocabulary. The loss calls the two apart, so that it
-        can make the float32 logits a slice of the sequence at a time."""
-        cfg = self.cfg
+        can make the float32 logits a slice of the sequence at a time.
+
+        `stack` runs the blocks (`scan_layers`, or a pipeline schedule from
+        `jaxscale.parallel.pipeline`, which splits the same stacked layers over stages)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed_tokens(tokens)
-
         block_def, block_state = nnx.split(self.blocks)
-
-        def run_block(x, layer_state):
-            return nnx.merge(block_def, layer_state)(x, positions, segment_ids), None
-
-        if REMAT_POLICIES[cfg.remat] is not None:
-            run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[cfg.remat],
-                                       prevent_cse=False)
-        x, _ = jax.lax.scan(run_block, x, block_state)
+        x = (stack or scan_layers)(self.block_fn(block_def), block_state, x, positions,
+                                   segment_ids)
         return self.final_norm(x)
+
+    def block_fn(self, block_def: nnx.GraphDef) -> LayerFn:
+        """(one layer's state, x, positions, segment_ids) -> x: a block as a pure function, with
+        the config's remat policy applied (what its backward pass keeps)."""
+        def run_block(layer_state, x, positions, segment_ids):
+            return nnx.merge(block_def, layer_state)(x, positions, segment_ids)
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if policy is None:
+            return run_block
+        return jax.checkpoint(run_block, policy=policy, prevent_cse=False)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, length] -> their embeddings in the compute dtype."""
