@@ -19,6 +19,7 @@ from jaxscale.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
 LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+    "expert",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 # sharding.optimizer_state: with each parameter, or also split over the data-parallel axes (ZeRO-1).
@@ -63,12 +64,17 @@ def default_config() -> ml_collections.ConfigDict:
             head_dim=(),
             mlp=("tensor",),
             vocab=("tensor",),
-            layers=(),
+            layers=("pipeline",),  # pipeline stages hold consecutive layers
+            expert=(),  # the experts of an MoE layer (model.moe)
         ),
         # Where the optimizer state lives: "params" (with each parameter) or "data" (ZeRO-1: also
         # split over the data-parallel axes; see docs/parallelism.md).
         optimizer_state="params",
     )
+    # Pipeline parallelism over mesh.pipeline stages (docs/parallelism.md): the per-step batch (of
+    # each train.microbatches part) goes through in `microbatches` parts (0: 2 x stages); each
+    # stage holds `repeats` groups of layers (circular); schedule gpipe | 1f1b (repeats 1).
+    c.pipeline = dict(microbatches=0, repeats=1, schedule="gpipe")
     c.model = dict(
         name="llama",
         vocab_size=259,  # the byte tokenizer: 256 bytes + pad, bos, eos
@@ -94,6 +100,13 @@ def default_config() -> ml_collections.ConfigDict:
         # Sequence positions whose float32 logits the loss holds at once (0: the whole
         # sequence); smaller saves memory per device at large vocabularies, same loss.
         loss_chunk_len=1024,
+        # Mixture of experts (jaxscale/models/moe.py): every `every`-th layer's feed-forward is
+        # `experts` SwiGLU experts of mlp_dim, each token routed to its top_k (0: all dense).
+        # Each expert takes capacity_factor x an even share of a sequence's tokens; the rest
+        # are dropped. The training loss adds aux_loss_weight x the load-balancing loss and
+        # z_loss_weight x the router z-loss.
+        moe=dict(experts=0, top_k=2, capacity_factor=1.25, every=0, aux_loss_weight=0.01,
+                 z_loss_weight=0.001),
     )
     c.optim = dict(
         lr=3e-3,
@@ -138,7 +151,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.profile = dict(start_step=10, steps=0, all_processes=False)
     # XLA flags: "auto" (a tuned set on NVIDIA GPUs; jaxscale/xla_flags.py), "none", or a string of
     # "--xla_...=..." flags. Flags already in the XLA_FLAGS environment variable win.
-    c.performance = dict(xla_flags="auto")
+    # device_memory_gib: what one device holds, which the train step's compiled memory must fit
+    # before the run starts (0: the capacity the backend reports; CPUs report none, so unchecked).
+    c.performance = dict(xla_flags="auto", device_memory_gib=0.0)
     # Multi-process runs (docs/launch.md): how long to wait for every process to join, and how long
     # a silent process may go before the others are stopped.
     c.distributed = dict(init_timeout_s=DEFAULT_INIT_TIMEOUT_S,
@@ -176,6 +191,7 @@ def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
         mlp=m.mlp_dim,
         vocab=model_config(config).padded_vocab_size,
         layers=m.n_layers,
+        expert=m.moe.experts,
     )
 
 
@@ -214,10 +230,6 @@ def resolve_mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int,
             f"mesh sizes {ici} multiply to {math.prod(ici.values())} but there are {per_slice} "
             f"devices{' per slice' if num_slices > 1 else ''}; make the product {per_slice} or "
             "set one axis to -1")
-    if ici["pipeline"] * dcn["pipeline"] != 1:
-        raise ConfigError(
-            f"mesh.pipeline={ici['pipeline']} (dcn {dcn['pipeline']}): pipeline parallelism is "
-            "not implemented yet; set mesh.pipeline=1 and use data/fsdp/tensor")
     return ici, dcn
 
 
@@ -284,6 +296,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
                           f"{m.n_heads} (grouped-query attention)")
     _check_rope(m)
+    _check_moe(m)
     if m.name != "llama":
         raise ConfigError(f"model.name={m.name!r} is unknown; the available model is 'llama'")
     from jaxscale.models import REMAT_POLICIES  # imports JAX; validation needs it anyway
@@ -310,11 +323,37 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     _check_checkpoint(config)
 
     ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
-    _check_rules(config, {a: ici[a] * dcn[a] for a in MESH_AXES})
+    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    _check_pipeline(config, mesh_shape)  # first: its errors name the pipeline's own keys
+    _check_rules(config, mesh_shape)
     return ici, dcn
 
 
 ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+def _check_moe(m: ml_collections.ConfigDict) -> None:
+    e = m.moe
+    if e.every < 0:
+        raise ConfigError(f"model.moe.every={e.every} must be >= 0 (0: no MoE layers; n: every "
+                          "n-th layer is MoE)")
+    if e.every == 0:
+        return
+    if e.experts < 2:
+        raise ConfigError(f"model.moe.experts={e.experts} must be >= 2 when model.moe.every="
+                          f"{e.every} makes layers MoE; set the expert count (8 for Mixtral)")
+    if not 1 <= e.top_k <= e.experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} must be between 1 and model.moe.experts="
+                          f"{e.experts} (the experts each token is routed to)")
+    if m.n_layers % e.every:
+        raise ConfigError(f"model.moe.every={e.every} does not divide model.n_layers="
+                          f"{m.n_layers}; pick a divisor of {m.n_layers} (1: every layer MoE)")
+    if not e.capacity_factor > 0:
+        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be > 0 (1.25: "
+                          "each expert takes 1.25 x an even share of the tokens)")
+    for key in ("aux_loss_weight", "z_loss_weight"):
+        if e[key] < 0:
+            raise ConfigError(f"model.moe.{key}={e[key]} must be >= 0 (0 turns it off)")
 
 
 def _check_rope(m: ml_collections.ConfigDict) -> None:
@@ -364,13 +403,16 @@ def _check_data(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_performance(config: ml_collections.ConfigDict) -> None:
-    """The profile window, the XLA flags setting and the optimizer's memory options."""
+    """The profile window, the XLA flags setting, the device memory override and the optimizer's
+    memory options."""
+    from jaxscale.device_memory import check_device_memory_gib
     from jaxscale.optim import check_memory_options
     from jaxscale.profiling import check_window
     from jaxscale.xla_flags import check_setting
 
     check_window(config.profile, config.train.steps)
     check_setting(config.performance.xla_flags)
+    check_device_memory_gib(config.performance.device_memory_gib)
     check_memory_options(config.optim)
 
 
@@ -392,6 +434,53 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
     if c.restore_params_only and not c.restore_from:
         raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH "
                           "(the checkpoint whose params to start from)")
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def _check_pipeline(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    p, t = config.pipeline, config.train
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={p.schedule!r} is unknown; use one of "
+                          f"{PIPELINE_SCHEDULES}")
+    if p.repeats < 1 or p.microbatches < 0:
+        raise ConfigError(f"pipeline.repeats={p.repeats} must be >= 1 and pipeline.microbatches="
+                          f"{p.microbatches} >= 0 (0: twice the stages)")
+    stages = mesh_shape["pipeline"]
+    if stages == 1:
+        return
+    if config.model.moe.every:
+        raise ConfigError(f"mesh.pipeline={stages} with MoE layers (model.moe.every="
+                          f"{config.model.moe.every}) is not supported yet; set mesh.pipeline=1 "
+                          "and shard the experts with fsdp/tensor")
+    rules = config.sharding.rules
+    if tuple(rules.get("layers", ())) != ("pipeline",):
+        raise ConfigError(f"mesh.pipeline={stages} needs sharding.rules.layers=('pipeline',) "
+                          f"(the stages hold the layers), got {tuple(rules.get('layers', ()))}")
+    if "pipeline" in {a for name, axes in rules.items() if name != "layers" for a in axes}:
+        raise ConfigError("sharding.rules: only 'layers' may name the pipeline mesh axis")
+    layers, repeats = config.model.n_layers, p.repeats
+    if layers % (stages * repeats):
+        raise ConfigError(
+            f"model.n_layers={layers} is not divisible by mesh.pipeline x pipeline.repeats = "
+            f"{stages} x {repeats}; pick stages and repeats whose product divides {layers}")
+    if p.schedule == "1f1b" and repeats > 1:
+        raise ConfigError(f"pipeline.schedule='1f1b' runs one group of layers per stage, got "
+                          f"pipeline.repeats={repeats}; use repeats=1, or schedule='gpipe' for "
+                          "circular repeats")
+    micro = p.microbatches or 2 * stages
+    rows = t.batch_size // t.microbatches
+    if micro < stages:
+        raise ConfigError(f"pipeline.microbatches={micro} is fewer than the {stages} stages; "
+                          f"use at least {stages} (2 x stages or more keeps the bubble small)")
+    batch_shards = math.prod(mesh_shape[a] for a in rules.get("batch", ()))
+    if rows % (micro * batch_shards):
+        raise ConfigError(
+            f"pipeline.microbatches={micro} does not split the {rows} sequences of each step"
+            f"{' part' if t.microbatches > 1 else ''} into parts of a multiple of the "
+            f"{batch_shards} batch shards; make train.batch_size / train.microbatches a "
+            f"multiple of {micro * batch_shards}")
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

@@ -18,33 +18,108 @@ from flax import nnx
 
 from jaxscale.loss import summed_cross_entropy
 from jaxscale.models.llama import HEAD_AXES, logits_from
-from jaxscale.parallel.sharding import constrain
+from jaxscale.models.moe import RouterStats
+from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
 from jaxscale.state import TrainState, uses_dynamic_loss_scale
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch,
-                loss_chunk_len: int = 0) -> tuple[jax.Array, jax.Array]:
+def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int = 0,
+                pipeline: Pipeline | None = None) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses over real tokens, number of real tokens), both float32; the logits
-    exist `loss_chunk_len` positions of the sequence at a time (0: all at once)."""
+    exist `loss_chunk_len` positions of the sequence at a time (0: all at once). With a
+    `pipeline`, the blocks run on its schedule's forward pass (GPipe's, for either schedule)."""
+    total, tokens, _ = summed_loss_and_router_stats(graphdef, params, batch, loss_chunk_len,
+                                                    pipeline)
+    return total, tokens
+
+
+def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
+                                 loss_chunk_len: int = 0, pipeline: Pipeline | None = None
+                                 ) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+    """`summed_loss`, and the routers' statistics (None for a model without MoE layers)."""
     model = nnx.merge(graphdef, params)
-    features = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
+    stack = pipeline.stack if pipeline is not None else None
+    features, router = model.features_with_stats(batch["inputs"], batch["positions"],
+                                                 batch["segment_ids"], stack)
     mask = batch["loss_mask"].astype(jnp.float32)
-    logits_fn = functools.partial(logits_from, cfg=model.cfg)
-    total = summed_cross_entropy(logits_fn, model.head_weight(), HEAD_AXES, features,
+    total = summed_cross_entropy(_logits_fn(model), model.head_weight(), HEAD_AXES, features,
                                  batch["targets"], mask, loss_chunk_len)
-    return total, jnp.sum(mask)
+    return total, jnp.sum(mask), router
 
 
-def _split_microbatches(batch: Batch, k: int) -> Batch:
-    """[B, L] -> [k, B/k, L], microbatch j taking rows j, j+k, ... so every device keeps an equal
-    share of each microbatch and no data moves between devices."""
-    def split(x):
-        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(x, (None, "batch", "length"))
-    return jax.tree.map(split, batch)
+def router_penalty(moe: ml_collections.ConfigDict, router: RouterStats | None,
+                   tokens: jax.Array) -> jax.Array:
+    """The routers' penalties as a sum over the `tokens` real tokens they were measured on, to
+    add to a summed loss: divided by the real-token count, as the step divides the sum, the mean
+    loss gains exactly `moe.aux_loss_weight * aux + moe.z_loss_weight * z` (with microbatches,
+    of their token-weighted mean). `moe` is the config's `model.moe`."""
+    if router is None:
+        return jnp.zeros((), jnp.float32)
+    return (moe.aux_loss_weight * router.aux_loss + moe.z_loss_weight * router.z_loss) * tokens
+
+
+def router_metrics(router: RouterStats | None) -> dict[str, jax.Array]:
+    if router is None:
+        return {}
+    return dict(moe_aux_loss=router.aux_loss, moe_z_loss=router.z_loss,
+                moe_dropped_fraction=router.dropped_fraction, moe_expert_load=router.expert_load)
+
+
+def _logits_fn(model) -> Callable:
+    return functools.partial(logits_from, cfg=model.cfg)
+
+
+def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int,
+                            pipeline: Pipeline, seed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(seed * summed loss, summed loss) with the blocks, final norm and loss on the 1F1B schedule
+    (`jaxscale.parallel.pipeline.one_f_one_b_loss`): differentiate the first."""
+    model = nnx.merge(graphdef, params)
+    x = model.embed_tokens(batch["inputs"])
+    block_def, block_state = nnx.split(model.blocks)
+    norm_def, norm_state = nnx.split(model.final_norm)
+    logits_fn = _logits_fn(model)
+
+    def tail(tail_params, y, targets, mask):
+        norm, head = tail_params
+        features = nnx.merge(norm_def, norm)(y)
+        return summed_cross_entropy(logits_fn, head, HEAD_AXES, features, targets, mask,
+                                    loss_chunk_len)
+
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return one_f_one_b_loss(pipeline, model.block_fn(block_def), block_state, x,
+                            (batch["positions"], batch["segment_ids"]), tail,
+                            (norm_state, model.head_weight()), (batch["targets"], mask), seed)
+
+
+def loss_and_grad(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
+                  batch: Batch, multiplier: jax.Array) -> tuple[jax.Array, Any]:
+    """(summed token loss, gradient of the summed loss times `multiplier`), on the run's pipeline
+    schedule when the active mesh has pipeline stages."""
+    total, grads, _ = loss_grad_and_router_metrics(config, graphdef, params, batch, multiplier)
+    return total, grads
+
+
+def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
+                                 params, batch: Batch, multiplier: jax.Array
+                                 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """`loss_and_grad` with MoE: the summed loss stays the cross-entropy alone, the gradient is
+    that of the cross-entropy plus `router_penalty`; and `router_metrics` ({} without MoE)."""
+    chunk = config.model.loss_chunk_len
+    pipeline = config_pipeline(config)
+
+    def scaled(p):
+        if pipeline is not None and pipeline.schedule == "1f1b":
+            objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
+                                                       multiplier)
+            return objective, (total, {})
+        total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk, pipeline)
+        objective = total + router_penalty(config.model.moe, router, tokens)
+        return objective * multiplier, (total, router_metrics(router))
+    (_, (total, router)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return total, grads, router
 
 
 def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
@@ -57,37 +132,30 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     the new parameters are gathered back to their own layout.
     """
     k = config.train.microbatches
-    chunk = config.model.loss_chunk_len
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
-    def loss_and_grad(params, batch, multiplier):
-        """(summed token loss, gradient of the summed loss times `multiplier`)."""
-        def scaled(p):
-            total, _ = summed_loss(graphdef, p, batch, chunk)
-            return total * multiplier, total
-        (_, total), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        return total, grads
-
     def accumulate(params, batch, multiplier):
         if k == 1:
-            return loss_and_grad(params, batch, multiplier)
+            return loss_grad_and_router_metrics(config, graphdef, params, batch, multiplier)
 
         def add_microbatch(carry, microbatch):
-            total, grads = loss_and_grad(params, microbatch, multiplier)
+            total, grads, router = loss_grad_and_router_metrics(config, graphdef, params,
+                                                                microbatch, multiplier)
             acc_total, acc_grads = carry
-            return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads)), None
+            return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads)), router
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (total, grads), _ = jax.lax.scan(add_microbatch, zeros, _split_microbatches(batch, k))
-        return total, grads
+        parts = jax.tree.map(lambda x: split_rows(x, k), batch)
+        (total, grads), routers = jax.lax.scan(add_microbatch, zeros, parts)
+        return total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers)
 
     def train_step(state: TrainState, batch: Batch):
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # real tokens, whole batch
         denominator = jnp.maximum(tokens, 1.0)
         # Differentiating loss * scale / tokens gives the mean-loss gradient (times the float16
         # loss scale) directly, without another pass over every gradient afterwards.
-        total, grads = accumulate(state.params, batch, state.loss_scale / denominator)
+        total, grads, router = accumulate(state.params, batch, state.loss_scale / denominator)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         if grad_shardings is not None:
@@ -115,7 +183,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
 
         metrics = dict(loss=loss, grad_norm=grad_norm, tokens=tokens,
                        lr=schedule(state.step),
-                       skipped=(~finite).astype(jnp.int32))
+                       skipped=(~finite).astype(jnp.int32), **router)
         if dynamic_scale:
             metrics["loss_scale"] = loss_scale
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
@@ -125,8 +193,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_chunk_len: int) -> Callable:
+def make_eval_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef) -> Callable:
     """Returns eval_step(params, batch) -> (summed loss, real tokens)."""
     def eval_step(params, batch: Batch):
-        return summed_loss(graphdef, params, batch, loss_chunk_len)
+        return summed_loss(graphdef, params, batch, config.model.loss_chunk_len,
+                           config_pipeline(config))
     return eval_step

@@ -58,7 +58,10 @@ def test_unknown_key():
      "'kv_heads' has size 4, not divisible by mesh.tensor=8"),
     (dict(mesh=dict(data=4, fsdp=2), train=dict(batch_size=12)),
      "'batch' has size 12, not divisible by mesh.data=4xmesh.fsdp=2"),
-    (dict(mesh=dict(data=4, pipeline=2)), "pipeline parallelism is not implemented yet"),
+    (dict(mesh=dict(data=2, pipeline=4), model=dict(n_layers=6)),
+     "model.n_layers=6 is not divisible by mesh.pipeline x pipeline.repeats = 4 x 1"),
+    (dict(mesh=dict(data=4, pipeline=2), sharding=dict(rules=dict(layers=()))),
+     "mesh.pipeline=2 needs sharding.rules.layers="),
 ])
 def test_mesh_and_divisibility_mistakes(overrides, message):
     config = default_config()
@@ -111,3 +114,10 @@ def test_cli_bad_input_is_one_error_line_and_exit_2(args, message, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+
+
+def test_pipeline_with_moe_layers_is_refused():
+    config = default_config()
+    config.mesh.update(data=4, pipeline=2)
+    config.model.moe.update(experts=4, every=1)
+    expect_error(config, "mesh.pipeline=2 with MoE layers")

@@ -1,0 +1,285 @@
+"""Pipeline parallelism over the `pipeline` mesh axis: the stacked layers split into S stages.
+
+The model's blocks are one stacked tree `[layers, ...]` whose `layers` axis the sharding rules map
+to `pipeline`, so stage s holds layers `s * L/S ... (s + 1) * L/S - 1`. The same tree, the same
+checkpoints, whatever S is. A schedule here runs the stack over stages in SPMD (one program on
+every device): per-stage work is a `vmap` over the stage axis with `spmd_axis_name`, so each device
+computes its own stage, and activations move to the next stage with a roll of that axis (a
+collective permute). The batch goes through as M microbatches (rows j, j + M, ... of each device's
+share, so no data moves between data-parallel devices).
+
+- `gpipe`: all forwards, then (by autodiff through the loop) all backwards. With R circular
+  repeats, stage s runs layer groups s, s + S, s + 2S, ... and a microbatch goes round the stages
+  R times: the bubble shrinks from (S - 1) / (M + S - 1) to (S - 1) / (R * M + S - 1). Autodiff
+  keeps every microbatch's activations until the backward: memory grows with M.
+- `1f1b`: each tick, every stage runs one forward and one backward (recomputed from the stage
+  input it stashed), so at most 2S - 1 microbatches are in flight per stage whatever M is. The loss
+  must then be computed inside the loop on the last stage (`tail_fn`), and the schedule computes
+  loss and gradients together (a custom VJP). In lockstep SPMD every tick costs one forward plus
+  one backward on every stage, so its bubble is (2S - 2) / (M + 2S - 2): it buys memory with time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxscale.models.layers import LayerFn, scan_layers
+from jaxscale.parallel.sharding import active_mesh_and_rules, constrain
+
+SCHEDULES = ("gpipe", "1f1b")
+# (tail params, a microbatch's last-stage output, *its per-row tail inputs) -> summed loss.
+TailFn = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """A schedule for `stages` stages; `microbatches` 0 means 2 * stages."""
+    stages: int
+    microbatches: int = 0
+    repeats: int = 1
+    schedule: str = "gpipe"
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or 2 * self.stages
+
+    def bubble_fraction(self) -> float:
+        """The share of each stage's step spent idle (theory, equal stage times)."""
+        s, m, r = self.stages, self.num_microbatches, self.repeats
+        if self.schedule == "1f1b":
+            return (2 * s - 2) / (m + 2 * s - 2)
+        return (s - 1) / (r * m + s - 1)
+
+    def summary(self) -> str:
+        """The start-up line."""
+        repeats = f", {self.repeats} circular repeats" if self.repeats > 1 else ""
+        return (f"pipeline: {self.stages} stages, {self.num_microbatches} microbatches"
+                f"{repeats}, {self.schedule}: bubble {self.bubble_fraction():.1%} of each step")
+
+    def stack(self, layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax.Array:
+        """A `Stack` (jaxscale.models.layers) running the layers as this schedule's forward pass;
+        autodiff through it is GPipe's backward. 1F1B trains through `one_f_one_b_loss`; its
+        forward alone (evaluation) is the same as GPipe's."""
+        return _gpipe(layer_fn, stacked_state, x, per_row, self.stages,
+                      self.num_microbatches, self.repeats)
+
+
+def stages_of_active_mesh() -> int:
+    """The pipeline degree: the size of the mesh axes the `layers` rule maps to (1 outside the
+    trainer's mesh)."""
+    active = active_mesh_and_rules()
+    if active is None:
+        return 1
+    mesh, rules = active
+    size = 1
+    for axis in rules.get("layers", ()):
+        size *= mesh.shape[axis]
+    return size
+
+
+def split_rows(x: jax.Array, k: int) -> jax.Array:
+    """[B, ...] -> [k, B/k, ...], part j taking rows j, j + k, ...: with the batch sharded over
+    devices, every device keeps an equal share of each part and no data moves."""
+    x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return constrain(x, (None, "batch", "length", "embed")[:x.ndim])
+
+
+def merge_rows(x: jax.Array) -> jax.Array:
+    """The inverse of `split_rows`."""
+    x = x.swapaxes(0, 1)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _stage_axes() -> tuple[str, ...]:
+    mesh, rules = active_mesh_and_rules()
+    return tuple(rules["layers"])
+
+
+def _on_stages(x: jax.Array) -> jax.Array:
+    """Pins the leading (stage) axis of `x` to the pipeline axis, leaving the rest to XLA."""
+    mesh, _ = active_mesh_and_rules()
+    spec = P(_stage_axes(), *[P.UNCONSTRAINED] * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _by_stage(stacked_state, stages: int, repeats: int):
+    """[layers, ...] -> [stages, repeats, layers per group, ...]: stage s, repeat r holds layers
+    (r * stages + s) * g ... + g - 1. With one repeat this is a reshape of the stored layout (stage
+    s's layers are already on its devices); with more, the groups are exchanged once per step."""
+    def split(a):
+        group = a.shape[0] // (stages * repeats)
+        a = a.reshape(repeats, stages, group, *a.shape[1:]).swapaxes(0, 1)
+        return _on_stages(a)
+    return jax.tree.map(split, stacked_state)
+
+
+def _stage_fn(layer_fn: LayerFn):
+    """(one stage's [repeats, group, ...] state, repeat index, x, *per_row) -> x."""
+    def run(stage_state, repeat, x, *per_row):
+        group = jax.tree.map(lambda a: a[repeat], stage_state)
+        return scan_layers(layer_fn, group, x, *per_row)
+    return run
+
+
+def _per_stage(fn):
+    """`fn` mapped over the leading stage axis, each stage on its own pipeline devices."""
+    return jax.vmap(fn, spmd_axis_name=_stage_axes())
+
+
+def _gpipe(layer_fn, stacked_state, x, per_row, stages, microbatches, repeats):
+    s_idx = jnp.arange(stages)
+    stage_state = _by_stage(stacked_state, stages, repeats)
+    run_stages = _per_stage(_stage_fn(layer_fn))
+    per_row = tuple(split_rows(a, microbatches) for a in per_row)
+    # One buffer of microbatch activations: stage 0 reads microbatch t % M from it, the last stage
+    # writes its output back in the same slot (a later repeat's input, at the end the result). A
+    # slot is read at tick i and rewritten at i + S - 1, so M >= S keeps reads before writes.
+    buffer = split_rows(x, microbatches)
+    state = _on_stages(jnp.zeros((stages, *buffer.shape[1:]), x.dtype))
+
+    def tick(carry, t):
+        state, buffer = carry
+        item = t - s_idx  # the microbatch pass each stage works on (invalid in the bubble)
+        micro = item % microbatches
+        repeat = jnp.clip(item // microbatches, 0, repeats - 1)
+        inputs = _on_stages(state.at[0].set(buffer[t % microbatches]))
+        rows = tuple(a[micro] for a in per_row)
+        out = run_stages(stage_state, repeat, inputs, *rows)
+        last = t - (stages - 1)
+        done = (last >= 0) & (last < microbatches * repeats)
+        slot = last % microbatches
+        buffer = buffer.at[slot].set(jnp.where(done, out[stages - 1], buffer[slot]))
+        return (_on_stages(jnp.roll(out, 1, axis=0)), buffer), None
+
+    ticks = jnp.arange(microbatches * repeats + stages - 1)
+    (_, buffer), _ = jax.lax.scan(tick, (state, buffer), ticks)
+    return merge_rows(buffer)
+
+
+def one_f_one_b_loss(pipeline: Pipeline, layer_fn: LayerFn, stacked_state, x: jax.Array,
+                     per_row: tuple, tail_fn: TailFn, tail_params, tail_rows: tuple,
+                     seed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(seed * loss, loss): loss the sum over microbatches of `tail_fn(tail_params, the stack's
+    output for the microbatch, *its rows of tail_rows)`, run on the 1F1B schedule. Differentiating
+    the first output gives seed * d loss (the seed starts each backward at the tail, as a float16
+    loss scale must); the gradients are made by the schedule itself, once."""
+    return _one_f_one_b(layer_fn, tail_fn, pipeline.stages, pipeline.num_microbatches,
+                        stacked_state, x, per_row, tail_params, tail_rows, seed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _one_f_one_b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row,
+                 tail_params, tail_rows, seed):
+    (scaled, loss), _ = _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x,
+                                  per_row, tail_params, tail_rows, seed)
+    return scaled, loss
+
+
+def _forward(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row, tail_params,
+             tail_rows, seed):
+    outputs, grads = _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x,
+                               per_row, tail_params, tail_rows, seed)
+    return outputs, (grads, per_row, tail_rows)
+
+
+def _backward(layer_fn, tail_fn, stages, microbatches, residuals, cotangents):
+    (state_grad, x_grad, tail_grad), per_row, tail_rows = residuals
+    g = cotangents[0]  # the second output (the unscaled loss) is not differentiated
+    scale = lambda tree: jax.tree.map(lambda a: (a * g).astype(a.dtype), tree)
+    none_like = lambda tree: jax.tree.map(lambda _: None, tree)
+    return (scale(state_grad), scale(x_grad), none_like(per_row), scale(tail_grad),
+            none_like(tail_rows), None)
+
+
+_one_f_one_b.defvjp(_forward, _backward)
+
+
+def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row, tail_params,
+              tail_rows, seed):
+    """Runs the schedule; returns ((seed * loss, loss), (state, x and tail_params gradients of
+    seed * loss)). Stage s runs microbatch t - s forward at tick t and microbatch t - 2S + 2 + s
+    backward, the last stage both in the same tick, after the tail has made its gradient."""
+    s_idx = jnp.arange(stages)
+    stash_len = min(microbatches, 2 * stages - 1)  # in flight on stage 0: 2S - 1
+    stage_state = _by_stage(stacked_state, stages, 1)
+    stage_fn = _stage_fn(layer_fn)
+    zero_repeat = jnp.zeros((stages,), jnp.int32)
+    x_mb = split_rows(x, microbatches)
+    per_row = tuple(split_rows(a, microbatches) for a in per_row)
+    tail_rows = tuple(split_rows(a, microbatches) for a in tail_rows)
+    activations = jnp.zeros((stages, *x_mb.shape[1:]), x.dtype)
+    f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+    def backward_of_stage(state, repeat, stage_input, grad_out, *rows):
+        _, vjp = jax.vjp(lambda p, h: stage_fn(p, repeat, h, *rows), state, stage_input)
+        return vjp(grad_out)
+
+    run_forward = _per_stage(stage_fn)
+    run_backward = _per_stage(backward_of_stage)
+    write_stash = _per_stage(lambda stash, slot, value: stash.at[slot].set(value))
+    read_stash = _per_stage(lambda stash, slot: stash[slot])
+    keep_where = lambda ok, new, old: jax.tree.map(
+        lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - ok.ndim)), n, o), new, old)
+
+    def tick(carry, t):
+        fwd_in, bwd_in, stash, state_grad, tail_grad, x_grad, total = carry
+        # Forward: stage s on microbatch t - s.
+        fwd_item = t - s_idx
+        fwd_ok = (fwd_item >= 0) & (fwd_item < microbatches)
+        fwd_micro = jnp.clip(fwd_item, 0, microbatches - 1)
+        inputs = _on_stages(fwd_in.at[0].set(x_mb[jnp.clip(t, 0, microbatches - 1)]))
+        stash = keep_where(fwd_ok, write_stash(stash, fwd_micro % stash_len, inputs), stash)
+        rows = tuple(a[fwd_micro] for a in per_row)
+        out = run_forward(stage_state, zero_repeat, inputs, *rows)
+        # The tail on the last stage's output: the loss and the gradient that starts its backward.
+        tail_item = t - (stages - 1)
+        tail_ok = (tail_item >= 0) & (tail_item < microbatches)
+        tail_micro = jnp.clip(tail_item, 0, microbatches - 1)
+        loss, tail_vjp = jax.vjp(lambda p, h: tail_fn(p, h, *(a[tail_micro] for a in tail_rows)),
+                                 tail_params, out[stages - 1])
+        grad_tail, grad_last = tail_vjp(seed.astype(loss.dtype))
+        total = total + jnp.where(tail_ok, loss, 0.0)
+        tail_grad = jax.tree.map(lambda acc, g: acc + jnp.where(tail_ok, g, 0.0),
+                                 tail_grad, grad_tail)
+        # Backward: stage s on microbatch t - 2S + 2 + s, recomputed from its stashed input.
+        bwd_item = t - 2 * stages + 2 + s_idx
+        bwd_ok = (bwd_item >= 0) & (bwd_item < microbatches)
+        bwd_micro = jnp.clip(bwd_item, 0, microbatches - 1)
+        grads_out = _on_stages(bwd_in.at[stages - 1].set(grad_last.astype(bwd_in.dtype)))
+        stage_inputs = read_stash(stash, bwd_micro % stash_len)
+        rows = tuple(a[bwd_micro] for a in per_row)
+        d_state, d_input = run_backward(stage_state, zero_repeat, stage_inputs, grads_out, *rows)
+        state_grad = jax.tree.map(
+            lambda acc, g: acc + keep_where(bwd_ok, g.astype(jnp.float32), jnp.zeros_like(acc)),
+            state_grad, d_state)
+        first = bwd_micro[0]
+        x_grad = x_grad.at[first].set(jnp.where(bwd_ok[0], d_input[0], x_grad[first]))
+        fwd_in = _on_stages(jnp.roll(out, 1, axis=0))  # stage s + 1's next input
+        bwd_in = _on_stages(jnp.roll(d_input, -1, axis=0))  # stage s - 1's next gradient
+        return (fwd_in, bwd_in, stash, state_grad, tail_grad, x_grad, total), None
+
+    stash = _on_stages(jnp.zeros((stages, stash_len, *x_mb.shape[1:]), x.dtype))
+    carry = (activations, activations, stash, f32_zeros(stage_state), f32_zeros(tail_params),
+             jnp.zeros_like(x_mb), jnp.zeros((), jnp.float32))
+    ticks = jnp.arange(microbatches + 2 * stages - 2)
+    (_, _, _, state_grad, tail_grad, x_grad, total), _ = jax.lax.scan(tick, carry, ticks)
+    state_grad = jax.tree.map(
+        lambda g, a: g.swapaxes(0, 1).reshape(a.shape).astype(a.dtype), state_grad,
+        stacked_state)
+    tail_grad = jax.tree.map(lambda g, a: g.astype(a.dtype), tail_grad, tail_params)
+    return (total * seed, total), (state_grad, merge_rows(x_grad), tail_grad)
+
+
+def config_pipeline(config: Any, stages: int | None = None) -> Pipeline | None:
+    """The run's pipeline of `stages` stages (default: the active mesh's), or None for one."""
+    stages = stages or stages_of_active_mesh()
+    if stages == 1:
+        return None
+    p = config.pipeline
+    return Pipeline(stages, int(p.microbatches), int(p.repeats), str(p.schedule))

@@ -1,0 +1,188 @@
+"""Pipeline parallelism (issue 10): every schedule gives the loss and gradients of the plain stacked
+model, on its own and combined with the other mesh axes; each device holds only its stage's
+layers; a run restores across pipeline degrees and continues with the same losses.
+
+Every batch here is packed (two documents and padding per row: `random_batch`), so the segment ids
+and positions go through the schedules with their microbatches.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxscale.parallel.pipeline import Pipeline
+from jaxscale.step import loss_and_grad, summed_loss
+from jaxscale.trainer import Trainer
+from tests.helpers import random_batch, small_config
+from tests.test_parity import assert_same_training, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pipeline_config(schedule="gpipe", repeats=1, microbatches=0, layers=8, remat="none",
+                    **mesh):
+    config = small_config(**mesh)
+    config.model.update(n_layers=layers, remat=remat)
+    config.train.batch_size = 16
+    config.pipeline.update(schedule=schedule, repeats=repeats, microbatches=microbatches)
+    return config
+
+
+def devices_for(config):
+    return jax.devices()[:int(np.prod([config.mesh[a] for a in
+                                       ("data", "fsdp", "tensor", "pipeline")]))]
+
+
+def loss_and_gradients(config, tmp_path):
+    """(mean loss, its gradient) on `config`'s mesh, through the train step's own loss_and_grad."""
+    trainer = Trainer(config, str(tmp_path), devices=devices_for(config))
+    params = trainer.init_state(config.train.seed).params
+    batch = jax.device_put(random_batch(config), trainer.batch_sharding)
+
+    def mean_loss_and_grad(params, batch):
+        tokens = jnp.sum(batch["loss_mask"])
+        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
+        return total / tokens, grads
+    return jax.device_get(jax.jit(trainer._with_rules(mean_loss_and_grad))(params, batch))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The plain model on one device, differentiated by jax.grad."""
+    config = pipeline_config()
+    trainer = Trainer(config, str(tmp_path_factory.mktemp("ref")), devices=jax.devices()[:1])
+    params = trainer.init_state(config.train.seed).params
+    batch = random_batch(config)
+
+    def mean_loss(p):
+        total, tokens = summed_loss(trainer.model.graphdef, p, batch)
+        return total / tokens
+    return jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
+
+
+@pytest.mark.parametrize("schedule,repeats,remat,mesh", [
+    ("gpipe", 1, "none", dict(pipeline=2)),
+    ("gpipe", 1, "full", dict(pipeline=4)),
+    ("gpipe", 2, "none", dict(pipeline=2)),
+    ("gpipe", 2, "save_dots", dict(pipeline=4)),
+    ("1f1b", 1, "none", dict(pipeline=2)),
+    ("1f1b", 1, "full", dict(pipeline=4)),
+    ("gpipe", 2, "none", dict(pipeline=2, fsdp=2)),
+    ("1f1b", 1, "save_dots", dict(pipeline=2, fsdp=2)),
+    ("gpipe", 1, "none", dict(pipeline=2, tensor=2)),
+    ("1f1b", 1, "none", dict(pipeline=2, tensor=2)),
+    ("gpipe", 1, "none", dict(pipeline=4, data=2)),
+    ("1f1b", 1, "none", dict(pipeline=2, data=2, fsdp=2)),
+])
+def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, remat, mesh,
+                                                            reference, tmp_path):
+    """Against jax.grad of the plain model (remat none) on one device; remat recomputes the same
+    float32 values, so every policy must match too."""
+    config = pipeline_config(schedule, repeats, remat=remat, **mesh)
+    loss, grads = loss_and_gradients(config, tmp_path)
+    ref_loss, ref_grads = reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+                 grads, ref_grads)
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_training_with_accumulation_matches_one_device(schedule, tmp_path):
+    """Three optimizer steps with train.microbatches=2 (gradient accumulation around the
+    pipeline) on pipeline=2 x data=2 x tensor=2 equal three steps on one device."""
+    config = pipeline_config(schedule, layers=2, pipeline=2, data=2, tensor=2)
+    config.train.microbatches = 2
+    run = train(config, tmp_path / "pp")
+    single = pipeline_config(layers=2)
+    assert_same_training(run, train(single, tmp_path / "one", devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_low_precision_pipelines_train_like_the_plain_model(schedule, tmp_path):
+    """bfloat16 and float16 (with its dynamic loss scale, which 1F1B applies at the start of each
+    microbatch's backward) give the plain model's first losses, to their precision."""
+    for dtype in ("bfloat16", "float16"):
+        config = pipeline_config(schedule, layers=2, pipeline=2)
+        config.precision.compute_dtype = dtype
+        plain = pipeline_config(layers=2)
+        plain.precision.compute_dtype = dtype
+        losses = train(config, tmp_path / f"pp-{dtype}", devices=devices_for(config))[0]
+        reference = train(plain, tmp_path / f"one-{dtype}", devices=jax.devices()[:1])[0]
+        np.testing.assert_allclose(losses, reference, rtol=2e-3)
+        assert losses[-1] < losses[0]
+
+
+def test_each_device_holds_only_its_stages_layers(tmp_path):
+    config = pipeline_config(pipeline=4, data=2)
+    trainer = Trainer(config, str(tmp_path), devices=devices_for(config))
+    state = trainer.init_state(config.train.seed)
+    layers = config.model.n_layers
+    for leaf in jax.tree.leaves(state.params["blocks"]) + jax.tree.leaves(
+            state.opt_state):
+        if leaf.ndim == 0 or leaf.shape[0] != layers:
+            continue
+        for shard in leaf.addressable_shards:
+            layer_slice = shard.index[0]
+            assert layer_slice.stop - layer_slice.start == layers // 4
+            device_stage = np.argwhere(trainer.mesh.devices == shard.device)[0][3]
+            assert layer_slice.start == device_stage * layers // 4
+    # Parameter bytes per device: a quarter of the layer stack plus everything outside it.
+    def bytes_on(device, tree):
+        return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
+                   for s in leaf.addressable_shards if s.device == device)
+    device = trainer.mesh.devices.flat[0]
+    stack = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params["blocks"]))
+    outside = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)) - stack
+    assert bytes_on(device, state.params) == stack // 4 + outside
+
+
+def test_bubble_fractions():
+    assert Pipeline(4, 8).bubble_fraction() == pytest.approx(3 / 11)
+    assert Pipeline(4, 8, repeats=2).bubble_fraction() == pytest.approx(3 / 19)
+    assert Pipeline(4, 16, schedule="1f1b").bubble_fraction() == pytest.approx(6 / 22)
+    assert Pipeline(2).num_microbatches == 4
+
+
+def run_cli(workdir, steps, pipeline, schedule="gpipe"):
+    flags = dict(
+        **{"train.steps": steps, "train.seq_len": 64, "train.log_every": 1, "train.eval_every": 0,
+           "precision.compute_dtype": "float32", "optim.warmup_steps": 1,
+           # A constant learning rate after warmup: a run of 2 steps takes the same steps as the
+           # first 2 of a run of 4, so the two can be joined by a checkpoint.
+           "optim.min_lr_ratio": 1.0, "checkpoint.every_steps": 2,
+           "checkpoint.compilation_cache": False, "mesh.pipeline": pipeline,
+           "pipeline.schedule": schedule})
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py",
+         f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}, result.stdout
+
+
+@pytest.mark.slow
+def test_cli_trains_tiny_on_pipelines_and_restores_across_degrees(tmp_path):
+    """configs/tiny.py through the CLI: pipeline=4 (gpipe) for steps 1-2, restored with no
+    pipeline for steps 3-4; pipeline=1 for steps 1-2, restored on pipeline=2 (1f1b) for 3-4. Every
+    step's loss equals the plain run's."""
+    plain, _ = run_cli(tmp_path / "plain", 4, 1)
+    four, log = run_cli(tmp_path / "a", 2, 4)
+    assert "pipeline: 4 stages" in log
+    to_one, _ = run_cli(tmp_path / "a", 4, 1)
+    one, _ = run_cli(tmp_path / "b", 2, 1)
+    to_two, _ = run_cli(tmp_path / "b", 4, 2, "1f1b")
+    joined_a = {**four, **to_one}
+    joined_b = {**one, **to_two}
+    assert sorted(joined_a) == sorted(joined_b) == sorted(plain) == [1, 2, 3, 4]
+    for joined in (joined_a, joined_b):
+        np.testing.assert_allclose([joined[s] for s in range(1, 5)],
+                                   [plain[s] for s in range(1, 5)], rtol=1e-4)
