@@ -2,7 +2,8 @@
 
 A `MetricsWriter` sends each step's scalars to three places: a compact line on the console, one
 JSON object per line in `<workdir>/metrics.jsonl` (easy to load with pandas, survives a crash), and
-TensorBoard event files in `<workdir>/tensorboard/`.
+TensorBoard event files in `<workdir>/tensorboard/`. A vector metric (an MoE layer's per-expert
+load) goes to the JSON line as a list and to TensorBoard as a histogram over its index.
 """
 
 import json
@@ -10,6 +11,7 @@ import os
 import sys
 from time import monotonic
 
+import numpy as np
 import tensorboardX
 
 from jaxscale.plan.chips import peak_flops_per_device  # noqa: F401 - the MFU's peak, re-exported
@@ -83,16 +85,35 @@ class MetricsWriter:
         """Record `metrics` at `step`; keys get `prefix` (e.g. "eval_") in the console and JSONL."""
         if not self._enabled:
             return
-        scalars = {prefix + name: _to_scalar(value) for name, value in metrics.items()}
+        vectors = {name: [float(x) for x in value] for name, value in metrics.items()
+                   if np.ndim(value)}
+        scalars = {prefix + name: _to_scalar(value) for name, value in metrics.items()
+                   if name not in vectors}
         self._bar.clear()
         fields = [f"step {step}"] + [f"{k} {_format_value(k, v)}" for k, v in scalars.items()]
         print(" | ".join(fields), file=self._stream, flush=True)
-        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        lists = {prefix + name: value for name, value in vectors.items()}
+        self._jsonl.write(json.dumps({"step": step, **scalars, **lists}) + "\n")
         self._jsonl.flush()  # a crash must not lose the lines before it
         tag_group = prefix.rstrip("_") or "train"
         for name in metrics:
-            self._tensorboard.add_scalar(f"{tag_group}/{name}", scalars[prefix + name], step)
+            if name in vectors:
+                self._add_histogram(f"{tag_group}/{name}", vectors[name], step)
+            else:
+                self._tensorboard.add_scalar(f"{tag_group}/{name}", scalars[prefix + name], step)
         self._tensorboard.flush()
+
+    def _add_histogram(self, tag: str, values: list[float], step: int) -> None:
+        """`values` as a histogram whose x axis is their index: bucket [i, i + 1) holds
+        values[i] (expert i's share of the load), so the chart shows the load expert by
+        expert."""
+        index = np.arange(len(values), dtype=np.float64)
+        weights = np.asarray(values, np.float64)
+        self._tensorboard.add_histogram_raw(
+            tag, min=0.0, max=float(len(values)), num=float(weights.sum()),
+            sum=float(index @ weights), sum_squares=float((index ** 2) @ weights),
+            bucket_limits=(index + 1).tolist(), bucket_counts=weights.tolist(),
+            global_step=step)
 
     def progress(self, step: int) -> None:
         """Redraw the one-line progress bar; only on a terminal, so logs stay free of `\\r`."""

@@ -125,6 +125,10 @@ class StepWindow:
         # Averages over the steps that counted: a skipped step's inf/NaN would hide the others.
         finite = [m for m in fetched if not m["skipped"]] or fetched
         summary = {k: float(np.mean([m[k] for m in finite])) for k in ("loss", "grad_norm")}
+        for k in fetched[-1]:
+            if k.startswith("moe_"):  # the routers' statistics; the expert load stays a vector
+                mean = np.mean([m[k] for m in finite], axis=0)
+                summary[k] = mean.tolist() if mean.ndim else float(mean)
         summary["lr"] = float(fetched[-1]["lr"])
         summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
         if "loss_scale" in fetched[-1]:

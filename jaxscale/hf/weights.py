@@ -58,6 +58,9 @@ class Tensor:
 
 def layout(cfg: LlamaConfig) -> list[Tensor]:
     """Every parameter of `cfg`'s model, in the order transformers writes them."""
+    if cfg.moe is not None:
+        raise JaxscaleError("mixture-of-experts models (model.moe.every > 0) have no Hugging "
+                            "Face Llama layout; export and import Llama models (moe.every=0)")
     d, h, kv, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
                           cfg.vocab_size)
     layer = "model.layers.{}."

@@ -21,7 +21,8 @@ from jaxscale.parallel.sharding import constrain
 # A layer as a pure function: (its state, x, *per-row inputs) -> x.
 LayerFn = Callable[..., jax.Array]
 # Runs a stack of layers: (layer_fn, the state stacked along a leading layer axis, x, *per-row
-# inputs) -> x after every layer in order.
+# inputs) -> x after every layer in order. x is the activations, or with MoE layers the pytree
+# (activations, router statistics) that `Llama.features_with_stats` carries through.
 Stack = Callable[..., jax.Array]
 
 

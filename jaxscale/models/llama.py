@@ -2,6 +2,11 @@
 
 The blocks are created stacked along a leading `layers` axis and run with `jax.lax.scan`, so compile
 time does not grow with depth; `remat` chooses what the backward pass recomputes.
+
+With mixture-of-experts (`LlamaConfig.moe`), every `moe.every`-th block's feed-forward is an MoE
+layer. The stack stays homogeneous: its unit is then a `BlockGroup` of `every` blocks whose last
+is the MoE one, stacked along `layers` (n_layers / every of them), and the router statistics
+travel through the stack in the carry, next to the activations.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from flax import nnx
 
 from jaxscale.models.layers import (CACHE_AXES, MLP, Attention, KVCache, LayerFn, RMSNorm,
                                     Stack, float32_accumulating, param, scan_layers)
+from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
 
@@ -48,6 +54,7 @@ class LlamaConfig:
     remat: str = "none"  # a key of REMAT_POLICIES
     attention: str = "auto"  # jaxscale.parallel.attention.IMPLEMENTATIONS
     dtype: str = "bfloat16"  # compute dtype
+    moe: MoEConfig | None = None  # None: every feed-forward is dense
 
     @property
     def padded_vocab_size(self) -> int:
@@ -61,16 +68,33 @@ class LlamaConfig:
         with N the parameters that take part in matmuls: the input embedding is a lookup, not a
         matmul, unless it doubles as the output head. `12 * layers * heads * head_dim * seq_len`
         counts the attention score and value matmuls, which have no parameters.
+
+        With mixture-of-experts, N counts the active parameters only (`active_params`): the
+        experts a token is not routed to do no work for it. Capacity slots left empty (or taken
+        by padding) are not counted either: they are the layer's overhead, not the model's FLOPs.
         """
         embedding = self.padded_vocab_size * self.d_model
-        matmul_params = num_params - (0 if self.tie_embeddings else embedding)
+        matmul_params = self.active_params(num_params) - (0 if self.tie_embeddings else embedding)
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+    @property
+    def moe_layers(self) -> int:
+        return self.n_layers // self.moe.every if self.moe else 0
+
+    def active_params(self, num_params: int) -> int:
+        """Of the model's `num_params` parameters, those one token uses: all but the
+        experts - top_k SwiGLU experts of each MoE layer it is not routed to."""
+        if self.moe is None:
+            return num_params
+        unused = (self.moe.experts - self.moe.top_k) * 3 * self.d_model * self.mlp_dim
+        return num_params - self.moe_layers * unused
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); `mlp` is an `MoE` layer
+    when `moe`."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, moe: bool = False):
         dtype = jnp.dtype(cfg.dtype)
         # Residual-branch outputs start small so the residual stream's scale does not grow with
         # depth (GPT-2 / Llama practice).
@@ -80,20 +104,49 @@ class Block(nnx.Module):
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
                               rope_scaling=cfg.rope_scaling)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs)
+        if moe:
+            self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs)
 
     def __call__(self, x, positions, segment_ids):
+        return self.with_stats(x, positions, segment_ids)[0]
+
+    def with_stats(self, x, positions, segment_ids) -> tuple[jax.Array, RouterStats | None]:
+        """(the block's output, its router's statistics; None for a dense block)."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", "embed"))
+        out, stats = self.feed_forward(self.mlp_norm(x))
+        return constrain(x + out, ("batch", "length", "embed")), stats
+
+    def feed_forward(self, x, dropless: bool = False) -> tuple[jax.Array, RouterStats | None]:
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, dropless)
+        return self.mlp(x), None
 
     def decode(self, x, cache: KVCache, layer, start) -> tuple[jax.Array, KVCache]:
         """The block on tokens at positions start, start + 1, ..., attending through `cache`
         (`Attention.decode`); returns the output and the cache with this layer's new entries."""
         attended, cache = self.attn.decode(self.attn_norm(x), cache, layer, start)
         x = x + attended
-        x = x + self.mlp(self.mlp_norm(x))
+        x = x + self.feed_forward(self.mlp_norm(x), dropless=True)[0]
         return constrain(x, ("batch", "length", "embed")), cache
+
+
+class BlockGroup(nnx.Module):
+    """The stack's unit when some layers are MoE: `moe.every` blocks, the last one's
+    feed-forward an MoE layer."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        every = cfg.moe.every
+        self.layers = nnx.List([Block(cfg, rngs, moe=i == every - 1) for i in range(every)])
+
+    def __call__(self, carry, positions, segment_ids):
+        """(x, router statistics summed over the groups before) -> the same after this group."""
+        x, stats = carry
+        for block in self.layers[:-1]:
+            x = block(x, positions, segment_ids)
+        x, own = self.layers[-1].with_stats(x, positions, segment_ids)
+        return x, stats.plus(own)
 
 
 class Llama(nnx.Module):
@@ -102,10 +155,10 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.padded_vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.split_rngs(splits=self.stack_units)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs):
-            return Block(cfg, rngs)
+            return BlockGroup(cfg, rngs) if cfg.moe else Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -121,6 +174,11 @@ class Llama(nnx.Module):
         """
         return self.logits(self.features(tokens, positions, segment_ids))
 
+    @property
+    def stack_units(self) -> int:
+        """The length of the stacked `layers` axis: blocks, or groups of `moe.every` blocks."""
+        return self.cfg.n_layers // (self.cfg.moe.every if self.cfg.moe else 1)
+
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, stack: Stack | None = None) -> jax.Array:
         """tokens [batch, length] -> the final norm's output [batch, length, d_model], which
@@ -129,17 +187,29 @@ class Llama(nnx.Module):
 
         `stack` runs the blocks (`scan_layers`, or a pipeline schedule from
         `jaxscale.parallel.pipeline`, which splits the same stacked layers over stages)."""
+        return self.features_with_stats(tokens, positions, segment_ids, stack)[0]
+
+    def features_with_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
+                            segment_ids: jax.Array | None = None, stack: Stack | None = None
+                            ) -> tuple[jax.Array, RouterStats | None]:
+        """(`features`, the routers' statistics averaged over the MoE layers; None when the
+        model has none). With MoE the stack's carry is the pair (x, statistics summed so far)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed_tokens(tokens)
         block_def, block_state = nnx.split(self.blocks)
-        x = (stack or scan_layers)(self.block_fn(block_def), block_state, x, positions,
-                                   segment_ids)
-        return self.final_norm(x)
+        carry = (x, RouterStats.zeros(self.cfg.moe.experts)) if self.cfg.moe else x
+        carry = (stack or scan_layers)(self.block_fn(block_def), block_state, carry, positions,
+                                       segment_ids)
+        if not self.cfg.moe:
+            return self.final_norm(carry), None
+        x, stats = carry
+        return self.final_norm(x), stats.scaled(1 / self.cfg.moe_layers)
 
     def block_fn(self, block_def: nnx.GraphDef) -> LayerFn:
-        """(one layer's state, x, positions, segment_ids) -> x: a block as a pure function, with
-        the config's remat policy applied (what its backward pass keeps)."""
+        """(one layer's state, x, positions, segment_ids) -> x: a block (with MoE, a
+        `BlockGroup`, whose x is the carry (x, statistics)) as a pure function, with the config's
+        remat policy applied (what its backward pass keeps)."""
         def run_block(layer_state, x, positions, segment_ids):
             return nnx.merge(block_def, layer_state)(x, positions, segment_ids)
 
@@ -170,14 +240,19 @@ class Llama(nnx.Module):
         the positions not yet written masked."""
         x = self.embed_tokens(tokens)
         block_def, block_state = nnx.split(self.blocks)
+        per_unit = self.cfg.n_layers // self.stack_units
 
-        def run_block(carry, layer_and_state):
+        def run_unit(carry, first_layer_and_state):
             x, cache = carry
-            layer, layer_state = layer_and_state
-            return nnx.merge(block_def, layer_state).decode(x, cache, layer, start), None
+            first_layer, unit_state = first_layer_and_state
+            unit = nnx.merge(block_def, unit_state)
+            blocks = unit.layers if self.cfg.moe else [unit]
+            for i, block in enumerate(blocks):
+                x, cache = block.decode(x, cache, first_layer + i, start)
+            return (x, cache), None
 
-        layers = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(run_block, (x, cache), (layers, block_state))
+        first_layers = jnp.arange(0, self.cfg.n_layers, per_unit, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(run_unit, (x, cache), (first_layers, block_state))
         return self.final_norm(x), cache
 
     def logits(self, features: jax.Array) -> jax.Array:

@@ -1,0 +1,174 @@
+"""A mixture-of-experts feed-forward layer, in place of the dense SwiGLU `MLP`.
+
+A float32 router scores every token against `experts` SwiGLU experts; each token goes to its
+`top_k` best, weighted by their router probabilities renormalised to sum to 1. Dispatch is by
+capacity, per batch row (a row is a group: routing never moves tokens between rows, so it stays
+local to the devices that hold the row): each expert has `capacity` slots per row, assignments
+past that are dropped (the token keeps its residual path for that choice). Priority order: every
+token's first choice before any token's second choice (and so on), and within one choice, earlier
+positions in the row first (GShard / Switch Transformer), so a token loses its later choices
+before any token loses its first.
+
+Tokens reach their slots by a stable sort of the assignments by expert and a cumulative count
+(`route`), then one gather into `[batch, experts, capacity, d_model]`; the experts run as batched
+matmuls over the stacked weights `[experts, ...]`; a gather brings each assignment's output back
+and the weighted sum combines a token's choices. No [tokens, experts, capacity] one-hot masks.
+
+The layer also returns `RouterStats`, over the whole batch: the load-balancing loss (Switch
+Transformer, eq. 4) `experts * sum_e f_e * P_e`, with f_e expert e's share of the top_k
+assignments (the f sum to 1) and P_e its mean router probability: 1 when both are even, more as
+routing concentrates (Hugging Face Mixtral's f sum to top_k, so its loss is top_k times this);
+the router z-loss (ST-MoE, eq. 5) `mean_t logsumexp(logits_t)^2`; the fraction of assignments
+dropped; every expert's f. Padding tokens are routed like the others (they take slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.models.layers import param
+from jaxscale.parallel.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The model's `moe` settings (config group `model.moe`, when `every` > 0); the loss
+    weights of the router statistics are the train step's (`jaxscale.step.router_penalty`)."""
+    experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    every: int = 1  # every n-th layer's feed-forward is an MoE layer (the last of each n)
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for a row of `tokens` tokens: `capacity_factor` times an even share
+        of the row's top_k * tokens assignments, rounded up; never more than `tokens`, since an
+        expert gets each token at most once."""
+        even_share = tokens * self.top_k / self.experts
+        return max(1, min(tokens, math.ceil(self.capacity_factor * even_share)))
+
+
+class RouterStats(NamedTuple):
+    """Float32 statistics of the routers, each a mean over the MoE layers."""
+    aux_loss: jax.Array  # load balancing: experts * sum_e load_e * mean_prob_e; 1 when even
+    z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
+    dropped_fraction: jax.Array  # assignments (token, choice) that found their expert full
+    expert_load: jax.Array  # [experts]: each expert's share of the assignments, before dropping
+
+    def plus(self, other: RouterStats) -> RouterStats:
+        return jax.tree.map(jnp.add, self, other)
+
+    def scaled(self, factor: float) -> RouterStats:
+        return jax.tree.map(lambda x: x * factor, self)
+
+    @classmethod
+    def zeros(cls, experts: int) -> RouterStats:
+        scalar = jnp.zeros((), jnp.float32)
+        return cls(scalar, scalar, scalar, jnp.zeros((experts,), jnp.float32))
+
+
+class Routing(NamedTuple):
+    """One row's routing decision. Assignments are laid out choice-major (assignment j * tokens
+    + t is token t's j-th choice), which is also their priority order."""
+    expert: jax.Array  # int32 [assignments]
+    weight: jax.Array  # float32 [assignments]: renormalised router probability
+    slot: jax.Array  # int32 [assignments]: place in the expert's buffer; >= capacity: dropped
+    source: jax.Array  # int32 [experts, capacity]: the token in each slot
+    filled: jax.Array  # bool [experts, capacity]: whether a token is in the slot
+
+
+def route(probs: jax.Array, top_k: int, capacity: int) -> Routing:
+    """float32 router probabilities [tokens, experts] of one row -> its `Routing`."""
+    tokens, experts = probs.shape
+    weights, chosen = jax.lax.top_k(probs, top_k)  # [tokens, top_k]
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    expert, weight = chosen.T.reshape(-1), weights.T.reshape(-1)  # choice-major: priority order
+    # Grouped by expert; the stable sort keeps the priority order within each expert, so an
+    # assignment's rank in its group is its slot.
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=experts)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(expert.shape[0]) - starts[expert[order]]
+    slot = jnp.zeros_like(expert).at[order].set(rank)
+    place = jnp.arange(capacity)
+    filled = place[None, :] < counts[:, None]
+    # Slot c of expert e holds the (starts[e] + c)-th assignment in sorted order, when filled.
+    sorted_index = jnp.minimum(starts[:, None] + place[None, :], expert.shape[0] - 1)
+    source = order[sorted_index] % tokens
+    return Routing(expert, weight, slot, source, filled)
+
+
+def dispatch(x: jax.Array, routing: Routing) -> jax.Array:
+    """One row's tokens x [tokens, d] -> the experts' buffers [experts, capacity, d] (empty
+    slots zero)."""
+    return jnp.where(routing.filled[..., None], x[routing.source], 0)
+
+
+def combine(expert_out: jax.Array, routing: Routing, top_k: int) -> jax.Array:
+    """The experts' outputs [experts, capacity, d] of one row -> float32 [tokens, d]: each token's
+    kept choices' outputs, weighted by their router weights; a dropped choice adds nothing."""
+    experts, capacity, d = expert_out.shape
+    kept = routing.slot < capacity
+    flat = routing.expert * capacity + jnp.minimum(routing.slot, capacity - 1)
+    outputs = expert_out.reshape(experts * capacity, d)[flat].astype(jnp.float32)
+    weighted = outputs * jnp.where(kept, routing.weight, 0.0)[:, None]
+    return jnp.sum(weighted.reshape(top_k, -1, d), axis=0)
+
+
+def router_stats(logits: jax.Array, probs: jax.Array, routing: Routing) -> RouterStats:
+    """One layer's statistics over the whole batch: logits, probs [batch, tokens, experts];
+    `routing` batched over the rows."""
+    experts = logits.shape[-1]
+    assignments = routing.expert.size
+    load = jnp.bincount(routing.expert.reshape(-1), length=experts) / assignments
+    # The load is a count (no gradient): the loss pushes on the mean probabilities, which move
+    # the routing the same way, towards experts that get less than their share.
+    aux = experts * jnp.sum(load * jnp.mean(probs, axis=(0, 1)))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    dropped = (assignments - jnp.sum(routing.filled)) / assignments  # exactly 0 when none
+    return RouterStats(aux, z, dropped.astype(jnp.float32), load.astype(jnp.float32))
+
+
+class MoE(nnx.Module):
+    """`cfg.experts` SwiGLU feed-forwards behind a float32 top-k router:
+    x -> (output like x, RouterStats)."""
+
+    def __init__(self, d_model: int, mlp_dim: int, cfg: MoEConfig, out_stddev: float,
+                 dtype: jnp.dtype, rngs: nnx.Rngs):
+        e = cfg.experts
+        # The router has no `expert` axis: each device scores its own tokens against every expert.
+        self.router = param(rngs, (d_model, e), ("embed", None), 0.02)
+        self.gate = param(rngs, (e, d_model, mlp_dim), ("expert", "embed", "mlp"), 0.02)
+        self.up = param(rngs, (e, d_model, mlp_dim), ("expert", "embed", "mlp"), 0.02)
+        self.down = param(rngs, (e, mlp_dim, d_model), ("expert", "mlp", "embed"), out_stddev)
+        self.cfg = cfg
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterStats]:
+        """x [batch, tokens, d_model] in the compute dtype. `dropless` gives every expert a slot
+        for every token of the row, so nothing is dropped: decoding uses it (one new token per
+        row, or a prompt), where a dropped choice would make the output depend on the batch."""
+        cfg = self.cfg
+        capacity = x.shape[1] if dropless else cfg.capacity(x.shape[1])
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
+        probs = jax.nn.softmax(logits, axis=-1)
+        routing = jax.vmap(functools.partial(route, top_k=cfg.top_k, capacity=capacity))(probs)
+        buffers = constrain(jax.vmap(dispatch)(x, routing), ("batch", "expert", None, "embed"))
+        out = jax.vmap(functools.partial(combine, top_k=cfg.top_k))(self.experts(buffers),
+                                                                     routing)
+        return out.astype(x.dtype), router_stats(logits, probs, routing)
+
+    def experts(self, buffers: jax.Array) -> jax.Array:
+        """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model]: one batched
+        matmul per weight, over the stacked experts."""
+        dt = self.dtype
+        gate = jnp.einsum("becd,edf->becf", buffers, self.gate[...].astype(dt))
+        up = jnp.einsum("becd,edf->becf", buffers, self.up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "expert", None, "mlp"))
+        return jnp.einsum("becf,efd->becd", hidden, self.down[...].astype(dt))
