@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; nothing
 
 from jaxscale.cli import Option, fail, parse_config_flags  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.plan.compiled import GIB, compile_train_step, step_memory  # noqa: E402
+from jaxscale.plan.compiled import GIB, compile_train_step  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
 
 MAXTEXT_GIB = 8.24  # MaxText 0.2.5, llama3-8b, v5p:4x4x4, fsdp=64, batch 2/chip, seq 2048, remat full
@@ -54,9 +54,8 @@ def main(argv: list[str]) -> None:
         config.model.remat = "full"
 
     start = time.perf_counter()
-    compiled = compile_train_step(config, devices)
+    compiled, memory = compile_train_step(config, devices)
     seconds = time.perf_counter() - start
-    memory = step_memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     mesh = {axis: config.mesh[axis] for axis in ("data", "fsdp", "tensor")}

@@ -36,10 +36,14 @@ def on_host(shardings: Any) -> Any:
     return jax.tree.map(lambda sharding: sharding.with_memory_kind(HOST_MEMORY), shardings)
 
 
-def moments_to_device(train_step: Callable, device_opt_shardings: Any) -> Callable:
-    """`train_step` whose state arrives with its optimizer state in host memory: moved to the
-    device (`device_opt_shardings`) before the step computes with it."""
+def moments_to_device(train_step: Callable, opt_shardings: Any) -> Callable:
+    """`train_step` whose state arrives with its optimizer state as `opt_shardings` place it (the
+    moments in host memory): moved to the device, in the same layout, before the step computes
+    with it."""
+    # memory_kind None: the device's default memory (a sharding already there stays as it is).
+    on_device = jax.tree.map(lambda sharding: sharding.with_memory_kind(None), opt_shardings)
+
     def step(state, batch):
-        opt_state = jax.device_put(state.opt_state, device_opt_shardings)
+        opt_state = jax.device_put(state.opt_state, on_device)
         return train_step(state._replace(opt_state=opt_state), batch)
     return step

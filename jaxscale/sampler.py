@@ -22,7 +22,7 @@ from jaxscale.config import MESH_AXES, resolve_mesh_shape
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import Rules, tree_shardings, use_rules
-from jaxscale.state import TrainState, model_spec
+from jaxscale.state import TrainState, model_spec, params_on_mesh
 
 
 def next_token(logits, key, temperature: float, top_p: float, vocab_size: int):
@@ -104,12 +104,9 @@ def restored_model(config: ml_collections.ConfigDict, source: str, mesh: Mesh,
     a checkpoint folder (its newest checkpoint) or a Hugging Face folder; the parameters are
     restored straight onto `mesh`."""
     spec = model_spec(config)
-    shardings = tree_shardings(spec.logical_specs, mesh, rules)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            spec.abstract_params, shardings)
     # A params-only restore reads nothing of the state but its params.
-    only_params = TrainState(step=None, params=abstract, opt_state=None, loss_scale=None,
-                             good_steps=None)
+    only_params = TrainState(step=None, params=params_on_mesh(spec, mesh, rules), opt_state=None,
+                             loss_scale=None, good_steps=None)
     restored = restore_from(source, only_params, params_only=True, model_config=spec.config)
     return nnx.merge(spec.graphdef, restored.params), restored.path
 

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale import models
 from jaxscale.errors import ConfigError
+from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling
-from jaxscale.parallel.sharding import Rules, logical_to_mesh, split_further
+from jaxscale.parallel.sharding import Rules, logical_to_mesh, split_further, tree_shardings
 
 
 class TrainState(NamedTuple):
@@ -43,7 +44,15 @@ def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
         mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
         max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
-        dtype=config.precision.compute_dtype)
+        dtype=config.precision.compute_dtype, moe=moe_config(m.moe))
+
+
+def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
+    """`model.moe` as the model takes it: None when no layer is MoE (`every` 0)."""
+    if not section.every:
+        return None
+    return MoEConfig(experts=section.experts, top_k=section.top_k,
+                     capacity_factor=section.capacity_factor, every=section.every)
 
 
 class ModelSpec(NamedTuple):
@@ -61,6 +70,14 @@ def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
     graphdef, state = nnx.split(abstract)
     return ModelSpec(cfg, graphdef, nnx.to_pure_dict(nnx.get_partition_spec(state)),
                      nnx.to_pure_dict(state), models.count_params(abstract))
+
+
+def params_on_mesh(spec: ModelSpec, mesh: Mesh, rules: Rules, dtype: str | None = None) -> Any:
+    """The parameters as ShapeDtypeStructs placed on `mesh` by `rules` (in `dtype`, else their
+    own): what a checkpoint or a Hugging Face folder is read into, each array born sharded."""
+    return jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding),
+        spec.abstract_params, tree_shardings(spec.logical_specs, mesh, rules))
 
 
 def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,

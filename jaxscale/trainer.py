@@ -7,9 +7,10 @@
   2. checks that the checkpoint and compilation-cache folders can be written;
   3. restores, read-only, this run's newest good checkpoint, else `checkpoint.restore_from`
      (a checkpoint that does not fit the config stops here, before anything is written);
-  4. writes: the workdir's config.json, run.json, metrics and TensorBoard files;
-  5. compiles the train step once, ahead of time (its memory per device is printed, and logged on
-     the first metrics line);
+  4. compiles the train step once, ahead of time, and prints its memory per device next to the
+     device's capacity: a step that does not fit stops here, before anything is written (the
+     memory is also logged on the first metrics line);
+  5. writes: the workdir's config.json, run.json, metrics and TensorBoard files;
   6. starts from the restored state or a fresh sharded init, and runs `_Loop`: next batch ->
      train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval. A
      `profile` window traces chosen steps (jaxscale/profiling.py).
@@ -25,6 +26,8 @@ import contextlib
 import functools
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -40,11 +43,12 @@ from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
-from jaxscale.device_memory import memory_metrics
+from jaxscale.device_memory import check_fits, device_capacity, memory_line, memory_metrics
 from jaxscale.errors import ConfigError
 from jaxscale.optim import make_optimizer
 from jaxscale.parallel.attention import check_implementation
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
+from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
                                         use_rules)
 from jaxscale.plan.compiled import GIB, StepMemory, abstract_batch, step_memory
@@ -72,6 +76,45 @@ def use_compilation_cache(cache_dir: str | None) -> None:
     compilation_cache.reset_cache()
 
 
+class CompilationCache:
+    """The persistent compilation cache of a run (`cache_dir`; None: off), on from the train
+    step's compile, which comes before the run may write: until `open()`, JAX's cache is a
+    temporary folder that reads the programs in `cache_dir` (through links) and takes the new
+    ones; `open()`, once the run writes, moves the new ones into `cache_dir`. A start that stops
+    before writing leaves `cache_dir` as it was, or not made."""
+
+    def __init__(self, cache_dir: str | None):
+        self.cache_dir = cache_dir
+        self._staging = None
+        if cache_dir:
+            self._staging = tempfile.mkdtemp(prefix="jaxscale_compilation_cache_")
+            if os.path.isdir(cache_dir):  # a restart reads the programs compiled before
+                for name in os.listdir(cache_dir):
+                    os.symlink(os.path.abspath(os.path.join(cache_dir, name)),
+                               os.path.join(self._staging, name))
+        use_compilation_cache(self._staging)
+
+    def open(self) -> None:
+        """The run writes from here on: the cache is `cache_dir`, with what was compiled since."""
+        if self._staging:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            for entry in os.scandir(self._staging):
+                if not entry.is_symlink():
+                    shutil.move(entry.path, os.path.join(self.cache_dir, entry.name))
+            use_compilation_cache(self.cache_dir)
+            self._remove_staging()
+
+    def close(self) -> None:
+        """A start that stopped before writing keeps nothing, and leaves the cache off."""
+        if self._staging:
+            use_compilation_cache(None)
+            self._remove_staging()
+
+    def _remove_staging(self) -> None:
+        shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging = None
+
+
 def devices_kind(mesh) -> str:
     return mesh.devices.flat[0].device_kind
 
@@ -82,9 +125,12 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
         self.start_time = time.perf_counter()
         devices = list(devices if devices is not None else jax.devices())
-        if config.mesh.auto:  # the planner chooses the layout (docs/planning.md)
+        # mesh.auto: the planner chooses the layout (docs/planning.md), and has compiled its train
+        # step already, exactly as compile_train_step would.
+        self._planned_step = None
+        if config.mesh.auto:
             from jaxscale.plan.auto import planned_config  # imported only when asked for
-            config = planned_config(config, devices)
+            config, self._planned_step = planned_config(config, devices)
         ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
         offloaded = config.optim.offload_state
         if offloaded:
@@ -122,14 +168,13 @@ class Trainer:
         train_step = make_train_step(config, self.model.graphdef, self.tx, self.schedule,
                                      grad_shardings=moments if zero1 else None)
         if offloaded:
-            train_step = offload.moments_to_device(train_step, state_shardings(
-                abstract_state, param_shardings, moments, self.tx, self.mesh).opt_state)
+            train_step = offload.moments_to_device(train_step, self.state_shardings.opt_state)
         self.train_step = jax.jit(
             self._with_rules(train_step),
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
         self.eval_step = jax.jit(
-            self._with_rules(make_eval_step(self.model.graphdef, config.model.loss_chunk_len)),
+            self._with_rules(make_eval_step(config, self.model.graphdef)),
             in_shardings=(self.state_shardings.params, batch_shardings))
 
         # This process's devices, whose memory the metrics report.
@@ -153,7 +198,10 @@ class Trainer:
     def compile_train_step(self) -> tuple[jax.stages.Compiled, StepMemory]:
         """The train step compiled for this run's abstract state and batch, and what it needs per
         device. The loop calls this compiled step, so nothing compiles twice; the planner and
-        benchmarks/memory.py compile for devices they do not have with it."""
+        benchmarks/memory.py compile for devices they do not have with it. With mesh.auto it is
+        the planner's compiled step: the same config on the same devices, so the same program."""
+        if self._planned_step is not None:
+            return self._planned_step
         compiled = self.train_step.lower(self.abstract_state, abstract_batch(self)).compile()
         return compiled, step_memory(compiled)
 
@@ -166,8 +214,9 @@ class Trainer:
         metrics. On SIGTERM (Ctrl-C) saves and raises `Preempted` (`Interrupted`).
 
         The start is checked whole before anything is written: the data, the eval split, the
-        checkpoint folder and whether the checkpoint to resume from fits this config. Only then
-        are the workdir's files, the compilation cache and the checkpoint manager opened.
+        checkpoint folder, whether the checkpoint to resume from fits this config, and whether
+        the compiled train step fits the devices' memory. Only then are the workdir's files, the
+        compilation cache and the checkpoint manager opened.
         """
         config, t = self.config, self.config.train
         with contextlib.ExitStack() as stack:
@@ -198,20 +247,26 @@ class Trainer:
                     "train.steps, or start from its parameters only with "
                     "checkpoint.restore_params_only=True")
 
-            # Every check has passed: from here on the run writes.
             self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
                      f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
                      f"device(s), {jax.process_count()} process(es)")
+            if pipeline := config_pipeline(config, self.mesh.shape["pipeline"]):
+                self.say(pipeline.summary())
+            cache = stack.enter_context(contextlib.closing(CompilationCache(cache_dir)))
+            train_step, memory = self.compile_train_step()
+            capacity = device_capacity(self.local_devices, config.performance.device_memory_gib)
+            self.say(memory_line(memory, capacity))
+            check_fits(memory, capacity)
+
+            # Every check has passed: from here on the run writes.
             if self.is_primary:
                 open_workdir(self.workdir, config.to_json_best_effort(indent=2))
                 if own is None and (earlier := set_aside_earlier_start(self.workdir)):
                     self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint "
                              f"to resume from; starting from step 0 (the earlier files are in "
                              f"{earlier})")
-            use_compilation_cache(cache_dir)
+            cache.open()
             checkpoints.open_for_saving()
-            train_step, memory = self.compile_train_step()
-            self.say(f"train step: {memory.line()}")
             writer = stack.enter_context(metrics_lib.MetricsWriter(
                 self.workdir, enabled=self.is_primary, total_steps=t.steps))
             signals = stack.enter_context(StopSignals())

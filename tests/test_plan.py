@@ -108,7 +108,7 @@ def v5p_devices():
 
 def test_fsdp_program_gathers_and_reduce_scatters_over_fsdp(v5p_devices):
     config = small_config(fsdp=4)
-    hlo = compile_train_step(config, v5p_devices).as_text()
+    hlo = compile_train_step(config, v5p_devices)[0].as_text()
     found = parse_collectives(hlo, dict(data=1, fsdp=4, tensor=1, pipeline=1))
     kinds = {c.kind for c in found}
     assert {"all-gather", "reduce-scatter"} <= kinds
@@ -119,7 +119,7 @@ def test_fsdp_program_gathers_and_reduce_scatters_over_fsdp(v5p_devices):
 
 def test_data_parallel_program_all_reduces_the_gradients_over_data(v5p_devices):
     config = small_config(data=4)
-    found = parse_collectives(compile_train_step(config, v5p_devices).as_text(),
+    found = parse_collectives(compile_train_step(config, v5p_devices)[0].as_text(),
                               dict(data=4, fsdp=1, tensor=1, pipeline=1))
     assert {c.kind for c in found} == {"all-reduce"}
     assert {c.axes for c in found} == {("data",)}

@@ -9,15 +9,16 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
-from jaxscale.config import default_config
+from jaxscale.config import MESH_AXES, default_config
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import weights
 from jaxscale.hf.config import CONFIG_FILE, apply_model_section, hf_config, model_section
 from jaxscale.models import LlamaConfig
-from jaxscale.parallel.sharding import Rules, rules_from_config, tree_shardings
-from jaxscale.state import model_spec
+from jaxscale.parallel.mesh import build_mesh
+from jaxscale.parallel.sharding import Rules, rules_from_config
+from jaxscale.state import model_spec, params_on_mesh
 
 
 def load_model(path: str, dtype: str = "float32", *, compute_dtype: str = "bfloat16",
@@ -35,15 +36,10 @@ def load_model(path: str, dtype: str = "float32", *, compute_dtype: str = "bfloa
     apply_model_section(config, model_section(path))
     config.precision.compute_dtype = compute_dtype
     spec = model_spec(config)
-    if mesh is None:
-        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]),
-                                 spec.abstract_params)
-    else:
-        shardings = tree_shardings(spec.logical_specs, mesh,
-                                   rules or rules_from_config(config.sharding.rules))
-    wanted = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, dtype,
-                                                                   sharding=sharding),
-                          spec.abstract_params, shardings)
+    if mesh is None:  # the first device, as a mesh of one
+        single = dict.fromkeys(MESH_AXES, 1)
+        mesh = build_mesh(single, single, jax.devices()[:1])
+    wanted = params_on_mesh(spec, mesh, rules or rules_from_config(config.sharding.rules), dtype)
     params = weights.load_params(path, spec.config, wanted)
     return nnx.merge(spec.graphdef, params), spec.config
 

@@ -15,7 +15,9 @@ from jaxscale.step import BATCH_KEYS
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """Bytes per device of the compiled train step, from XLA's buffer assignment."""
+    """Bytes per device of the compiled train step, from XLA's buffer assignment
+    (`memory_analysis()`), in the device's memory: XLA reports buffers placed in host memory
+    (offloaded optimizer state on GPUs and TPUs) apart, in its `host_*` figures."""
     arguments: int  # the train state and the batch
     outputs: int  # the new state (donated: it reuses the arguments' buffers)
     aliased: int  # outputs that reuse argument buffers
@@ -29,8 +31,10 @@ class StepMemory:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
     def line(self) -> str:
-        return (f"arguments {self.arguments / GIB:.2f} GiB, temporaries "
-                f"{self.temporaries / GIB:.2f} GiB, total {self.total / GIB:.2f} GiB per device")
+        """The breakdown, in GiB per device (3 significant digits: CPU test models are small)."""
+        return (f"arguments {self.arguments / GIB:.3g} GiB, outputs {self.outputs / GIB:.3g} GiB "
+                f"({self.aliased / GIB:.3g} of them in the donated arguments' buffers), "
+                f"temporaries {self.temporaries / GIB:.3g} GiB, total {self.total / GIB:.3g} GiB")
 
 
 def abstract_batch(trainer) -> dict[str, jax.ShapeDtypeStruct]:
@@ -40,12 +44,13 @@ def abstract_batch(trainer) -> dict[str, jax.ShapeDtypeStruct]:
                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
 
 
-def compile_train_step(config: ml_collections.ConfigDict, devices) -> jax.stages.Compiled:
-    """The train step of `config` compiled for `devices` (real, or a TPU topology's)."""
+def compile_train_step(config: ml_collections.ConfigDict,
+                       devices) -> tuple[jax.stages.Compiled, StepMemory]:
+    """The train step of `config` compiled for `devices` (real, or a TPU topology's), and its
+    memory per device."""
     from jaxscale.trainer import Trainer  # the trainer imports the whole stack; only needed here
     with tempfile.TemporaryDirectory() as workdir:
-        compiled, _ = Trainer(config, workdir, devices=devices).compile_train_step()
-        return compiled
+        return Trainer(config, workdir, devices=devices).compile_train_step()
 
 
 def step_memory(compiled: jax.stages.Compiled) -> StepMemory:

@@ -19,6 +19,7 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax
 import ml_collections
 
 from jaxscale.errors import ConfigError
@@ -26,7 +27,7 @@ from jaxscale.parallel.attention import splash_fits
 from jaxscale.plan import rank
 from jaxscale.plan.chips import Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
-from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step, step_memory
+from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step
 from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
 from jaxscale.plan.search import Candidate, candidates
 from jaxscale.plan.targets import Target, target_devices
@@ -47,6 +48,9 @@ class Row:
     collectives: list[Collective]
     time: rank.StepTime
     compiled: StepMemory | None = None
+    # The compiled step itself: `mesh.auto` trains with the chosen one instead of compiling it
+    # again (jaxscale/plan/auto.py).
+    executable: jax.stages.Compiled | None = None
     compile_seconds: float | None = None
     error: str | None = None  # the compiler's, when it refused (e.g. out of memory)
     role: str = ""  # "" (searched), or why it is shown: "pure data", "FSDP only"
@@ -170,14 +174,14 @@ def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, l
     c_config = c.apply(config)
     out = dataclasses.replace(row)
     try:
-        compiled = compile_train_step(c_config, devices)
+        compiled, out.compiled = compile_train_step(c_config, devices)
     except Exception as e:  # noqa: BLE001 - e.g. the TPU compiler's "ran out of memory"
         out.error = " ".join(str(e).split())[:200] or type(e).__name__
         out.compile_seconds = time.perf_counter() - start
         log(f"  compiler refused it: {out.error}")
         return out
     out.compile_seconds = time.perf_counter() - start
-    out.compiled = step_memory(compiled)
+    out.executable = compiled
     ici = dict(zip(("data", "fsdp", "tensor"), c.ici)) | {"pipeline": 1}
     out.collectives = parse_collectives(compiled.as_text(), c.mesh_shape, ici)
     out.time = rank.step_time(c_config, model_spec(c_config), c, out.collectives, chip,
