@@ -16,7 +16,9 @@ import ml_collections
 from jaxscale.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
+# Outermost (devices far apart, slow links) to innermost (neighbours on the fastest links): the
+# device mesh is laid out in this order, so tensor parallelism gets the closest devices.
+MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
     "expert",
@@ -47,8 +49,8 @@ def default_config() -> ml_collections.ConfigDict:
     )
     # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
     # across slices / hosts connected by the data-centre network.
-    c.mesh = dict(data=-1, fsdp=1, tensor=1, pipeline=1,
-                  dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1),
+    c.mesh = dict(data=-1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1,
+                  dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1),
                   # True: the planner chooses the sizes above, the remat policy, accumulation and
                   # optimizer-state layout at start-up (docs/planning.md), planning for
                   # auto_memory_gib GiB per device (0: the chip's; CPUs have none).
@@ -57,7 +59,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.sharding = dict(
         rules=dict(
             batch=("data", "fsdp"),
-            length=(),
+            length=("context",),  # long sequences: activations split along the sequence
             embed=("fsdp",),
             heads=("tensor",),
             kv_heads=("tensor",),
@@ -65,7 +67,7 @@ def default_config() -> ml_collections.ConfigDict:
             mlp=("tensor",),
             vocab=("tensor",),
             layers=("pipeline",),  # pipeline stages hold consecutive layers
-            expert=(),  # the experts of an MoE layer (model.moe)
+            expert=("expert",),  # the experts of an MoE layer (model.moe)
         ),
         # Where the optimizer state lives: "params" (with each parameter) or "data" (ZeRO-1: also
         # split over the data-parallel axes; see docs/parallelism.md).

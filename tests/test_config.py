@@ -34,8 +34,8 @@ def test_minus_one_takes_the_remaining_devices():
     config = default_config()
     config.mesh.update(data=-1, fsdp=2, tensor=2)
     ici, dcn = resolve_mesh_shape(config.mesh, 8)
-    assert ici == dict(data=2, fsdp=2, tensor=2, pipeline=1)
-    assert dcn == dict(data=1, fsdp=1, tensor=1, pipeline=1)
+    assert ici == dict(data=2, fsdp=2, tensor=2, pipeline=1, expert=1, context=1)
+    assert dcn == dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)
 
 
 def test_dcn_factors_multiply_axes():

@@ -131,7 +131,8 @@ def test_each_device_holds_only_its_stages_layers(tmp_path):
         for shard in leaf.addressable_shards:
             layer_slice = shard.index[0]
             assert layer_slice.stop - layer_slice.start == layers // 4
-            device_stage = np.argwhere(trainer.mesh.devices == shard.device)[0][3]
+            where = np.argwhere(trainer.mesh.devices == shard.device)[0]
+            device_stage = where[trainer.mesh.axis_names.index("pipeline")]
             assert layer_slice.start == device_stage * layers // 4
     # Parameter bytes per device: a quarter of the layer stack plus everything outside it.
     def bytes_on(device, tree):

@@ -101,7 +101,9 @@ def test_a_tiny_top_p_is_greedy():
 
 def test_sampling_on_an_fsdp_by_tensor_mesh_equals_one_device():
     model, prompt = random_model(), prompts()
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 2, 1), MESH_AXES)
+    sizes = dict(fsdp=2, tensor=2)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape([sizes.get(a, 1) for a in MESH_AXES]),
+                MESH_AXES)
     sharded = Sampler(model, mesh, rules_from_config(default_config().sharding.rules))
     # The parameters really are split: the head over `fsdp` (embed) and `tensor` (vocab).
     assert sharded.params["head"].sharding.spec == P("fsdp", "tensor")
@@ -144,11 +146,11 @@ def test_the_same_seed_gives_the_same_text_and_another_seed_other_text():
 def test_the_runs_mesh_is_kept_when_it_fits_these_devices_else_all_go_to_data():
     config = default_config()
     config.mesh.update(data=-1, fsdp=2, tensor=2)
-    assert dict(sampling_mesh(config, jax.devices()).shape) == dict(data=2, fsdp=2, tensor=2,
-                                                                    pipeline=1)
+    assert dict(sampling_mesh(config, jax.devices()).shape) == dict(
+        data=2, fsdp=2, tensor=2, pipeline=1, expert=1, context=1)
     config.mesh.update(data=1, fsdp=16, tensor=1)  # trained on 16 devices; 8 here
-    assert dict(sampling_mesh(config, jax.devices()).shape) == dict(data=8, fsdp=1, tensor=1,
-                                                                    pipeline=1)
+    assert dict(sampling_mesh(config, jax.devices()).shape) == dict(
+        data=8, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)
 
 
 @pytest.fixture(scope="module")

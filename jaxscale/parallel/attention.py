@@ -14,6 +14,7 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,9 @@ def _splash(q, k, v, segment_ids, interpret):
         return _splash_on_shard(q, k, v, segment_ids, interpret=interpret)
     mesh, rules = active
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
-    if q_spec[1] is not None:
+    length_axes = () if q_spec[1] is None else (q_spec[1],) if isinstance(q_spec[1], str) \
+        else q_spec[1]
+    if math.prod(mesh.shape[a] for a in length_axes) > 1:
         raise ValueError("splash attention needs the whole sequence on each device; the length "
                          f"axis is split over {q_spec[1]} (use model.attention=xla)")
     seg_spec = P(q_spec[0], None)

@@ -44,10 +44,11 @@ def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
     across them.
     """
     devices = list(devices)
-    ici_shape = [ici[a] for a in MESH_AXES]
-    if any(dcn[a] > 1 for a in MESH_AXES):
+    ici_shape = [ici.get(a, 1) for a in MESH_AXES]  # an axis not named has size 1
+    dcn_shape = [dcn.get(a, 1) for a in MESH_AXES]
+    if any(n > 1 for n in dcn_shape):
         device_array = mesh_utils.create_hybrid_device_mesh(
-            ici_shape, [dcn[a] for a in MESH_AXES], devices,
+            ici_shape, dcn_shape, devices,
             process_is_granule=not granules_are_slices(devices))
     elif devices[0].platform == "cpu":
         # CPU devices have no physical topology; keep their order so that process-local devices

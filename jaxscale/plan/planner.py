@@ -22,6 +22,7 @@ from typing import Callable
 import jax
 import ml_collections
 
+from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.attention import splash_fits
 from jaxscale.plan import rank
@@ -182,7 +183,7 @@ def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, l
         return out
     out.compile_seconds = time.perf_counter() - start
     out.executable = compiled
-    ici = dict(zip(("data", "fsdp", "tensor"), c.ici)) | {"pipeline": 1}
+    ici = {a: dict(zip(("data", "fsdp", "tensor"), c.ici)).get(a, 1) for a in MESH_AXES}
     out.collectives = parse_collectives(compiled.as_text(), c.mesh_shape, ici)
     out.time = rank.step_time(c_config, model_spec(c_config), c, out.collectives, chip,
                               len(devices))

@@ -1,9 +1,13 @@
 """The candidates: every layout of the devices over the mesh axes that the model allows, times
-remat policy, gradient accumulation and optimizer-state layout, with the global batch fixed.
+remat policy, gradient accumulation, optimizer-state layout and, with pipeline stages, schedule
+and pipeline microbatches, with the global batch fixed.
 
-Searched: `data`, `fsdp`, `tensor` inside a slice or node, and the split of the DCN-connected
-granules (GPU nodes) over `data` and `fsdp`; tensor parallelism stays on the fast links, where
-its per-layer collectives belong. `pipeline` stays 1 until pipeline parallelism is implemented.
+Searched: `data`, `fsdp`, `tensor`, `pipeline` inside a slice or node, and the split of the
+DCN-connected granules (GPU nodes) over `data`, `fsdp` and `pipeline`; tensor parallelism stays on
+the fast links, where its per-layer collectives belong. Pipelining across granules is what
+pipelines are for: only one stage's activations cross the slow network, not every weight (FSDP)
+or every gradient (data). With S stages each schedule (gpipe, 1f1b) is tried with M = 2S and 4S
+pipeline microbatches, one layer group per stage (`pipeline.repeats` 1).
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import itertools
 
 import ml_collections
 
-from jaxscale.config import validate
+from jaxscale.config import MESH_AXES, validate
 from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
+from jaxscale.parallel.pipeline import SCHEDULES, Pipeline
 
-SEARCHED_AXES = ("data", "fsdp", "tensor")
-DCN_AXES = ("data", "fsdp")
+SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline")
+DCN_AXES = ("data", "fsdp", "pipeline")
+# Pipeline microbatches tried, per stage: 2 (the default) and 4, which halves GPipe's bubble for
+# more saved activations; beyond that the bubble shrinks little and the microbatches get small.
+PIPELINE_MICROBATCHES_PER_STAGE = (2, 4)
 # Gradient accumulation steps tried (those that divide the batch): each halves the activations
 # and adds one more pass of FSDP gathers, so beyond 16 memory is rarely the problem it solves.
 MICROBATCHES = (1, 2, 4, 8, 16)
@@ -26,17 +34,21 @@ MICROBATCHES = (1, 2, 4, 8, 16)
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    ici: tuple[int, int, int]  # data, fsdp, tensor inside a slice / node
-    dcn: tuple[int, int]  # data, fsdp across slices / nodes
+    ici: tuple[int, int, int, int]  # data, fsdp, tensor, pipeline inside a slice / node
+    dcn: tuple[int, int, int]  # data, fsdp, pipeline across slices / nodes
     remat: str
     microbatches: int
     optimizer_state: str  # "params" or "data" (ZeRO-1)
+    # With pipeline stages: pipeline.schedule and pipeline.microbatches (M); "" and 0 without.
+    schedule: str = ""
+    pipeline_microbatches: int = 0
 
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Each axis's size over the whole mesh (ICI size x DCN factor)."""
         dcn = dict(zip(DCN_AXES, self.dcn))
-        return {a: n * dcn.get(a, 1) for a, n in zip(SEARCHED_AXES, self.ici)} | {"pipeline": 1}
+        sizes = {a: n * dcn.get(a, 1) for a, n in zip(SEARCHED_AXES, self.ici)}
+        return {a: sizes.get(a, 1) for a in MESH_AXES}  # in the mesh's axis order
 
     @property
     def mesh_label(self) -> str:
@@ -45,30 +57,57 @@ class Candidate:
         return f"{label} {dcn}".strip()
 
     @property
+    def pipeline(self) -> Pipeline | None:
+        """The pipeline schedule over the stages, or None without pipelining."""
+        stages = self.mesh_shape["pipeline"]
+        return Pipeline(stages, self.pipeline_microbatches, 1, self.schedule) if stages > 1 \
+            else None
+
+    @property
+    def pipeline_label(self) -> str:
+        p = self.pipeline
+        return f"{p.schedule} M={p.num_microbatches}" if p else "-"
+
+    @property
     def axes_used(self) -> int:
         """How many axes split the devices: the simpler mesh wins a near-tie."""
         return sum(n > 1 for n in (*self.ici, *self.dcn))
 
     def overrides(self) -> list[str]:
         """The `--config.KEY=VALUE` flags that make a config run this candidate."""
-        flags = [f"--config.mesh.{a}={n}" for a, n in zip(SEARCHED_AXES, self.ici)]
-        flags += ["--config.mesh.pipeline=1", "--config.mesh.auto=False"]
-        flags += [f"--config.mesh.dcn.{a}={n}" for a, n in zip(DCN_AXES, self.dcn)]
+        ici, dcn = self._sizes()
+        flags = [f"--config.mesh.{a}={n}" for a, n in ici.items()]
+        flags += ["--config.mesh.auto=False"]
+        flags += [f"--config.mesh.dcn.{a}={n}" for a, n in dcn.items()]
         flags += [f"--config.model.remat={self.remat}",
                   f"--config.train.microbatches={self.microbatches}",
                   f"--config.sharding.optimizer_state={self.optimizer_state}"]
+        if self.pipeline:
+            flags += [f"--config.pipeline.{k}={v}" for k, v in self._pipeline_keys().items()]
         return flags
 
     def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         """A copy of `config` set to run this candidate."""
         config = config.copy_and_resolve_references()
+        ici, dcn = self._sizes()
         # auto=False: the candidate is a layout already (the planner compiles it as a run).
-        config.mesh.update(dict(zip(SEARCHED_AXES, self.ici)), pipeline=1, auto=False)
-        config.mesh.dcn.update(dict(zip(DCN_AXES, self.dcn)), tensor=1, pipeline=1)
+        config.mesh.update(ici, auto=False)
+        config.mesh.dcn.update(dcn)
         config.model.remat = self.remat
         config.train.microbatches = self.microbatches
         config.sharding.optimizer_state = self.optimizer_state
+        if self.pipeline:
+            config.pipeline.update(self._pipeline_keys())
         return config
+
+    def _sizes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(ICI, DCN) size of every mesh axis: the axes not searched are 1."""
+        ici = dict(zip(SEARCHED_AXES, self.ici))
+        dcn = dict(zip(DCN_AXES, self.dcn))
+        return {a: ici.get(a, 1) for a in MESH_AXES}, {a: dcn.get(a, 1) for a in MESH_AXES}
+
+    def _pipeline_keys(self) -> dict:
+        return dict(schedule=self.schedule, microbatches=self.pipeline_microbatches, repeats=1)
 
 
 def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -79,18 +118,30 @@ def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
             for rest in factorisations(n // d, parts - 1)]
 
 
+def _pipelines(stages: int) -> list[tuple[str, int]]:
+    """(schedule, pipeline microbatches) to try with `stages` stages."""
+    if stages == 1:
+        return [("", 0)]
+    return [(s, k * stages) for s in SCHEDULES for k in PIPELINE_MICROBATCHES_PER_STAGE]
+
+
 def candidates(config: ml_collections.ConfigDict, num_devices: int,
                granules: int = 1) -> list[Candidate]:
     """Every candidate that `jaxscale.config.validate` accepts for `config` on `num_devices`
     devices in `granules` DCN-connected slices or nodes."""
     per_granule = num_devices // granules
     found = []
-    for ici, dcn in itertools.product(factorisations(per_granule, 3),
-                                      factorisations(granules, 2)):
-        data_degree = ici[0] * dcn[0]
-        for microbatches, layout in itertools.product(
-                MICROBATCHES, ("params", "data") if data_degree > 1 else ("params",)):
-            candidate = Candidate(ici, dcn, config.model.remat, microbatches, layout)
+    for ici, dcn in itertools.product(factorisations(per_granule, len(SEARCHED_AXES)),
+                                      factorisations(granules, len(DCN_AXES))):
+        if config.model.n_layers % (ici[3] * dcn[2]):
+            continue  # the stages must split the layers: validate says so too, more slowly
+        data_degree, stages = ici[0] * dcn[0], ici[3] * dcn[2]
+        # A pipeline splits the batch into M microbatches already; accumulation would split it
+        # again and pay the bubble once per part, where a larger M pays it once per step.
+        for microbatches, layout, (schedule, m) in itertools.product(
+                MICROBATCHES if stages == 1 else (1,),
+                ("params", "data") if data_degree > 1 else ("params",), _pipelines(stages)):
+            candidate = Candidate(ici, dcn, config.model.remat, microbatches, layout, schedule, m)
             try:
                 validate(candidate.apply(config), num_devices, granules)
             except ConfigError:
