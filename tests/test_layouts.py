@@ -40,6 +40,8 @@ LAYOUTS = [  # (overrides, accepted on 2 hosts x 4 devices)
     (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"], True),
     (["--config.mesh.dcn.data=2", "--config.mesh.data=-1"], True),
     (["--config.mesh.fsdp=8", "--config.mesh.data=1"], True),  # flat: no DCN factor
+    # Two pipeline stages, one per host, FSDP inside each.
+    (["--config.mesh.dcn.pipeline=2", "--config.mesh.fsdp=4", "--config.mesh.data=1"], True),
     (["--config.mesh.dcn.data=4", "--config.mesh.data=-1"], False),  # 4 granules asked, 2 exist
     (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=8", "--config.mesh.data=1"], False),
     (["--config.mesh.dcn.tensor=2", "--config.mesh.data=-1",
@@ -161,6 +163,9 @@ SMALL = ["--config=configs/tiny.py", "--config.train.steps=6", "--config.train.l
          "--config.train.eval_every=0", "--config.model.n_layers=1", "--config.model.d_model=64",
          "--config.model.n_heads=2", "--config.model.n_kv_heads=2", "--config.model.mlp_dim=128",
          "--config.precision.compute_dtype=float32", "--config.checkpoint.enabled=False"]
+# Two stages of one layer, 2 microbatches of 4 sequences (one per fsdp device), 1F1B.
+PIPELINED = ["--config.model.n_layers=2", "--config.pipeline.microbatches=2",
+             "--config.pipeline.schedule=1f1b"]
 
 
 def launch_two(workdir, *overrides, env=None, module="jaxscale.train"):
@@ -192,7 +197,9 @@ def one_process_losses(tmp_path, overrides):
      ["--config.mesh.data=2", "--config.mesh.fsdp=4"]),
     (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"],
      ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"]),
-], ids=["hsdp_with_zero1", "hsdp", "dcn_fsdp_x_tensor_x_data"])
+    (["--config.mesh.dcn.pipeline=2", "--config.mesh.fsdp=4", "--config.mesh.data=1", *PIPELINED],
+     ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.mesh.data=1", *PIPELINED]),
+], ids=["hsdp_with_zero1", "hsdp", "dcn_fsdp_x_tensor_x_data", "dcn_pipeline_1f1b"])
 def test_two_hosts_equal_one_host_with_the_same_logical_layout(tmp_path, two_hosts, one_host):
     run = launch_two(tmp_path / "two", *two_hosts)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
@@ -206,6 +213,8 @@ def test_two_hosts_equal_one_host_with_the_same_logical_layout(tmp_path, two_hos
 @pytest.mark.parametrize("layout, dcn_axis", [
     (["--config.mesh.dcn.data=2", "--config.mesh.fsdp=4", "--config.mesh.data=1"], "data"),
     (["--config.mesh.dcn.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.data=2"], "fsdp"),
+    (["--config.mesh.dcn.pipeline=2", "--config.mesh.fsdp=4", "--config.mesh.data=1", *PIPELINED],
+     "pipeline"),
 ])
 def test_each_ici_group_of_a_hybrid_mesh_is_on_one_host(layout, dcn_axis):
     run = launch_two(None, *layout, module="tests.mesh_layout_probe")

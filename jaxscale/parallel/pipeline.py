@@ -97,8 +97,7 @@ def merge_rows(x: jax.Array) -> jax.Array:
 
 
 def _stage_axes() -> tuple[str, ...]:
-    mesh, rules = active_mesh_and_rules()
-    return tuple(rules["layers"])
+    return tuple(active_mesh_and_rules()[1]["layers"])
 
 
 def _on_stages(x: jax.Array) -> jax.Array:
