@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxscale.errors import ConfigError
+from jaxscale.parallel.context import load_balanced_order
 from jaxscale.parallel.attention import attend, check_implementation, resolve
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import rules_from_config, use_rules
@@ -57,6 +58,37 @@ def test_splash_per_shard_equals_xla_on_a_sharded_mesh():
     with use_rules(mesh, rules):
         got = jax.jit(lambda *a: loss_and_grads("splash", *a))(q, k, v, segments)
     assert_close(got, want)
+
+
+def test_a_split_sequence_in_any_order_attends_by_position():
+    """With the length split over context=4 (x tensor=2) and the tokens in the load-balanced
+    order, attention (keys and values all-gathered per shard, masked by positions and segments)
+    gives the single-device result in that order, outputs and gradients; without positions the
+    array indices are the positions."""
+    config = default_config()
+    mesh = build_mesh(dict(context=4, tensor=2), {}, jax.devices()[:8])
+    rules = rules_from_config(config.sharding.rules)
+    q, k, v, _ = qkv(length=64)
+    # Row 0: documents of 30 and 30 tokens, then padding; row 1: one document. Positions restart
+    # in each document, as packing makes them.
+    index = np.arange(64)
+    segments = jnp.asarray(np.stack([np.where(index < 30, 1, np.where(index < 60, 2, 0)),
+                                     np.ones(64)]), jnp.int32)
+    positions = jnp.asarray(np.stack([np.where(index < 30, index, index - 30), index]),
+                            jnp.int32)
+    order = load_balanced_order(64, 4)
+    want = loss_and_grads("xla", q, k, v, segments)
+    permuted = lambda x: x[:, order]
+
+    def context_loss_and_grads(q, k, v, segments, positions):
+        def loss(q, k, v):
+            return jnp.sum(jnp.sin(attend(q, k, v, segments, "auto", positions=positions)))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    with use_rules(mesh, rules):
+        got = jax.jit(context_loss_and_grads)(*map(permuted, (q, k, v, segments, positions)))
+        unordered = jax.jit(lambda *a: attend(*a, "xla"))(q, k, v, segments)
+    assert_close(got, (want[0], tuple(map(permuted, want[1]))))
+    assert_close(unordered, attend(q, k, v, segments, "xla"))
 
 
 def test_auto_picks_the_kernel_from_the_mesh_devices():

@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from jaxscale.data.pipeline import local_batches, local_rows
 from jaxscale.data.sources import SkippedRecords, check_splits
 from jaxscale.errors import JaxscaleError
+from jaxscale.parallel.context import length_shards, load_balanced
 
 __all__ = ["Input", "check_splits", "make_input"]
 
@@ -36,14 +37,19 @@ class Input:
     """One process's batches of `split`, as global arrays laid out by `batch_sharding`.
 
     Row r of every global batch comes from row stream r (see pipeline.py); this process builds
-    the streams of the rows `batch_sharding` places on its devices.
+    the streams of the rows `batch_sharding` places on its devices. When `batch_sharding` splits
+    the length (the context axis), each row's tokens are put in the load-balanced order of
+    jaxscale/parallel/context.py here, the one place every train and eval batch passes through on
+    its way to the devices, on the host, before the stream state that a checkpoint keeps.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, split: str,
                  batch_sharding: jax.sharding.Sharding):
         self._config, self._sharding = config, batch_sharding
         self._batch_size = config.train.batch_size
-        self.rows = local_rows(batch_sharding, self._batch_size, config.train.seq_len)
+        self._shape = (self._batch_size, config.train.seq_len)
+        self._context = length_shards(batch_sharding, self._shape)
+        self.rows = local_rows(batch_sharding, *self._shape)
         self._skipped = SkippedRecords()
         self._iterator = iter(local_batches(config, split, self.rows, self._skipped))
         self._batches = 0
@@ -52,9 +58,11 @@ class Input:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        local = next(self._iterator)
+        local = load_balanced(next(self._iterator), self._context)
         self._batches += 1
-        return {name: jax.make_array_from_process_local_data(self._sharding, array)
+        # The global shape, given, lets a process whose devices hold only some of the length
+        # shards pass its whole rows: each device takes its slice of them.
+        return {name: jax.make_array_from_process_local_data(self._sharding, array, self._shape)
                 for name, array in local.items()}
 
     def skipped_records(self) -> int:

@@ -89,7 +89,7 @@ class Attention(nnx.Module):
         q, k, v = self.project(x, positions)
         wide = float32_accumulating(self.dtype)
         out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
-                     self.implementation)
+                     self.implementation, positions=positions)
         return self.output(out)
 
     def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,

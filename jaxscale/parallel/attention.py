@@ -4,17 +4,21 @@ Model code calls `attend(q, k, v, segment_ids, implementation)` with logical lay
 module decides the kernel and, for a kernel that XLA cannot split across devices, runs it per shard:
 
 - `xla`: `jax.nn.dot_product_attention`'s XLA path. It materialises the [batch, heads, q, k]
-  scores; it is the reference, and what CPUs run.
+  scores; it is the reference, and what CPUs run. With the length split over mesh axes (the
+  `context` axis) it runs inside `shard_map`: each device all-gathers the keys, values, positions
+  and segment ids over those axes and keeps its own queries, so a fused kernel could run per shard;
+  the causal mask comes from the tokens' positions, not their array indices, because the input
+  pipeline lays the tokens out in a load-balanced order (jaxscale/parallel/context.py).
 - `splash`: Pallas splash attention (TPU): blockwise, never materialises the scores, skips the
   blocks the causal and document masks hide. A Mosaic kernel is opaque to XLA's partitioner, so it
   runs inside `shard_map` over the mesh, each device on its own batch rows and heads.
-- `auto`: splash when the mesh's devices are TPUs and the shapes suit it, else xla.
+- `auto`: splash when the mesh's devices are TPUs, the shapes suit it and the length is whole on
+  each device, else xla.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +36,17 @@ SPLASH_MIN_LENGTH = 128  # TPU kernels tile the sequence in multiples of 128
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-           implementation: str, *, interpret: bool = False) -> jax.Array:
+           implementation: str, *, positions: jax.Array | None = None,
+           interpret: bool = False) -> jax.Array:
     """Causal attention. q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads,
     head_dim] (grouped-query: heads a multiple of kv_heads); segment_ids [batch, length] or None:
-    a token sees only earlier tokens of its own segment. `interpret` runs a Pallas kernel in
-    Python (any backend): for tests."""
+    a token sees only earlier tokens of its own segment; positions [batch, length] or None (the
+    array indices): what "earlier" means when the length is split over devices, whose tokens
+    may be in any order. `interpret` runs a Pallas kernel in Python (any backend): for tests."""
     if resolve(implementation, q.shape[1]) == "splash":
         return _splash(q, k, v, segment_ids, interpret)
+    if _length_axes():
+        return _context(q, k, v, segment_ids, positions)
     return _xla(q, k, v, segment_ids)
 
 
@@ -49,7 +57,8 @@ def resolve(implementation: str, length: int) -> str:
     active = active_mesh_and_rules()
     platform = (active[0].devices.flat[0].platform if active is not None
                 else jax.default_backend())
-    return "splash" if platform == "tpu" and splash_fits(length) else "xla"
+    fits = splash_fits(length) and not _length_axes()
+    return "splash" if platform == "tpu" and fits else "xla"
 
 
 def check_implementation(implementation: str, platform: str, length: int) -> None:
@@ -78,15 +87,53 @@ def _xla(q, k, v, segment_ids):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
+def _length_axes() -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the active rules split the length over (the context axis)."""
+    active = active_mesh_and_rules()
+    if active is None:
+        return ()
+    mesh, rules = active
+    return tuple(a for a in _as_tuple(logical_to_mesh(QUERY_AXES, rules)[1])
+                 if mesh.shape[a] > 1)
+
+
+def _as_tuple(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _context(q, k, v, segment_ids, positions):
+    """XLA attention with the length split over `_length_axes()`: per device, its queries against
+    every key, under the mask "same segment and key position <= query position"."""
+    mesh, rules = active_mesh_and_rules()
+    q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
+    row_spec = P(*q_spec[:2])
+    axes = _as_tuple(q_spec[1])  # all of them, in the spec's order, so the gather undoes the split
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+    if segment_ids is None:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+
+    def per_shard(q, k, v, positions, segment_ids):
+        gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+        k, v = gather(k), gather(v)
+        key_positions, key_segments = gather(positions), gather(segment_ids)
+        mask = ((segment_ids[:, :, None] == key_segments[:, None, :])
+                & (key_positions[:, None, :] <= positions[:, :, None]))
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    # check_vma=False: under a pipeline's vmap over stages the output's replication over the
+    # stage axis cannot be inferred, though every stage computes its own rows exactly.
+    return jax.shard_map(per_shard, mesh=mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
+                         out_specs=q_spec, check_vma=False)(q, k, v, positions, segment_ids)
+
+
 def _splash(q, k, v, segment_ids, interpret):
     active = active_mesh_and_rules()
     if active is None:
         return _splash_on_shard(q, k, v, segment_ids, interpret=interpret)
     mesh, rules = active
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
-    length_axes = () if q_spec[1] is None else (q_spec[1],) if isinstance(q_spec[1], str) \
-        else q_spec[1]
-    if math.prod(mesh.shape[a] for a in length_axes) > 1:
+    if _length_axes():
         raise ValueError("splash attention needs the whole sequence on each device; the length "
                          f"axis is split over {q_spec[1]} (use model.attention=xla)")
     seg_spec = P(q_spec[0], None)

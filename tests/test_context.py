@@ -1,0 +1,190 @@
+"""Context parallelism (issue 13): the sequence split over the `context` mesh axis gives the loss
+and gradients of the whole sequence on one device, packed or not, alone and with the other axes;
+the load-balanced token order round-trips and evens out the causal work; attention all-gathers
+the keys and values over the context axis; a run restores across context degrees, and a context
+axis across two hosts trains like one host.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxscale.parallel.context import length_shards, load_balanced, load_balanced_order
+from jaxscale.plan.compiled import abstract_batch
+from jaxscale.step import loss_and_grad, summed_loss
+from jaxscale.trainer import Trainer
+from tests.helpers import random_batch, small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH_KEYS = ("data", "fsdp", "tensor", "pipeline", "context")
+
+
+def context_config(**mesh):
+    config = small_config(**mesh)
+    config.train.seq_len = 32
+    return config
+
+
+def unpacked_batch(config, seed=0):
+    """`random_batch` with one document filling every row: no padding, positions 0..L-1."""
+    batch = random_batch(config, seed)
+    b, l = batch["inputs"].shape
+    batch.update(segment_ids=np.ones((b, l), np.int32), loss_mask=np.ones((b, l), np.float32),
+                 positions=np.broadcast_to(np.arange(l, dtype=np.int32), (b, l)).copy())
+    return batch
+
+
+BATCHES = {"packed": random_batch, "unpacked": unpacked_batch}
+
+
+def make_trainer(config, tmp_path):
+    devices = int(np.prod([config.mesh[a] for a in MESH_KEYS]))
+    return Trainer(config, str(tmp_path), devices=jax.devices()[:devices])
+
+
+def loss_and_gradients(config, batch, tmp_path):
+    """(mean loss, its gradient) on `config`'s mesh through the train step's loss_and_grad, the
+    batch laid out in the load-balanced order as the input pipeline lays it out."""
+    trainer = make_trainer(config, tmp_path)
+    params = trainer.init_state(config.train.seed).params
+    shards = length_shards(trainer.batch_sharding, batch["inputs"].shape)
+    assert shards == config.mesh.context
+    batch = jax.device_put(load_balanced(batch, shards), trainer.batch_sharding)
+
+    def mean_loss_and_grad(params, batch):
+        tokens = jnp.sum(batch["loss_mask"])
+        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
+        return total / tokens, grads
+    return jax.device_get(jax.jit(trainer._with_rules(mean_loss_and_grad))(params, batch))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """jax.grad of the plain model on one device, in the natural token order, per batch kind."""
+    config = context_config()
+    trainer = make_trainer(config, tmp_path_factory.mktemp("ref"))
+    params = trainer.init_state(config.train.seed).params
+    out = {}
+    for kind, make_batch in BATCHES.items():
+        batch = make_batch(config)
+
+        def mean_loss(p, batch=batch):
+            total, tokens = summed_loss(trainer.model.graphdef, p, batch)
+            return total / tokens
+        out[kind] = jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
+    return out
+
+
+@pytest.mark.parametrize("mesh,kind", [
+    (dict(context=2), "packed"), (dict(context=2), "unpacked"),
+    (dict(context=4), "packed"), (dict(context=4), "unpacked"),
+    (dict(context=2, fsdp=2), "packed"), (dict(context=4, fsdp=2), "unpacked"),
+    (dict(context=2, tensor=2), "packed"), (dict(context=2, data=2, tensor=2), "unpacked"),
+], ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
+def test_a_split_sequence_gives_the_whole_sequences_loss_and_gradients(mesh, kind, references,
+                                                                       tmp_path):
+    loss, grads = loss_and_gradients(context_config(**mesh), BATCHES[kind](context_config()),
+                                     tmp_path)
+    ref_loss, ref_grads = references[kind]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+                 grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule,remat", [("gpipe", "full"), ("1f1b", "save_dots")])
+def test_context_with_pipeline_stages_and_remat(schedule, remat, references, tmp_path):
+    """The attention's shard_map runs inside the pipeline's vmap over stages, and under remat."""
+    config = context_config(context=2, pipeline=2)
+    config.model.remat = remat
+    config.pipeline.schedule = schedule
+    loss, grads = loss_and_gradients(config, random_batch(config), tmp_path)
+    ref_loss, ref_grads = references["packed"]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+                 grads, ref_grads)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_the_load_balanced_order_round_trips_and_evens_out_causal_work(shards):
+    batch = random_batch(context_config())  # [8, 32], packed
+    length = batch["inputs"].shape[1]
+    order = load_balanced_order(length, shards)
+    assert sorted(order) == list(range(length))
+    laid_out = load_balanced(batch, shards)
+    for name, array in batch.items():
+        np.testing.assert_array_equal(laid_out[name][:, np.argsort(order)], array)
+    # Unmasked (query, key) pairs of the causal mask over true positions, per shard's queries.
+    def work(positions):
+        return [int(np.sum(positions[None, :] <= queries[:, None]))
+                for queries in np.split(positions, shards)]
+    balanced = work(order)
+    assert len(set(balanced)) == 1 and sum(balanced) == length * (length + 1) // 2, balanced
+    in_order = work(np.arange(length))
+    assert shards == 1 or max(in_order) > min(in_order)  # what the order fixes
+
+
+def test_attention_all_gathers_keys_and_values_over_the_context_axis(tmp_path):
+    """The compiled train step of context=4 x fsdp=2: each layer's keys and values [4 local rows,
+    all 32 positions, 2 kv heads, 16] are all-gathered within the 4 devices of a context group."""
+    config = context_config(context=4, fsdp=2)
+    trainer = make_trainer(config, tmp_path)
+    hlo = trainer.train_step.lower(trainer.abstract_state, abstract_batch(trainer)).compile()
+    gathers = [line for line in hlo.as_text().splitlines()
+               if "= f32[4,32,2,16]" in line and " all-gather(" in line]
+    assert len(gathers) >= 2, "no all-gather of K/V over the context axis"
+    for line in gathers:
+        assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in line, line
+
+
+def run_cli(workdir, steps, context):
+    flags = {"train.steps": steps, "train.seq_len": 64, "train.log_every": 1,
+             "train.eval_every": 0, "precision.compute_dtype": "float32",
+             "optim.warmup_steps": 1,
+             # A constant learning rate after warmup: a run of 2 steps takes the same steps as
+             # the first 2 of a run of 4, so the two can be joined by a checkpoint.
+             "optim.min_lr_ratio": 1.0, "checkpoint.every_steps": 2,
+             "checkpoint.compilation_cache": False, "mesh.context": context}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py",
+         f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    assert f"'context': {context}" in result.stdout  # the start-up line's mesh
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+
+
+@pytest.mark.slow
+def test_cli_trains_tiny_with_context_and_restores_across_degrees(tmp_path):
+    """configs/tiny.py (concat-packed documents, positions restarting in each) through the CLI:
+    context=4 for steps 1-2, restored on context=2 for steps 3-4. Every step's loss equals the
+    run without a context axis."""
+    plain = run_cli(tmp_path / "plain", 4, 1)
+    joined = {**run_cli(tmp_path / "a", 2, 4), **run_cli(tmp_path / "a", 4, 2)}
+    assert sorted(joined) == sorted(plain) == [1, 2, 3, 4]
+    np.testing.assert_allclose([joined[s] for s in range(1, 5)],
+                               [plain[s] for s in range(1, 5)], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_context_axis_across_two_hosts_trains_like_one_host(tmp_path):
+    """mesh.dcn.context=2: each process holds half of every row's tokens (the input pipeline
+    passes whole rows and each device takes its load-balanced slice); the losses are those of one
+    process without a context axis."""
+    from tests.test_layouts import launch_two, losses, one_process_losses
+
+    run = launch_two(tmp_path / "two", "--config.mesh.dcn.context=2", "--config.mesh.context=2",
+                     "--config.mesh.data=2")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    two, one = losses(tmp_path / "two"), one_process_losses(tmp_path / "one",
+                                                            ["--config.mesh.data=8"])
+    assert sorted(two) == sorted(one) == [3, 6]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
