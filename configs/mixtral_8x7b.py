@@ -6,9 +6,12 @@ Mistral 7B's (32 heads, 8 KV heads), RoPE base 1e6, 32000-token vocabulary.
 
     python -m jaxscale.train --config=configs/mixtral_8x7b.py --workdir=runs/mixtral_8x7b
 
-Defaults to FSDP over all devices with full rematerialisation. Mixtral's own
-router_aux_loss_coef (0.02) weighs a load-balancing loss top_k times this one's (its expert
-loads sum to top_k, here to 1), hence aux_loss_weight 0.04.
+Defaults to FSDP over all devices with full rematerialisation. With `--config.mesh.expert=8`
+each device holds one expert of each MoE layer (FSDP-split over the fsdp axis, which takes the
+other devices) and tokens reach their experts by all-to-all (docs/parallelism.md).
+
+Mixtral's own router_aux_loss_coef (0.02) weighs a load-balancing loss top_k times this one's
+(its expert loads sum to top_k, here to 1), hence aux_loss_weight 0.04.
 """
 
 from jaxscale.config import default_config

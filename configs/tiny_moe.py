@@ -5,6 +5,8 @@ tiny model's 768. Trains on one CPU.
     python -m jaxscale.train --config=configs/tiny_moe.py --workdir=runs/tiny_moe
 
 `--config.model.moe.every=2` makes every second layer MoE (the others dense, width 384).
+`--config.mesh.expert=8` puts one expert on each of 8 devices (the batch split over them too);
+tokens reach their experts by all-to-all.
 """
 
 from jaxscale.config import default_config

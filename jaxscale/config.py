@@ -58,7 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
     # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
     c.sharding = dict(
         rules=dict(
-            batch=("data", "fsdp"),
+            # Rows split over the expert axis too: the dense layers stay data-parallel there.
+            batch=("data", "fsdp", "expert"),
             length=("context",),  # long sequences: activations split along the sequence
             embed=("fsdp",),
             heads=("tensor",),
@@ -327,6 +328,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
     mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
     _check_pipeline(config, mesh_shape)  # first: its errors name the pipeline's own keys
+    _check_experts(config, mesh_shape)
+    _check_context(config, mesh_shape)
     _check_rules(config, mesh_shape)
     return ici, dcn
 
@@ -483,6 +486,46 @@ def _check_pipeline(config: ml_collections.ConfigDict, mesh_shape: dict[str, int
             f"{' part' if t.microbatches > 1 else ''} into parts of a multiple of the "
             f"{batch_shards} batch shards; make train.batch_size / train.microbatches a "
             f"multiple of {micro * batch_shards}")
+
+
+def _check_experts(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """The expert mesh axis: MoE layers to split, experts it divides, and rows split over it too
+    (the all-to-all of jaxscale/parallel/experts.py trades rows for experts)."""
+    degree, moe = mesh_shape["expert"], config.model.moe
+    if degree == 1:
+        return
+    where = f"mesh.expert x mesh.dcn.expert = {degree}"
+    if not moe.every:
+        raise ConfigError(f"{where} but the model has no MoE layers (model.moe.every=0); set "
+                          "mesh.expert=1 (and mesh.dcn.expert=1), or make layers MoE")
+    if moe.experts % degree:
+        raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by {where}; pick an "
+                          f"expert degree that divides {moe.experts}")
+    rules = config.sharding.rules
+    experts, batch = tuple(rules.get("expert", ())), tuple(rules.get("batch", ()))
+    if experts != ("expert",) or "expert" not in batch:
+        raise ConfigError(f"{where} needs sharding.rules.expert=('expert',) and the expert axis "
+                          f"in sharding.rules.batch (the rows trade places with the experts), got "
+                          f"expert={experts} and batch={batch}")
+
+
+def _check_context(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """The sequence split over the axes of sharding.rules.length (mesh.context by default)."""
+    axes = tuple(config.sharding.rules.get("length", ()))
+    shards = math.prod(mesh_shape[a] for a in axes if a in mesh_shape)
+    if shards == 1:
+        return
+    where = "x".join(f"mesh.{a}={mesh_shape[a]}" for a in axes if a in mesh_shape)
+    seq_len = config.train.seq_len
+    if seq_len % (2 * shards):
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by 2 x {where} = {2 * shards}: the "
+            f"sequence is cut into {2 * shards} chunks for a load-balanced causal attention; "
+            f"make train.seq_len a multiple of {2 * shards}")
+    if config.model.attention == "splash":
+        raise ConfigError(
+            f"model.attention='splash' needs whole sequences on each device, but {where} splits "
+            "them (sharding.rules.length); use model.attention=auto or xla")
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

@@ -13,6 +13,8 @@ Tokens reach their slots by a stable sort of the assignments by expert and a cum
 (`route`), then one gather into `[batch, experts, capacity, d_model]`; the experts run as batched
 matmuls over the stacked weights `[experts, ...]`; a gather brings each assignment's output back
 and the weighted sum combines a token's choices. No [tokens, experts, capacity] one-hot masks.
+With the experts split over devices (the `expert` logical axis), the buffers travel to their
+experts' devices and back by all-to-all (`jaxscale.parallel.experts`).
 
 The layer also returns `RouterStats`, over the whole batch: the load-balancing loss (Switch
 Transformer, eq. 4) `experts * sum_e f_e * P_e`, with f_e expert e's share of the top_k
@@ -34,7 +36,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import param
-from jaxscale.parallel.sharding import constrain
+from jaxscale.parallel.experts import constrain_experts, to_experts, to_tokens
+
+BUFFERS = ("batch", "expert", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +163,18 @@ class MoE(nnx.Module):
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
         probs = jax.nn.softmax(logits, axis=-1)
         routing = jax.vmap(functools.partial(route, top_k=cfg.top_k, capacity=capacity))(probs)
-        buffers = constrain(jax.vmap(dispatch)(x, routing), ("batch", "expert", None, "embed"))
-        out = jax.vmap(functools.partial(combine, top_k=cfg.top_k))(self.experts(buffers),
-                                                                     routing)
+        # Dispatch and combine stay with the rows; the experts run where their weights are
+        # (with an expert mesh axis, an all-to-all each way: jaxscale/parallel/experts.py).
+        buffers = to_experts(jax.vmap(dispatch)(x, routing), BUFFERS)
+        expert_out = to_tokens(self.experts(buffers), BUFFERS)
+        out = jax.vmap(functools.partial(combine, top_k=cfg.top_k))(expert_out, routing)
         return out.astype(x.dtype), router_stats(logits, probs, routing)
 
     def experts(self, buffers: jax.Array) -> jax.Array:
-        """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model]: one batched
-        matmul per weight, over the stacked experts."""
+        """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model] (in the
+        expert layout): one batched matmul per weight, over the stacked experts."""
         dt = self.dtype
         gate = jnp.einsum("becd,edf->becf", buffers, self.gate[...].astype(dt))
         up = jnp.einsum("becd,edf->becf", buffers, self.up[...].astype(dt))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "expert", None, "mlp"))
+        hidden = constrain_experts(jax.nn.silu(gate) * up, ("batch", "expert", None, "mlp"))
         return jnp.einsum("becf,efd->becd", hidden, self.down[...].astype(dt))

@@ -1,0 +1,92 @@
+"""Expert parallelism: moving an MoE layer's dispatched tokens to their experts' devices and back.
+
+The `expert` logical axis (the experts of a layer) is split over the mesh axes of the `expert`
+rule; the `batch` rule splits the rows over the same axes too (default ("data", "fsdp",
+"expert")), so the attention and other dense parts of the model are data-parallel over them and
+never replicated. An MoE layer dispatches each row's tokens into buffers [batch, experts,
+capacity, d_model] where the row lives (the token layout: rows split over the expert axes, every
+expert's slots present). The experts' matmuls need the opposite (the expert layout: each device
+holds its own experts' slots, of the rows of its whole expert group), so `to_experts` swaps the
+two with one all-to-all over the expert axes, inside `shard_map`, and `to_tokens` swaps them
+back: each device sends every other one the slots that its experts hold and receives its own
+experts' slots of the other devices' rows.
+
+Model code names logical axes only: `to_experts(x, logical)`, `to_tokens`, `constrain_experts`;
+without active rules (a plain call of the model) they return x unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxscale.parallel.sharding import Rules, active_mesh_and_rules, logical_to_mesh
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _expert_first(rules: Rules) -> Rules:
+    """The rules with the expert axes taken off every other logical axis: in the expert layout
+    the experts hold them, so e.g. `batch` splits only over its other axes."""
+    taken = set(rules.get("expert", ()))
+    return {name: axes if name == "expert" else tuple(a for a in axes if a not in taken)
+            for name, axes in rules.items()}
+
+
+def _layouts(logical: Sequence[str | None], rules: Rules) -> tuple[P, P, tuple[str, ...]]:
+    """(token spec, expert spec, expert axes) of an array with these logical axes (one `batch`
+    and one `expert` among them). In the token spec the expert axes split `batch` last (minor),
+    which makes the all-to-all's concatenated blocks of rows come out in the rows' order."""
+    experts = tuple(rules.get("expert", ()))
+    expert_spec = logical_to_mesh(logical, _expert_first(rules))
+    token_spec = list(expert_spec)
+    token_spec[logical.index("expert")] = None
+    token_spec[logical.index("batch")] = _axes(expert_spec[logical.index("batch")]) + experts
+    return P(*token_spec), expert_spec, experts
+
+
+def _exchange(x: jax.Array, logical: Sequence[str | None], to_experts: bool) -> jax.Array:
+    active = active_mesh_and_rules()
+    if active is None:
+        return x
+    mesh, rules = active
+    token_spec, expert_spec, experts = _layouts(logical, rules)
+    degree = math.prod(mesh.shape[a] for a in experts)
+    batch, expert = logical.index("batch"), logical.index("expert")
+    rows = math.prod(mesh.shape[a] for a in _axes(token_spec[batch]))
+    if degree == 1 or x.shape[batch] % rows or x.shape[expert] % degree:
+        # Nothing to exchange, or rows that do not split evenly (a decoding batch): the
+        # constraint alone, which XLA follows where it can.
+        return constrain_experts(x, logical)
+    # Token layout: split experts, gather rows; back: split rows, gather experts.
+    split, concat = (expert, batch) if to_experts else (batch, expert)
+    in_spec, out_spec = (token_spec, expert_spec) if to_experts else (expert_spec, token_spec)
+    swap = lambda shard: jax.lax.all_to_all(shard, experts, split, concat, tiled=True)
+    return jax.shard_map(swap, mesh=mesh, in_specs=in_spec, out_specs=out_spec)(x)
+
+
+def to_experts(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Dispatched buffers (logical axes include `batch` and `expert`) from the token layout to
+    the expert layout, by an all-to-all over the expert mesh axes."""
+    return _exchange(x, logical, to_experts=True)
+
+
+def to_tokens(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """The experts' outputs from the expert layout back to the token layout (`to_experts`'s
+    inverse)."""
+    return _exchange(x, logical, to_experts=False)
+
+
+def constrain_experts(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pins `x` to the expert layout (no-op without active rules)."""
+    active = active_mesh_and_rules()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, logical_to_mesh(logical, _expert_first(rules))))
