@@ -53,7 +53,8 @@ def default_config() -> ml_collections.ConfigDict:
                   dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1),
                   # True: the planner chooses the sizes above, the remat policy, accumulation and
                   # optimizer-state layout at start-up (docs/planning.md), planning for
-                  # auto_memory_gib GiB per device (0: the chip's; CPUs have none).
+                  # auto_memory_gib GiB per device (0: the capacity the memory check uses,
+                  # performance.device_memory_gib or what the device reports; CPUs have none).
                   auto=False, auto_memory_gib=0.0)
     # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
     c.sharding = dict(
