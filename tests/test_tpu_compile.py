@@ -48,3 +48,23 @@ def test_targets_name_chips():
     assert parse_target("v5e-16").topology == "v5e:4x4"
     assert parse_target("v5p:2x2x1").num_devices == 4
     assert parse_target("cpu:8").num_devices == 8
+
+
+def test_a_two_slice_target_plans_over_dcn_and_compiles_for_both_slices():
+    """`2xv5e-4`: 8 chips in 2 slices. The TPU compiler describes both (each device knows its
+    slice), the search splits the slices over the DCN axes, and the chosen layout compiles."""
+    from jaxscale.plan.planner import make_plan
+
+    target = parse_target("2xv5e-4")
+    assert (target.num_devices, target.granules, target.topology) == (8, 2, "v5e:2x2")
+    devices = target_devices(target)
+    assert sorted({d.slice_index for d in devices}) == [0, 1]
+    config = small_config()
+    config.precision.compute_dtype = "bfloat16"
+    config.train.update(batch_size=16, seq_len=256)
+    config.model.head_dim = 128
+    plan = make_plan(config, target, top=1)
+    dcn = {a: plan.chosen.candidate.apply(config).mesh.dcn[a] for a in ("data", "fsdp",
+                                                                      "pipeline")}
+    assert sorted(dcn.values()) == [1, 1, 2]  # the two slices split one axis
+    assert plan.chosen.compiled is not None

@@ -3,7 +3,9 @@ compiler (`libtpu`, the `jaxscale[tpu]` extra) on any host, TPU or not, or GPU n
 
 TPU targets are written `<generation>-<chips>` (`v5p-64`, `v5e-16`) or as a topology
 (`v5p:4x4x4`). The number counts chips: Google's own names for v4 and v5p slices count TensorCores,
-two per chip, so our `v5p-64` is Cloud TPU's `v5p-128`.
+two per chip, so our `v5p-64` is Cloud TPU's `v5p-128`. `SLICESx<slice>` (`2xv5p-64`) is a
+multi-slice job: that many slices joined by DCN, compiled for as one (the TPU compiler describes
+multi-slice topologies too), so the search splits the slices over the DCN axes.
 
 GPU targets are `h100:N`, `h200:N`, `a100:N` (N GPUs, 8 per node) or `h100:NODESxGPUS`. There is
 no GPU compiler without a GPU, so they are planned from the analytic models only.
@@ -41,7 +43,7 @@ class Target:
     topology: str | None  # e.g. "v5p:4x4x4" for TPU targets
     num_devices: int
     chip_name: str | None = None  # a key of chips.CHIPS; None: CPUs (no table entry)
-    # DCN-connected groups the devices form: GPU nodes; 1 for one TPU slice or one host.
+    # DCN-connected groups the devices form: GPU nodes or TPU slices; 1 for one slice or host.
     granules: int = 1
 
     @property
@@ -66,20 +68,23 @@ def parse_target(spec: str) -> Target:
         return local_target(jax.devices())
     if m := re.fullmatch(r"cpu:(\d+)", spec):
         return Target(spec, "cpu", None, int(m.group(1)))
-    if m := re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", spec):
-        generation, chips = m.group(1), int(m.group(2))
+    if m := re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)", spec):
+        slices, generation, chips = int(m.group(1) or 1), m.group(2), int(m.group(3))
         shapes = TPU_GENERATIONS[generation]
-        if chips not in shapes:
+        if chips not in shapes or slices < 1:
             raise ConfigError(f"target {spec!r} is not a {generation} slice size; use one of "
-                              + ", ".join(f"{generation}-{n}" for n in shapes))
-        return Target(spec, "tpu", f"{generation}:{shapes[chips]}", chips, _TPU_CHIPS[generation])
+                              + ", ".join(f"{generation}-{n}" for n in shapes)
+                              + f" (or SLICESx{generation}-N for several slices)")
+        return Target(spec, "tpu", f"{generation}:{shapes[chips]}", chips * slices,
+                      _TPU_CHIPS[generation], granules=slices)
     if m := re.fullmatch(r"(v4|v5p|v5e|v6e):(\d+(?:x\d+){1,2})", spec):
         chips = math.prod(int(d) for d in m.group(2).split("x"))
         return Target(spec, "tpu", spec, chips, _TPU_CHIPS[m.group(1)])
     if m := re.fullmatch(r"(h100|h200|a100):(?:(\d+)x)?(\d+)", spec):
         return _gpu_target(spec, m.group(1), m.group(2), int(m.group(3)))
     raise ConfigError(f"target {spec!r} is unknown; use local, cpu:N, a TPU slice such as "
-                      "v5p-64 or v5e-16 (chips), a topology such as v5p:4x4x4, or GPUs such as "
+                      "v5p-64 or v5e-16 (chips), slices such as 2xv5p-64, a topology such as "
+                      "v5p:4x4x4, or GPUs such as "
                       "h100:16 or h100:2x8 (nodes x GPUs per node)")
 
 
@@ -126,7 +131,8 @@ def target_devices(target: Target) -> list:
     from jax.experimental import topologies
     try:
         with quiet_libtpu():
-            return list(topologies.get_topology_desc(target.topology, "tpu").devices)
+            return list(topologies.get_topology_desc(target.topology, "tpu",
+                                                     num_slices=target.granules).devices)
     except Exception as e:  # noqa: BLE001 - e.g. a topology this libtpu does not know
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"the TPU compiler cannot describe target {target.name!r} "
