@@ -32,9 +32,10 @@ from jaxscale.trainer import Trainer  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402
 
 MIB = 2 ** 20
-# 8 layers of d_model 128 on 32 sequences of 128 tokens: activations, not weights, fill memory.
+# 8 layers of d_model 128 on 32 sequences of 256 tokens, nothing rematerialised (the default):
+# activations, not weights, fill memory.
 MODEL = ["--config.model.n_layers=8", "--config.model.d_model=128", "--config.model.mlp_dim=512",
-         "--config.model.remat=full", "--config.train.batch_size=32", "--config.train.seq_len=128",
+         "--config.model.remat=none", "--config.train.batch_size=32", "--config.train.seq_len=256",
          "--config.precision.compute_dtype=float32"]
 
 

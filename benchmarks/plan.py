@@ -37,8 +37,7 @@ def _describe(row, plan) -> str:
     memory = (f"{row.compiled.total / GIB:.1f} GiB/chip compiled" if row.compiled
               else f"{row.estimate.total / GIB:.1f} GiB/chip estimated")
     mfu = row.time.mfu(plan.target.num_devices, plan.chip.peak_bf16_flops)
-    return (f"{c.mesh_label}, remat {c.remat}, {c.microbatches} microbatch(es), optimizer "
-            f"{c.optimizer_state}: {memory}, est. {row.time.total:.2f} s/step, MFU {mfu:.0%}")
+    return f"{c.summary()}: {memory}, est. {row.time.total:.2f} s/step, MFU {mfu:.0%}"
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ share, so no data moves between data-parallel devices).
 - `gpipe`: all forwards, then (by autodiff through the loop) all backwards. With R circular
   repeats, stage s runs layer groups s, s + S, s + 2S, ... and a microbatch goes round the stages
   R times: the bubble shrinks from (S - 1) / (M + S - 1) to (S - 1) / (R * M + S - 1). Autodiff
-  keeps every microbatch's activations until the backward: memory grows with M.
+  keeps every microbatch's activations until the backward: the whole batch's.
 - `1f1b`: each tick, every stage runs one forward and one backward (recomputed from the stage
   input it stashed), so at most 2S - 1 microbatches are in flight per stage whatever M is. The loss
   must then be computed inside the loop on the last stage (`tail_fn`), and the schedule computes
@@ -108,17 +108,19 @@ def _on_stages(x: jax.Array) -> jax.Array:
 
 
 def _by_stage(stacked_state, stages: int, repeats: int):
-    """[layers, ...] -> [stages, repeats, layers per group, ...]: stage s, repeat r holds layers
-    (r * stages + s) * g ... + g - 1. With one repeat this is a reshape of the stored layout (stage
-    s's layers are already on its devices); with more, the groups are exchanged once per step."""
+    """[layers, ...] -> [stages, layers per stage, ...] for one repeat: a reshape of the stored
+    layout (stage s's layers are already on its devices). With R repeats, [stages, R, g, ...],
+    stage s's repeat r holding layers (r * stages + s) * g ... + g - 1: the groups are exchanged
+    once per step between the stored order and this one."""
     def split(a):
+        if repeats == 1:
+            return _on_stages(a.reshape(stages, a.shape[0] // stages, *a.shape[1:]))
         group = a.shape[0] // (stages * repeats)
-        a = a.reshape(repeats, stages, group, *a.shape[1:]).swapaxes(0, 1)
-        return _on_stages(a)
+        return _on_stages(a.reshape(repeats, stages, group, *a.shape[1:]).swapaxes(0, 1))
     return jax.tree.map(split, stacked_state)
 
 
-def _stage_fn(layer_fn: LayerFn):
+def _circular_stage_fn(layer_fn: LayerFn):
     """(one stage's [repeats, group, ...] state, repeat index, x, *per_row) -> x."""
     def run(stage_state, repeat, x, *per_row):
         group = jax.tree.map(lambda a: a[repeat], stage_state)
@@ -134,7 +136,14 @@ def _per_stage(fn):
 def _gpipe(layer_fn, stacked_state, x, per_row, stages, microbatches, repeats):
     s_idx = jnp.arange(stages)
     stage_state = _by_stage(stacked_state, stages, repeats)
-    run_stages = _per_stage(_stage_fn(layer_fn))
+    if repeats == 1:
+        # No per-tick indexing: the stage's weights stay loop constants, whose compute-dtype
+        # copies autodiff then keeps once, not once per tick.
+        per_stage = _per_stage(functools.partial(scan_layers, layer_fn))
+        run_stages = lambda repeat, inputs, *rows: per_stage(stage_state, inputs, *rows)
+    else:
+        per_stage = _per_stage(_circular_stage_fn(layer_fn))
+        run_stages = lambda repeat, inputs, *rows: per_stage(stage_state, repeat, inputs, *rows)
     per_row = tuple(split_rows(a, microbatches) for a in per_row)
     # One buffer of microbatch activations: stage 0 reads microbatch t % M from it, the last stage
     # writes its output back in the same slot (a later repeat's input, at the end the result). A
@@ -149,7 +158,7 @@ def _gpipe(layer_fn, stacked_state, x, per_row, stages, microbatches, repeats):
         repeat = jnp.clip(item // microbatches, 0, repeats - 1)
         inputs = _on_stages(state.at[0].set(buffer[t % microbatches]))
         rows = tuple(a[micro] for a in per_row)
-        out = run_stages(stage_state, repeat, inputs, *rows)
+        out = run_stages(repeat, inputs, *rows)
         last = t - (stages - 1)
         done = (last >= 0) & (last < microbatches * repeats)
         slot = last % microbatches
@@ -207,16 +216,15 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
     s_idx = jnp.arange(stages)
     stash_len = min(microbatches, 2 * stages - 1)  # in flight on stage 0: 2S - 1
     stage_state = _by_stage(stacked_state, stages, 1)
-    stage_fn = _stage_fn(layer_fn)
-    zero_repeat = jnp.zeros((stages,), jnp.int32)
+    stage_fn = functools.partial(scan_layers, layer_fn)
     x_mb = split_rows(x, microbatches)
     per_row = tuple(split_rows(a, microbatches) for a in per_row)
     tail_rows = tuple(split_rows(a, microbatches) for a in tail_rows)
     activations = jnp.zeros((stages, *x_mb.shape[1:]), x.dtype)
     f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
-    def backward_of_stage(state, repeat, stage_input, grad_out, *rows):
-        _, vjp = jax.vjp(lambda p, h: stage_fn(p, repeat, h, *rows), state, stage_input)
+    def backward_of_stage(state, stage_input, grad_out, *rows):
+        _, vjp = jax.vjp(lambda p, h: stage_fn(p, h, *rows), state, stage_input)
         return vjp(grad_out)
 
     run_forward = _per_stage(stage_fn)
@@ -235,7 +243,7 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
         inputs = _on_stages(fwd_in.at[0].set(x_mb[jnp.clip(t, 0, microbatches - 1)]))
         stash = keep_where(fwd_ok, write_stash(stash, fwd_micro % stash_len, inputs), stash)
         rows = tuple(a[fwd_micro] for a in per_row)
-        out = run_forward(stage_state, zero_repeat, inputs, *rows)
+        out = run_forward(stage_state, inputs, *rows)
         # The tail on the last stage's output: the loss and the gradient that starts its backward.
         tail_item = t - (stages - 1)
         tail_ok = (tail_item >= 0) & (tail_item < microbatches)
@@ -253,7 +261,7 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
         grads_out = _on_stages(bwd_in.at[stages - 1].set(grad_last.astype(bwd_in.dtype)))
         stage_inputs = read_stash(stash, bwd_micro % stash_len)
         rows = tuple(a[bwd_micro] for a in per_row)
-        d_state, d_input = run_backward(stage_state, zero_repeat, stage_inputs, grads_out, *rows)
+        d_state, d_input = run_backward(stage_state, stage_inputs, grads_out, *rows)
         state_grad = jax.tree.map(
             lambda acc, g: acc + keep_where(bwd_ok, g.astype(jnp.float32), jnp.zeros_like(acc)),
             state_grad, d_state)
@@ -268,9 +276,8 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
              jnp.zeros_like(x_mb), jnp.zeros((), jnp.float32))
     ticks = jnp.arange(microbatches + 2 * stages - 2)
     (_, _, _, state_grad, tail_grad, x_grad, total), _ = jax.lax.scan(tick, carry, ticks)
-    state_grad = jax.tree.map(
-        lambda g, a: g.swapaxes(0, 1).reshape(a.shape).astype(a.dtype), state_grad,
-        stacked_state)
+    state_grad = jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), state_grad,
+                              stacked_state)
     tail_grad = jax.tree.map(lambda g, a: g.astype(a.dtype), tail_grad, tail_params)
     return (total * seed, total), (state_grad, merge_rows(x_grad), tail_grad)
 

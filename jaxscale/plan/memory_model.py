@@ -12,6 +12,9 @@ What it counts, per device:
     policy, plus one layer's working set during its backward pass, plus the attention scores
     where the XLA path materialises them (CPUs and GPUs; TPUs use the splash kernel);
   - the loss: float32 logits of `model.loss_chunk_len` positions at a time (jaxscale/loss.py).
+With S pipeline stages (jaxscale/parallel/pipeline.py) the state is split S ways by the sharding
+specs themselves (`layers` -> `pipeline`), and the activations are those of the device's L/S
+layers on microbatches of 1/M of the rows, as the schedule keeps them (`_pipeline_activations`).
 The coefficients are per-tensor counts read off jaxscale/models/layers.py; the planner reports
 the estimate beside the compiler's figure for every candidate it compiles (docs/planning.md).
 """
@@ -28,6 +31,7 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.loss import chunk_length
+from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import logical_to_mesh, rules_from_config
 from jaxscale.state import ModelSpec, moment_specs
 from jaxscale.step import BATCH_KEYS
@@ -85,7 +89,9 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
 
     batch_shards = shards("batch")
     rows = max(t.batch_size // t.microbatches // batch_shards, 1)  # one microbatch, per device
-    tokens = rows * t.seq_len
+    pipeline = config_pipeline(config, mesh_shape["pipeline"])
+    # With a pipeline, a stage works on 1/M of those rows at a time.
+    stage_rows = max(rows // pipeline.num_microbatches, 1) if pipeline else rows
     # Per-device widths of the layer's tensors (the tensor axis splits heads and the MLP).
     d = m.d_model
     q = m.n_heads * m.head_dim // shards("heads")
@@ -102,28 +108,72 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     # input, or the input and the outputs of the weight matmuls.
     kept = {"none": everything, "full": d * compute,
             "save_dots": (3 * d + q + 2 * kv + 2 * mlp) * compute}[m.remat]
-    # The XLA path's float32 scores and probabilities, kept for every layer without remat.
-    scores = 0 if splash_attention else rows * heads * t.seq_len ** 2 * 8
-    layers_kept = m.n_layers * (kept * tokens + (scores if m.remat == "none" else 0))
-    # One layer is recomputed and differentiated at a time: its activations and their gradients.
-    activations = layers_kept + 2 * everything * tokens + scores
+
+    def scores(n_rows: int) -> int:
+        """The XLA path's float32 scores and probabilities of one layer on `n_rows` rows."""
+        return 0 if splash_attention else n_rows * heads * t.seq_len ** 2 * 8
+
+    def layer_kept(n_rows: int) -> int:
+        """What one layer keeps for its backward pass (the scores too, without remat)."""
+        return kept * n_rows * t.seq_len + (scores(n_rows) if m.remat == "none" else 0)
+
+    def working_set(n_rows: int) -> int:
+        """One layer recomputed and differentiated at a time: its activations, their gradients."""
+        return 2 * everything * n_rows * t.seq_len + scores(n_rows)
+
+    if pipeline is None:
+        activations = m.n_layers * layer_kept(rows) + working_set(rows)
+    else:
+        stage_weights = _tree_shard_elements(param_specs["blocks"],
+                                             spec.abstract_params["blocks"], mesh_shape)
+        activations = _pipeline_activations(
+            pipeline, m.n_layers // pipeline.stages, layer_kept(stage_rows),
+            working_set(stage_rows), stage_weights * compute,
+            stage_rows * t.seq_len * d * compute)
 
     chunk = chunk_length(t.seq_len, m.loss_chunk_len)
     vocab = cfg.padded_vocab_size // shards("vocab")
+    # 1F1B computes the loss inside its loop, a microbatch at a time; otherwise after the layers.
+    loss_rows = stage_rows if pipeline and pipeline.schedule == "1f1b" else rows
     # A chunk's float32 logits, and half as much again for their gradient (fused with the
     # softmax, partly in place; calibrated on the TPU compiler's Llama 3 1B and 8B steps), plus
     # the features' float32 copy.
-    logits = int(rows * chunk * vocab * 4 * 1.5) + tokens * d * 4
+    logits = int(loss_rows * chunk * vocab * 4 * 1.5) + loss_rows * t.seq_len * d * 4
 
     fsdp_gathered = 0
     if shards("embed") > 1:  # the output head is not gathered: the loss contracts it in slices
         layer_elements = d * (q + 2 * kv) + q * d + 3 * d * mlp
         fsdp_gathered = 2 * layer_elements * compute
     # The gradients, the optimizer's update (float32, in the moments' layout) and, with
-    # accumulation, the running sum.
-    gradients = 4 * moment_elements * (3 if t.microbatches > 1 else 2)
+    # accumulation, the running sum; GPipe's backward loop keeps one too (its gradient carry,
+    # in the stage layout), where 1F1B's carry becomes the gradients.
+    running_sum = t.microbatches > 1 or (pipeline is not None and pipeline.schedule == "gpipe")
+    gradients = 4 * moment_elements * (3 if running_sum else 2)
     return MemoryEstimate(
         params=4 * params, moments=2 * moment_bytes * moment_elements,
         batch=len(BATCH_KEYS) * 4 * rows * t.microbatches * t.seq_len,
         gradients=gradients, gathered_weights=fsdp_gathered, activations=activations,
         logits=logits)
+
+
+def _pipeline_activations(pipeline: Pipeline, stage_layers: int, layer_kept: int,
+                          working_set: int, stage_weights: int, stage_input: int) -> int:
+    """Bytes of activations per device of a pipeline stage of `stage_layers` layers, from one
+    microbatch's figures: what a layer keeps for its backward (`layer_kept`), one layer's
+    backward working set, the stage's weights in the compute dtype, and the stage's input.
+
+    GPipe differentiates through its loop of R*M + S - 1 ticks: every tick keeps what its layers
+    keep for the backward. With one repeat the stage's weights are loop constants, kept once in the
+    compute dtype; with circular repeats each tick picks its repeat's group, and autodiff keeps
+    that copy per tick. 1F1B keeps only the
+    stage inputs in flight (at most 2S - 1) and, for the whole batch, the gradient of the stage
+    inputs; each tick recomputes one microbatch's stage and differentiates it.
+    """
+    s, m, r = pipeline.stages, pipeline.num_microbatches, pipeline.repeats
+    if pipeline.schedule == "1f1b":
+        in_flight = min(m, 2 * s - 1) * stage_input
+        return (in_flight + m * stage_input + stage_layers * layer_kept + stage_weights
+                + working_set)
+    ticks = r * m + s - 1
+    weights = ticks * (stage_weights // r) if r > 1 else stage_weights
+    return ticks * (stage_layers // r * layer_kept) + weights + working_set

@@ -22,7 +22,6 @@ from typing import Callable
 import jax
 import ml_collections
 
-from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.attention import splash_fits
 from jaxscale.plan import rank
@@ -97,11 +96,11 @@ def _splash(config: ml_collections.ConfigDict, target: Target) -> bool:
     return a == "splash" or (a == "auto" and on_tpu and splash_fits(config.train.seq_len))
 
 
-def _reference(rows: dict[Candidate, Row], config, role: str, mesh: tuple[int, int, int],
-               granules: int) -> Row | None:
+def _reference(rows: dict[Candidate, Row], config, role: str,
+               mesh: tuple[int, int, int, int], granules: int) -> Row | None:
     """The row of a familiar layout (pure data, FSDP only), with the config's remat and no
     accumulation, to show beside the choice; None when the model does not allow it."""
-    dcn = (granules, 1) if mesh[0] > 1 else (1, granules)
+    dcn = (granules, 1, 1) if mesh[0] > 1 else (1, granules, 1)
     wanted = Candidate(mesh, dcn, config.model.remat, 1, "params")
     row = rows.get(wanted)
     return dataclasses.replace(row, role=role) if row else None
@@ -136,8 +135,8 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
     by_speed = sorted(rows.values(), key=lambda r: (r.time.total, rank.simplicity(r.candidate)))
     promising = [r for r in by_speed if r.estimate.total <= budget]
     references = [r for r in (
-        _reference(rows, config, "pure data", (n // granules, 1, 1), granules),
-        _reference(rows, config, "FSDP only", (1, n // granules, 1), granules)) if r]
+        _reference(rows, config, "pure data", (n // granules, 1, 1, 1), granules),
+        _reference(rows, config, "FSDP only", (1, n // granules, 1, 1), granules)) if r]
 
     judged: dict[Candidate, Row] = {}  # compiled (or, for GPUs, the estimates' best)
     if target.compiles:
@@ -169,8 +168,7 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
 def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, log) -> Row:
     """`row` with the compiler's memory and collectives (or its error)."""
     c = row.candidate
-    log(f"compiling {c.mesh_label}, remat {c.remat}, {c.microbatches} microbatch(es), "
-        f"optimizer state {c.optimizer_state} ...")
+    log(f"compiling {c.summary()} ...")
     start = time.perf_counter()
     c_config = c.apply(config)
     out = dataclasses.replace(row)
@@ -183,8 +181,7 @@ def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, l
         return out
     out.compile_seconds = time.perf_counter() - start
     out.executable = compiled
-    ici = {a: dict(zip(("data", "fsdp", "tensor"), c.ici)).get(a, 1) for a in MESH_AXES}
-    out.collectives = parse_collectives(compiled.as_text(), c.mesh_shape, ici)
+    out.collectives = parse_collectives(compiled.as_text(), c.mesh_shape, c.sizes()[0])
     out.time = rank.step_time(c_config, model_spec(c_config), c, out.collectives, chip,
                               len(devices))
     log(f"  {out.compiled.total / GIB:.2f} GiB per device (estimate "

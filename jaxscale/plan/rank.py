@@ -5,6 +5,13 @@ Compute is the model's FLOPs (`LlamaConfig.flops_per_token`, not `cost_analysis(
 a scanned layer once) plus what the remat policy recomputes, at peak bf16 FLOP/s: an upper bound
 on speed that ranks candidates fairly, since every one runs the same matmuls.
 
+Pipelines (S stages, M microbatches): the stages run in lockstep and every tick costs the same on
+every stage, bubble ticks included (they compute on masked data), so the layers' compute is
+divided by 1 - bubble (`Pipeline.bubble_fraction`, equal stage times assumed). 1F1B runs each
+stage's forward again in its backward tick (+1 forward: a third more than forward + backward),
+on top of what remat recomputes inside that backward. The output head and loss are not split
+over the stages: every stage computes them for its rows (1F1B inside its loop, in every tick).
+
 Communication comes from the compiled HLO's collectives when there is one (`collectives.py`),
 else from the analytic counts below (GPU targets, and the pre-ranking before compiling). Each
 collective's ring traffic goes over the fast links (ICI / NVLink) or, when its groups span slices
@@ -13,8 +20,9 @@ or nodes, the network (DCN).
 Overlap assumption: collectives over `data` and `fsdp` (gathering the next layer's weights,
 reducing gradients) run asynchronously beside the matmuls, as XLA schedules them, so they cost
 time only beyond the compute they hide behind; collectives over `tensor` sit between a layer's
-matmuls (each needs the previous one's output), so their time adds in full:
-    step = max(compute, data/fsdp communication) + tensor communication.
+matmuls (each needs the previous one's output), and those over `pipeline` between a pipeline's
+ticks (the next stage needs the activations sent), so their time adds in full:
+    step = max(compute, data/fsdp communication) + tensor and pipeline communication.
 """
 
 from __future__ import annotations
@@ -22,26 +30,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.plan.chips import Chip
 from jaxscale.plan.collectives import Collective
-from jaxscale.plan.search import Candidate
+from jaxscale.plan.search import DCN_AXES, Candidate
 from jaxscale.state import ModelSpec
 
 # On near-ties (within this fraction of the fastest) the simpler candidate wins: fewer mesh
-# axes, less recomputation, fewer microbatches, no ZeRO-1.
+# axes, no pipeline, less recomputation, fewer microbatches, no ZeRO-1.
 NEAR_TIE = 0.03
 _REMAT_ORDER = {"none": 0, "save_dots": 1, "full": 2}
+# Collectives on a step's critical path: between a layer's matmuls, between pipeline ticks.
+_EXPOSED_AXES = ("tensor", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    compute: float  # seconds
+    compute: float  # seconds, the pipeline's bubble included
     overlapped: float  # data/fsdp communication, hidden behind compute up to its length
-    exposed: float  # tensor communication, on the critical path
+    exposed: float  # tensor and pipeline communication, on the critical path
     model_flops: float  # per step, all devices (no recomputation): MFU's numerator
+    bubble: float = 0.0  # the share of the layers' compute a pipeline spends idle
 
     @property
     def total(self) -> float:
@@ -51,18 +63,27 @@ class StepTime:
         return self.model_flops / (self.total * num_devices * peak)
 
 
-def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, remat: str,
+def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, candidate: Candidate,
                     num_devices: int, peak: float) -> tuple[float, float]:
-    """(seconds of matmuls per step at `peak`, model FLOPs per step). Full remat runs the forward
-    pass twice (8N instead of 6N per token); save_dots recomputes only attention's score and value
-    products (no weights)."""
+    """(seconds of matmuls per step at `peak`, model FLOPs per step). Full remat runs the layers'
+    forward pass twice (8N instead of 6N per token); save_dots recomputes only attention's score
+    and value products (no weights). With a pipeline, see the module's docstring."""
     t, m = config.train, spec.config
     tokens = t.batch_size * t.seq_len
     per_token = m.flops_per_token(spec.num_params, t.seq_len)
+    head = 6.0 * m.d_model * m.padded_vocab_size  # the output head's matmuls
+    layers = per_token - head
     attention_forward = 4.0 * m.n_layers * m.n_heads * m.head_dim * t.seq_len
-    extra = {"none": 0.0, "save_dots": attention_forward,
-             "full": per_token / 3}[remat]
-    return tokens * (per_token + extra) / (num_devices * peak), tokens * per_token
+    layers += {"none": 0.0, "save_dots": attention_forward, "full": layers / 3}[candidate.remat]
+    pipeline = candidate.pipeline
+    if pipeline is None:
+        return tokens * (layers + head) / (num_devices * peak), tokens * per_token
+    idle = 1 / (1 - pipeline.bubble_fraction())
+    if pipeline.schedule == "1f1b":
+        layers += (per_token - head) / 3
+        head *= idle
+    seconds = tokens * (layers * idle + head * pipeline.stages) / (num_devices * peak)
+    return seconds, tokens * per_token
 
 
 def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
@@ -72,48 +93,85 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     weight twice (forward, backward) and reduce-scatters its gradient; tensor parallelism
     all-reduces a layer's [tokens, d_model] activations twice per pass (after attention and after
     the MLP) over forward, backward and any remat recomputation; data parallelism all-reduces
-    the gradients once per step."""
+    the gradients once per step.
+
+    A pipeline does all of that per tick of its loop (forward and backward ticks for GPipe, 1F1B's
+    ticks doing both), for the stage's layers and a microbatch's rows; the compiled programs also
+    reduce the stage's gradients over `data` in every backward tick. Between ticks each stage's
+    activations go to the next stage and the last stage's output to all of them, forward and
+    backward: two collective-permutes and an all-reduce over `pipeline` per tick and direction,
+    as the TPU compiler emits them."""
     t, m = config.train, config.model
     shape = candidate.mesh_shape
     data, fsdp, tensor = shape["data"], shape["fsdp"], shape["tensor"]
-    k = candidate.microbatches
+    dcn = dict(zip(DCN_AXES, candidate.dcn))
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
-    weights = spec.num_params * compute / tensor  # one device's model slice, gathered
-    dcn_data, dcn_fsdp = candidate.dcn
+    k, layers, layer_params = candidate.microbatches, m.n_layers, _layer_params(spec)
+    stage_layer_params = layer_params
+    passes = 3 if candidate.remat != "none" else 2  # forward, backward, remat's forward
+    rows = t.batch_size // k // (data * fsdp)  # a microbatch's rows, per device
+    gradient_reductions = 1
+    if p := candidate.pipeline:
+        stage_layer_params //= p.stages
+        layers //= p.stages
+        rows //= p.num_microbatches
+        if p.schedule == "1f1b":  # each tick a forward and a backward
+            ticks = p.num_microbatches + 2 * p.stages - 2
+            k, passes = ticks, passes + 1
+        else:  # a loop of forward ticks, then one of backward ticks
+            ticks = p.repeats * p.num_microbatches + p.stages - 1
+            k = ticks
+        gradient_reductions = ticks
+    # One device's model slice: the stage's layers and the embedding and head.
+    params = spec.num_params - layer_params + stage_layer_params
+    weights = params * compute / tensor
+    activations = rows * t.seq_len * m.d_model * compute
     found = []
     if fsdp > 1:
-        found += [Collective("all-gather", int(weights), 2 * k, ("fsdp",), fsdp, dcn_fsdp > 1),
-                  Collective("reduce-scatter", int(weights), k, ("fsdp",), fsdp, dcn_fsdp > 1)]
+        found += [Collective("all-gather", int(weights), 2 * k, ("fsdp",), fsdp, dcn["fsdp"] > 1),
+                  Collective("reduce-scatter", int(weights), k, ("fsdp",), fsdp, dcn["fsdp"] > 1)]
     if data > 1:
-        found.append(Collective("all-reduce", int(weights / fsdp), 1, ("data",), data,
-                                dcn_data > 1))
+        found.append(Collective("all-reduce", int(weights / fsdp), gradient_reductions,
+                                ("data",), data, dcn["data"] > 1))
     if tensor > 1:
-        rows = t.batch_size // k // (data * fsdp)
-        passes = 3 if candidate.remat != "none" else 2
-        found.append(Collective("all-reduce", rows * t.seq_len * m.d_model * compute,
-                                2 * passes * m.n_layers * k, ("tensor",), tensor, False))
+        found.append(Collective("all-reduce", activations, 2 * passes * layers * k,
+                                ("tensor",), tensor, False))
+    if p:
+        crosses = dcn["pipeline"] > 1
+        found += [Collective("collective-permute", activations, 4 * ticks, ("pipeline",), 2,
+                             crosses),
+                  Collective("all-reduce", activations, 2 * ticks, ("pipeline",), p.stages,
+                             crosses)]
     return found
+
+
+def _layer_params(spec: ModelSpec) -> int:
+    """Parameters of the stacked layers (what pipeline stages split)."""
+    return sum(a.size for a in jax.tree.leaves(spec.abstract_params["blocks"]))
 
 
 def step_time(config: ml_collections.ConfigDict, spec: ModelSpec, candidate: Candidate,
               collectives: Sequence[Collective], chip: Chip, num_devices: int) -> StepTime:
-    compute, model_flops = compute_seconds(config, spec, candidate.remat, num_devices,
+    compute, model_flops = compute_seconds(config, spec, candidate, num_devices,
                                            chip.peak_bf16_flops)
     overlapped = exposed = 0.0
     for c in collectives:
         bandwidth = chip.network if c.crosses_dcn else chip.fast_link_bandwidth
         seconds = c.link_bytes * c.count / bandwidth
-        if "tensor" in c.axes:
+        if any(a in _EXPOSED_AXES for a in c.axes):
             exposed += seconds
         else:
             overlapped += seconds
-    return StepTime(compute, overlapped, exposed, model_flops)
+    bubble = candidate.pipeline.bubble_fraction() if candidate.pipeline else 0.0
+    return StepTime(compute, overlapped, exposed, model_flops, bubble)
 
 
 def simplicity(candidate: Candidate) -> tuple:
     """Smaller is simpler."""
-    return (candidate.axes_used, _REMAT_ORDER[candidate.remat], candidate.microbatches,
-            candidate.optimizer_state != "params", candidate.ici[2])
+    return (candidate.axes_used, candidate.pipeline is not None, _REMAT_ORDER[candidate.remat],
+            candidate.microbatches, candidate.pipeline_microbatches,
+            candidate.schedule == "1f1b", candidate.optimizer_state != "params",
+            candidate.mesh_shape["tensor"])
 
 
 def best(rows: Sequence) -> object:

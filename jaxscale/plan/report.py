@@ -40,7 +40,7 @@ def table(plan: Plan) -> str:
     """One line per shown candidate: its layout, memory (compiler's and estimated), the bytes
     each kind of collective moves per device per step (GiB; from the HLO when compiled, else
     counted from the shapes), the estimated step time and MFU, and the verdict."""
-    columns = ["mesh", "remat", "accum", "opt", "GiB/dev", "est GiB",
+    columns = ["mesh", "pipeline", "bubble", "remat", "accum", "opt", "GiB/dev", "est GiB",
                *(_SHORT[k] for k in KINDS), "step s", "MFU@peak", "verdict"]
     lines = [columns]
     for row in plan.rows:
@@ -48,7 +48,8 @@ def table(plan: Plan) -> str:
         moved = bytes_by_kind(row.collectives)
         verdict = plan.verdict(row) + (f" [{row.role}]" if row.role else "")
         lines.append([
-            c.mesh_label, c.remat, str(c.microbatches),
+            c.mesh_label, c.pipeline_label, f"{row.time.bubble:.1%}" if c.pipeline else "-",
+            c.remat, str(c.microbatches),
             "zero1" if c.optimizer_state == "data" else "params",
             _gib(row.compiled.total) if row.compiled else "-", _gib(row.estimate.total),
             *(f"{moved[k] / GIB:.2f}" if moved[k] else "-" for k in KINDS),
@@ -65,8 +66,7 @@ def chosen(plan: Plan) -> str:
         return f"chosen: none; {no_fit(plan)}"
     c = row.candidate
     where = "compiled" if row.compiled else "estimated"
-    return (f"chosen: {c.mesh_label}, remat {c.remat}, {c.microbatches} microbatch(es), "
-            f"optimizer state {c.optimizer_state}: {_gib(row.bytes)} GiB per device ({where}), "
+    return (f"chosen: {c.summary()}: {_gib(row.bytes)} GiB per device ({where}), "
             f"est. {row.time.total:.3g} s per step, MFU at peak {_percent(_mfu(plan, row))}\n"
             + " ".join(c.overrides()))
 
@@ -77,8 +77,8 @@ def no_fit(plan: Plan) -> str:
     c = small.candidate
     return (f"no layout of {plan.target.num_devices} devices fits the model in "
             f"{plan.budget / GIB:.2f} GiB per device ({FIT_FRACTION:.0%} of "
-            f"{plan.capacity / GIB:.2f}): the smallest, {c.mesh_label} with remat {c.remat} and "
-            f"{c.microbatches} microbatch(es), needs {_gib(small.bytes)} GiB (estimated), "
+            f"{plan.capacity / GIB:.2f}): the smallest, {c.summary()}, needs "
+            f"{_gib(small.bytes)} GiB (estimated), "
             f"{_gib(small.bytes - plan.budget)} GiB too many; use more devices, a smaller "
             "train.batch_size or train.seq_len, or a smaller model")
 
@@ -87,8 +87,10 @@ def as_json(plan: Plan) -> dict:
     def row_dict(row: Row) -> dict:
         c = row.candidate
         return dict(
-            mesh=c.mesh_shape, dcn=dict(zip(("data", "fsdp"), c.dcn)), remat=c.remat,
+            mesh=c.mesh_shape, dcn=c.sizes()[1], remat=c.remat,
             microbatches=c.microbatches, optimizer_state=c.optimizer_state,
+            pipeline=dict(schedule=c.schedule, microbatches=c.pipeline_microbatches,
+                          bubble=row.time.bubble) if c.pipeline else None,
             compiled_bytes=row.compiled.total if row.compiled else None,
             compiled=vars(row.compiled) if row.compiled else None,
             estimated_bytes=row.estimate.total, estimate=vars(row.estimate),

@@ -6,8 +6,9 @@ Searched: `data`, `fsdp`, `tensor`, `pipeline` inside a slice or node, and the s
 DCN-connected granules (GPU nodes) over `data`, `fsdp` and `pipeline`; tensor parallelism stays on
 the fast links, where its per-layer collectives belong. Pipelining across granules is what
 pipelines are for: only one stage's activations cross the slow network, not every weight (FSDP)
-or every gradient (data). With S stages each schedule (gpipe, 1f1b) is tried with M = 2S and 4S
-pipeline microbatches, one layer group per stage (`pipeline.repeats` 1).
+or every gradient (data). With S stages, GPipe is tried with M = 2S and 4S pipeline microbatches
+and every accumulation, 1F1B with M = 2S to 16S and none; one layer group per stage
+(`pipeline.repeats` 1).
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ import ml_collections
 from jaxscale.config import MESH_AXES, validate
 from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
-from jaxscale.parallel.pipeline import SCHEDULES, Pipeline
+from jaxscale.parallel.pipeline import Pipeline
 
 SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline")
 DCN_AXES = ("data", "fsdp", "pipeline")
-# Pipeline microbatches tried, per stage: 2 (the default) and 4, which halves GPipe's bubble for
-# more saved activations; beyond that the bubble shrinks little and the microbatches get small.
-PIPELINE_MICROBATCHES_PER_STAGE = (2, 4)
+# Pipeline microbatches tried, per stage. GPipe keeps every microbatch's activations until its
+# backward, so a larger M costs memory and accumulation (a bubble per part) is what saves it: 2
+# (the default) and 4, which halves the bubble. 1F1B keeps at most 2S - 1 in flight, so a larger
+# M saves memory and shrinks the bubble, and accumulation would only add bubbles: more M, no
+# accumulation.
+GPIPE_MICROBATCHES_PER_STAGE = (2, 4)
+ONE_F_ONE_B_MICROBATCHES_PER_STAGE = (2, 4, 8, 16)
+# Under the stages' vmap every weight matmul has the stage as a batch dimension, so `save_dots`
+# (dots_with_no_batch_dims_saveable) saves none of them: it is `full` there, not searched twice.
+PIPELINE_REMAT = ("none", "full")
 # Gradient accumulation steps tried (those that divide the batch): each halves the activations
 # and adds one more pass of FSDP gathers, so beyond 16 memory is rarely the problem it solves.
 MICROBATCHES = (1, 2, 4, 8, 16)
@@ -68,6 +76,14 @@ class Candidate:
         p = self.pipeline
         return f"{p.schedule} M={p.num_microbatches}" if p else "-"
 
+    def summary(self) -> str:
+        """The candidate in words, for the planner's log and its `chosen:` line."""
+        p = self.pipeline
+        pipelined = (f", {p.schedule} over {p.num_microbatches} pipeline microbatches (bubble "
+                     f"{p.bubble_fraction():.1%})" if p else "")
+        return (f"{self.mesh_label}{pipelined}, remat {self.remat}, {self.microbatches} "
+                f"microbatch(es), optimizer state {self.optimizer_state}")
+
     @property
     def axes_used(self) -> int:
         """How many axes split the devices: the simpler mesh wins a near-tie."""
@@ -75,7 +91,7 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         """The `--config.KEY=VALUE` flags that make a config run this candidate."""
-        ici, dcn = self._sizes()
+        ici, dcn = self.sizes()
         flags = [f"--config.mesh.{a}={n}" for a, n in ici.items()]
         flags += ["--config.mesh.auto=False"]
         flags += [f"--config.mesh.dcn.{a}={n}" for a, n in dcn.items()]
@@ -89,7 +105,7 @@ class Candidate:
     def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         """A copy of `config` set to run this candidate."""
         config = config.copy_and_resolve_references()
-        ici, dcn = self._sizes()
+        ici, dcn = self.sizes()
         # auto=False: the candidate is a layout already (the planner compiles it as a run).
         config.mesh.update(ici, auto=False)
         config.mesh.dcn.update(dcn)
@@ -100,8 +116,8 @@ class Candidate:
             config.pipeline.update(self._pipeline_keys())
         return config
 
-    def _sizes(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(ICI, DCN) size of every mesh axis: the axes not searched are 1."""
+    def sizes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(ICI, DCN) size of every mesh axis, in the mesh's order: the axes not searched are 1."""
         ici = dict(zip(SEARCHED_AXES, self.ici))
         dcn = dict(zip(DCN_AXES, self.dcn))
         return {a: ici.get(a, 1) for a in MESH_AXES}, {a: dcn.get(a, 1) for a in MESH_AXES}
@@ -118,17 +134,26 @@ def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
             for rest in factorisations(n // d, parts - 1)]
 
 
-def _pipelines(stages: int) -> list[tuple[str, int]]:
-    """(schedule, pipeline microbatches) to try with `stages` stages."""
+def _schedules(stages: int) -> list[tuple[int, str, int]]:
+    """(train.microbatches, pipeline.schedule, pipeline.microbatches) to try with `stages`."""
     if stages == 1:
-        return [("", 0)]
-    return [(s, k * stages) for s in SCHEDULES for k in PIPELINE_MICROBATCHES_PER_STAGE]
+        return [(k, "", 0) for k in MICROBATCHES]
+    return ([(k, "gpipe", n * stages) for k in MICROBATCHES
+             for n in GPIPE_MICROBATCHES_PER_STAGE]
+            + [(1, "1f1b", n * stages) for n in ONE_F_ONE_B_MICROBATCHES_PER_STAGE])
 
 
 def candidates(config: ml_collections.ConfigDict, num_devices: int,
                granules: int = 1) -> list[Candidate]:
     """Every candidate that `jaxscale.config.validate` accepts for `config` on `num_devices`
     devices in `granules` DCN-connected slices or nodes."""
+    def valid(candidate: Candidate) -> bool:
+        try:
+            validate(candidate.apply(config), num_devices, granules)
+            return True
+        except ConfigError:  # a dimension the layout does not divide, a batch it cannot split
+            return False
+
     per_granule = num_devices // granules
     found = []
     for ici, dcn in itertools.product(factorisations(per_granule, len(SEARCHED_AXES)),
@@ -136,15 +161,21 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
         if config.model.n_layers % (ici[3] * dcn[2]):
             continue  # the stages must split the layers: validate says so too, more slowly
         data_degree, stages = ici[0] * dcn[0], ici[3] * dcn[2]
-        # A pipeline splits the batch into M microbatches already; accumulation would split it
-        # again and pay the bubble once per part, where a larger M pays it once per step.
-        for microbatches, layout, (schedule, m) in itertools.product(
-                MICROBATCHES if stages == 1 else (1,),
-                ("params", "data") if data_degree > 1 else ("params",), _pipelines(stages)):
-            candidate = Candidate(ici, dcn, config.model.remat, microbatches, layout, schedule, m)
-            try:
-                validate(candidate.apply(config), num_devices, granules)
-            except ConfigError:
-                continue  # a dimension the layout does not divide, or a batch it cannot split
-            found += [dataclasses.replace(candidate, remat=r) for r in REMAT_POLICIES]
+        # Whether ZeRO-1 splits every parameter's moments on this mesh: validate checks it on the
+        # model's shapes (slow to build), and it depends on the mesh alone, so once per mesh;
+        # None: not asked yet.
+        zero1 = None if data_degree > 1 else False
+        for microbatches, schedule, m in _schedules(stages):
+            candidate = Candidate(ici, dcn, config.model.remat, microbatches, "params", schedule,
+                                  m)
+            if not valid(candidate):
+                continue
+            layouts = [candidate]
+            sharded = dataclasses.replace(candidate, optimizer_state="data")
+            if zero1 is None:
+                zero1 = valid(sharded)
+            if zero1:
+                layouts.append(sharded)
+            found += [dataclasses.replace(c, remat=r) for c in layouts
+                      for r in (REMAT_POLICIES if stages == 1 else PIPELINE_REMAT)]
     return found
