@@ -15,6 +15,7 @@ from tests.helpers import small_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_default_config_trains_and_writes_metrics(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a newcomer's laptop
@@ -80,6 +81,7 @@ def files_and_times(folder):
     return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_fresh_start_over_metrics_without_a_checkpoint_sets_them_aside(tmp_path, capsys):
     config = small_run_config(2)
     config.checkpoint.enabled = False

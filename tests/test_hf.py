@@ -212,6 +212,7 @@ def test_save_refuses_a_folder_in_use_and_writes_nothing(tmp_path):
 
 # -- training from a Hugging Face folder, and exporting the run --------------------------------
 
+@pytest.mark.slow
 def test_fine_tune_from_hf_folder_then_export(tmp_path, capsys):
     """configs/hf.py:FOLDER takes the model section and the tokenizer from the folder and starts
     from its weights (params only, step 0); export_hf writes the run's parameters back. With a

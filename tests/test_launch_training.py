@@ -53,6 +53,7 @@ def two_process_run(tmp_path_factory):
     return workdir, output
 
 
+@pytest.mark.slow
 def test_two_processes_train_together(two_process_run):
     workdir, output = two_process_run
     assert "on 8 cpu device(s), 2 process(es)" in output, output[-3000:]
@@ -115,6 +116,7 @@ def signal_process_1_at_step_3(launcher, signum: int, timeout: float) -> tuple[s
     return output, time.monotonic() - signalled
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_checkpoints_all_and_resumes_to_the_same_losses(
         two_process_run, tmp_path):
     reference_dir = two_process_run[0]
@@ -147,6 +149,7 @@ def test_sigterm_to_one_process_checkpoints_all_and_resumes_to_the_same_losses(
 GRACE_S = 5
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_stops_every_process_within_the_grace_period(two_process_run, tmp_path):
     """Process 0 gets SIGTERM from the launcher, cannot agree on a checkpoint with a dead peer, and
     is killed after --grace_s: the bound is grace_s (+ the 0.1 s poll), not JAX's heartbeat."""

@@ -106,6 +106,7 @@ def three_steps(layout, tmp_path, **mesh):
     (dict(data=8), 1 / 8),  # pure data parallelism: the state split 8 ways
     (dict(data=2, fsdp=4), 1 / 2),  # HSDP's layout: already split over fsdp, now over data too
 ])
+@pytest.mark.slow
 def test_zero1_trains_like_the_unsharded_optimizer_on_a_fraction_of_the_bytes(tmp_path, mesh,
                                                                               fraction):
     _, reference, expected = three_steps("params", tmp_path, **mesh)

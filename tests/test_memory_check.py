@@ -11,12 +11,12 @@ import sys
 import jax
 import pytest
 
-from helpers import small_config
 from jaxscale.config import validate
 from jaxscale.device_memory import check_fits, device_capacity, memory_line
 from jaxscale.errors import ConfigError
 from jaxscale.plan.compiled import GIB, StepMemory
 from jaxscale.trainer import Trainer
+from tests.helpers import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.log_every=1",
@@ -60,6 +60,7 @@ def assert_refused(status: int, err: str) -> None:
         assert named in lines[0], named
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_stops_the_run_before_it_writes(tmp_path):
     """A fresh workdir stays empty (the compilation cache included); a run that fits logs its
     step's memory against the capacity and trains; resuming it with too little memory stops

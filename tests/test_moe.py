@@ -221,6 +221,7 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(every):
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_keeps_the_loss_and_gradients():
     batch = random_batch(small_config())
 
@@ -237,6 +238,7 @@ def test_remat_keeps_the_loss_and_gradients():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_the_mean_loss_gains_exactly_the_weighted_router_penalties():
     config = small_config()
     config.model.moe.update(experts=4, top_k=2, every=1, aux_loss_weight=0.5, z_loss_weight=0.25)
@@ -289,6 +291,7 @@ def mean_loss_and_gradients(config, tmp_path):
     return jax.device_get(step(params, batch)), hlo
 
 
+@pytest.mark.slow
 def test_expert_meshes_give_one_devices_loss_and_gradients(tmp_path):
     (ref_loss, ref_grads), _ = mean_loss_and_gradients(expert_config(), tmp_path / "one")
     for mesh in (dict(expert=4, data=2), dict(expert=2, fsdp=2, data=2)):
@@ -333,6 +336,7 @@ def test_each_device_holds_a_quarter_of_the_experts_and_their_optimizer_state(tm
 
 # --- the command line ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_cli_trains_tiny_moe_and_the_loss_falls(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     result = subprocess.run(

@@ -63,12 +63,14 @@ def test_meshes_match_one_device(mesh, single_device, tmp_path):
     assert losses[-1] < losses[0]  # the steps really trained
 
 
+@pytest.mark.slow
 def test_microbatches_match_one_big_batch(single_device, tmp_path):
     config = small_config(data=2, fsdp=2, tensor=2)
     config.train.microbatches = 2
     assert_same_training(train(config, tmp_path), single_device)
 
 
+@pytest.mark.slow
 def test_loss_ignores_masked_tokens(tmp_path):
     """Changing targets under a zero loss mask changes nothing."""
     config = small_config()

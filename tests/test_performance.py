@@ -195,6 +195,7 @@ def test_offload_is_refused_where_the_devices_have_no_host_memory():
     offload.check_supported(jax.devices())  # XLA:CPU has pinned_host memory
 
 
+@pytest.mark.slow
 def test_an_offloaded_step_equals_one_on_the_device(tmp_path):
     states = []
     for offloaded in (False, True):
@@ -214,6 +215,7 @@ def test_an_offloaded_step_equals_one_on_the_device(tmp_path):
 
 # --- a run with all of them ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_run_resumed_with_bfloat16_offloaded_moments_logs_memory_and_a_profile(tmp_path):
     """A float32 run's checkpoint resumes with bfloat16 moments in host memory; the resumed run
     logs the compiled step's memory, the devices' memory (a fake GPU's) and traces its window."""

@@ -94,6 +94,7 @@ def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, r
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.slow
 def test_pipelined_training_with_accumulation_matches_one_device(schedule, tmp_path):
     """Three optimizer steps with train.microbatches=2 (gradient accumulation around the
     pipeline) on pipeline=2 x data=2 x tensor=2 equal three steps on one device."""
@@ -105,6 +106,7 @@ def test_pipelined_training_with_accumulation_matches_one_device(schedule, tmp_p
 
 
 @pytest.mark.parametrize("schedule,dtype", [("gpipe", "bfloat16"), ("1f1b", "float16")])
+@pytest.mark.slow
 def test_low_precision_pipelines_train_like_the_plain_model(schedule, dtype, tmp_path):
     """bfloat16, and float16 with its dynamic loss scale (which 1F1B applies at the start of each
     microbatch's backward), give the plain model's first losses, to their precision."""

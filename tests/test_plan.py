@@ -42,6 +42,7 @@ def _train_cli(workdir, *overrides):
         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_mesh_auto_plans_on_the_8_cpus_logs_the_choice_and_trains_with_it(tmp_path):
     """The plan for configs/tiny.py on the 8 devices compiles (the table's chosen row has the
     compiler's GiB), and training runs with the chosen layout, recorded in config.json."""
@@ -72,6 +73,7 @@ def test_mesh_auto_stops_with_one_line_when_nothing_fits(tmp_path):
     assert "GiB too many" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_small_memory_budget_forces_sharded_parameters_that_compile_within_it():
     """40 MiB per device, so a 36 MiB budget: replicated parameters and Adam moments alone
     (3.3M x 12 bytes = 38 MiB) cannot fit; the choice splits the parameters and the compiler
@@ -336,6 +338,7 @@ def test_pipelines_across_the_network_are_ranked_where_hsdp_does_not_fit():
     assert row.candidate.pipeline_label in line and f"{row.time.bubble:.1%}" in line
 
 
+@pytest.mark.slow
 def test_mesh_auto_trains_the_pipeline_it_chooses_when_only_stages_split_the_state(tmp_path):
     """16 layers whose weights the rules keep whole (no fsdp or tensor split): only pipeline
     stages split the parameters (ZeRO-1 splits the moments), so with 24 MiB per device the
