@@ -2,8 +2,9 @@
 memory between steps, and move to the device for the update only.
 
 Parameters, gradients and the two moments take 16 bytes per parameter on the devices in float32;
-offloading the moments frees 8 of them, at the cost of copying them to the device and back every step (over PCIe on GPUs), which overlaps with
-the forward and backward pass only as far as XLA's scheduler manages. Their shardings are the
+offloading the moments frees 8 of them, at the cost of copying them to the device and back every
+step (over PCIe on GPUs), which overlaps with the forward and backward pass only as far as XLA's
+scheduler manages. Their shardings are the
 moments' usual ones with `memory_kind="pinned_host"`; the train step's outputs land there again
 through its out_shardings.
 """

@@ -162,6 +162,19 @@ def test_aux_loss_and_z_loss_equal_their_closed_forms():
     assert float(stats.dropped_fraction) == 0.0
 
 
+def test_a_single_choice_keeps_its_probability_so_the_router_learns_from_the_loss():
+    """top_k=1 weighs the output by the raw router probability (Switch): renormalised it would be
+    1, and the router would get no gradient from the loss."""
+    layer = moe_layer(d_model=4, experts=4, top_k=1, capacity_factor=4.0)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, 4)), jnp.float32)
+    graphdef, state = nnx.split(layer)
+
+    def output_sum(state):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0])
+    router_grad = jax.grad(output_sum)(state)["router"][...]
+    assert float(jnp.max(jnp.abs(router_grad))) > 1e-6  # exactly 0 when renormalised
+
+
 # --- Mixtral's parameter counts, from shapes ----------------------------------------------------
 
 def test_mixtral_parameter_counts_match_the_published_figures():

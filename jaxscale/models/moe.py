@@ -1,13 +1,14 @@
 """A mixture-of-experts feed-forward layer, in place of the dense SwiGLU `MLP`.
 
 A float32 router scores every token against `experts` SwiGLU experts; each token goes to its
-`top_k` best, weighted by their router probabilities renormalised to sum to 1. Dispatch is by
-capacity, per batch row (a row is a group: routing never moves tokens between rows, so it stays
-local to the devices that hold the row): each expert has `capacity` slots per row, assignments
-past that are dropped (the token keeps its residual path for that choice). Priority order: every
-token's first choice before any token's second choice (and so on), and within one choice, earlier
-positions in the row first (GShard / Switch Transformer), so a token loses its later choices
-before any token loses its first.
+`top_k` best, weighted by their router probabilities (renormalised to sum to 1 when top_k > 1).
+Dispatch is by capacity, per batch row (a row is a group: routing never moves tokens between
+rows, so it stays local to the devices that hold the row): each expert has `capacity` slots per
+row, assignments past that are dropped (the token keeps its residual path for that choice).
+Priority order: every token's first choice before any token's second choice (and so on), and
+within one choice, earlier places in the row first (GShard / Switch Transformer), so a token loses
+its later choices before any token loses its first. (With a context axis the row is in the input's
+load-balanced order, so "earlier" is that order's.)
 
 Tokens reach their slots by a stable sort of the assignments by expert and a cumulative count
 (`route`), then one gather into `[batch, experts, capacity, d_model]`; the experts run as batched
@@ -91,7 +92,10 @@ def route(probs: jax.Array, top_k: int, capacity: int) -> Routing:
     """float32 router probabilities [tokens, experts] of one row -> its `Routing`."""
     tokens, experts = probs.shape
     weights, chosen = jax.lax.top_k(probs, top_k)  # [tokens, top_k]
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if top_k > 1:
+        # Renormalised over the chosen experts (Mixtral). A single choice keeps its raw
+        # probability (Switch): renormalised, it would be 1 and give the router no gradient.
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     expert, weight = chosen.T.reshape(-1), weights.T.reshape(-1)  # choice-major: priority order
     # Grouped by expert; the stable sort keeps the priority order within each expert, so an
     # assignment's rank in its group is its slot.

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.sharding import active_mesh_and_rules, logical_to_mesh
+from jaxscale.parallel.sharding import active_mesh_and_rules, logical_to_mesh, spec_axes
 
 IMPLEMENTATIONS = ("auto", "xla", "splash")
 QUERY_AXES = ("batch", "length", "heads", "head_dim")
@@ -93,12 +93,8 @@ def _length_axes() -> tuple[str, ...]:
     if active is None:
         return ()
     mesh, rules = active
-    return tuple(a for a in _as_tuple(logical_to_mesh(QUERY_AXES, rules)[1])
+    return tuple(a for a in spec_axes(logical_to_mesh(QUERY_AXES, rules)[1])
                  if mesh.shape[a] > 1)
-
-
-def _as_tuple(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _context(q, k, v, segment_ids, positions):
@@ -107,7 +103,7 @@ def _context(q, k, v, segment_ids, positions):
     mesh, rules = active_mesh_and_rules()
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
     row_spec = P(*q_spec[:2])
-    axes = _as_tuple(q_spec[1])  # all of them, in the spec's order, so the gather undoes the split
+    axes = spec_axes(q_spec[1])  # all of them, in the spec's order, so the gather undoes the split
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
     if segment_ids is None:

@@ -1,7 +1,9 @@
 """Context parallelism's load balance: the order of each row's tokens across the context shards.
 
 With the sequence split over C devices in order, device i's queries see i + 1 chunks of causal
-keys, so the last device works C times as hard as the first and the step waits for it. Cut into
+keys, so with a kernel that skips masked blocks (splash, cuDNN) the last device works C times as
+hard as the first and the step waits for it. (The XLA path computes all scores and masks: the
+same work in any order.) Cut into
 2C chunks instead, device i holding chunks i and 2C - 1 - i: every device then has
 (i + 1) + (2C - i) = 2C + 1 chunk-pairs of causal work.
 

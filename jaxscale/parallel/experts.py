@@ -23,11 +23,8 @@ from typing import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxscale.parallel.sharding import Rules, active_mesh_and_rules, logical_to_mesh
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+from jaxscale.parallel.sharding import (Rules, active_mesh_and_rules, logical_to_mesh,
+                                        spec_axes)
 
 
 def _expert_first(rules: Rules) -> Rules:
@@ -46,7 +43,7 @@ def _layouts(logical: Sequence[str | None], rules: Rules) -> tuple[P, P, tuple[s
     expert_spec = logical_to_mesh(logical, _expert_first(rules))
     token_spec = list(expert_spec)
     token_spec[logical.index("expert")] = None
-    token_spec[logical.index("batch")] = _axes(expert_spec[logical.index("batch")]) + experts
+    token_spec[logical.index("batch")] = spec_axes(expert_spec[logical.index("batch")]) + experts
     return P(*token_spec), expert_spec, experts
 
 
@@ -58,7 +55,7 @@ def _exchange(x: jax.Array, logical: Sequence[str | None], to_experts: bool) -> 
     token_spec, expert_spec, experts = _layouts(logical, rules)
     degree = math.prod(mesh.shape[a] for a in experts)
     batch, expert = logical.index("batch"), logical.index("expert")
-    rows = math.prod(mesh.shape[a] for a in _axes(token_spec[batch]))
+    rows = math.prod(mesh.shape[a] for a in spec_axes(token_spec[batch]))
     if degree == 1 or x.shape[batch] % rows or x.shape[expert] % degree:
         # Nothing to exchange, or rows that do not split evenly (a decoding batch): the
         # constraint alone, which XLA follows where it can.

@@ -14,7 +14,8 @@ share, so no data moves between data-parallel devices).
   keeps every microbatch's activations until the backward: the whole batch's.
 - `1f1b`: each tick, every stage runs one forward and one backward (recomputed from the stage
   input it stashed), so at most 2S - 1 microbatches are in flight per stage whatever M is. The loss
-  must then be computed inside the loop on the last stage (`tail_fn`), and the schedule computes
+  must then be computed inside the loop on the last stage's output (`tail_fn`; every stage
+  computes it, replicated, which in lockstep costs no extra time), and the schedule computes
   loss and gradients together (a custom VJP). In lockstep SPMD every tick costs one forward plus
   one backward on every stage, so its bubble is (2S - 2) / (M + 2S - 2): it buys memory with time.
 """
@@ -32,7 +33,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxscale.models.layers import LayerFn, scan_layers
 from jaxscale.parallel.sharding import active_mesh_and_rules, constrain
 
-SCHEDULES = ("gpipe", "1f1b")
 # (tail params, a microbatch's last-stage output, *its per-row tail inputs) -> summed loss.
 TailFn = Callable[..., jax.Array]
 

@@ -29,6 +29,11 @@ def rules_from_config(rules: ml_collections.ConfigDict) -> dict[str, tuple[str, 
             for name, axes in rules.items()}
 
 
+def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry splits its dimension over."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def logical_to_mesh(logical: Sequence[str | None], rules: Rules) -> P:
     """PartitionSpec over mesh axes for an array whose dimensions have these logical names.
 
@@ -55,13 +60,12 @@ def split_further(spec: P, shape: Sequence[int], axes: Sequence[str],
     """`spec` also split over those of `axes` it does not use yet, on the first dimension they
     divide (with the axes it is split over already); None when no dimension is divisible."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    as_tuple = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else entry
-    used = {a for entry in entries for a in as_tuple(entry)}
+    used = {a for entry in entries for a in spec_axes(entry)}
     extra = tuple(a for a in axes if a not in used and mesh_shape[a] > 1)
     if not extra:
         return spec
     for dim, size in enumerate(shape):
-        axes_here = as_tuple(entries[dim]) + extra
+        axes_here = spec_axes(entries[dim]) + extra
         if size % math.prod(mesh_shape[a] for a in axes_here) == 0:
             entries[dim] = axes_here
             return P(*entries)

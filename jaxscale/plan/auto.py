@@ -34,7 +34,8 @@ def planned_config(config: ml_collections.ConfigDict, devices
 
     gib = config.mesh.auto_memory_gib
     if gib < 0:
-        raise ConfigError(f"mesh.auto_memory_gib={gib} must be >= 0 (0: the capacity the run's memory check uses)")
+        raise ConfigError(f"mesh.auto_memory_gib={gib} must be >= 0 (0: the capacity the run's "
+                          "memory check uses)")
     check_device_memory_gib(config.performance.device_memory_gib)
     # Without mesh.auto_memory_gib, plan for the capacity the run's memory check will hold the
     # step to (performance.device_memory_gib, else the allocator's limit), else the chip's.

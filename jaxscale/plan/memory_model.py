@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.loss import chunk_length
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
-from jaxscale.parallel.sharding import logical_to_mesh, rules_from_config
+from jaxscale.parallel.sharding import logical_to_mesh, rules_from_config, spec_axes
 from jaxscale.state import ModelSpec, moment_specs
 from jaxscale.step import BATCH_KEYS
 
@@ -58,8 +58,7 @@ def _shard_elements(shape, spec: P, mesh_shape: Mapping[str, int]) -> int:
     entries = list(spec) + [None] * (len(shape) - len(spec))
     total = 1
     for size, entry in zip(shape, entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        total *= -(-size // math.prod(mesh_shape[a] for a in axes))
+        total *= -(-size // math.prod(mesh_shape[a] for a in spec_axes(entry)))
     return total
 
 

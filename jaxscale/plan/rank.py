@@ -106,7 +106,8 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     data, fsdp, tensor = shape["data"], shape["fsdp"], shape["tensor"]
     dcn = dict(zip(DCN_AXES, candidate.dcn))
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
-    k, layers, layer_params = candidate.microbatches, m.n_layers, _layer_params(spec)
+    accumulation = candidate.microbatches  # each accumulation step runs a pipeline's whole loop
+    k, layers, layer_params = accumulation, m.n_layers, _layer_params(spec)
     stage_layer_params = layer_params
     passes = 3 if candidate.remat != "none" else 2  # forward, backward, remat's forward
     rows = t.batch_size // k // (data * fsdp)  # a microbatch's rows, per device
@@ -117,11 +118,10 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
         rows //= p.num_microbatches
         if p.schedule == "1f1b":  # each tick a forward and a backward
             ticks = p.num_microbatches + 2 * p.stages - 2
-            k, passes = ticks, passes + 1
+            passes += 1
         else:  # a loop of forward ticks, then one of backward ticks
             ticks = p.repeats * p.num_microbatches + p.stages - 1
-            k = ticks
-        gradient_reductions = ticks
+        k = gradient_reductions = accumulation * ticks
     # One device's model slice: the stage's layers and the embedding and head.
     params = spec.num_params - layer_params + stage_layer_params
     weights = params * compute / tensor
@@ -138,9 +138,9 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
                                 ("tensor",), tensor, False))
     if p:
         crosses = dcn["pipeline"] > 1
-        found += [Collective("collective-permute", activations, 4 * ticks, ("pipeline",), 2,
+        found += [Collective("collective-permute", activations, 4 * k, ("pipeline",), 2,
                              crosses),
-                  Collective("all-reduce", activations, 2 * ticks, ("pipeline",), p.stages,
+                  Collective("all-reduce", activations, 2 * k, ("pipeline",), p.stages,
                              crosses)]
     return found
 
