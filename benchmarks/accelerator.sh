@@ -18,6 +18,8 @@
 #                         each model's folder is emptied first
 #   --results=FILE        the file the block is appended to (default benchmarks/RESULTS.md; with
 #                         --tiny, DIR/RESULTS.md)
+#   --set=KEY=VALUE       a config override for every model (repeatable), e.g.
+#                         --set=model.attention=xla; the results table names it
 #   --tiny                configs/tiny.py instead of the models above, 6 steps
 #   --help                print this help
 #
@@ -25,7 +27,9 @@
 # before it, so tracing does not slow the figures reported. On hosts with fewer than 4 devices the
 # 8B model keeps bfloat16 Adam moments, and on one device also offloads them to host memory (it
 # cannot fit otherwise); the block says so. A model that fails (out of memory, say) gets a
-# "failed" row with its log's path, and the script goes on.
+# "failed" row with its log's path, and the script goes on. On GPUs the allocator may take 90%
+# of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by default) unless the environment says
+# otherwise. $PYTHON (default python3) runs the trainer.
 set -euo pipefail
 
 usage() {
@@ -41,6 +45,9 @@ die() {
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODELS="llama_1b,llama3_8b" STEPS=40 PER_DEVICE_BATCH=4 WORKDIR="runs/accelerator" RESULTS=""
 TINY=0
+SETS=()
+PYTHON="${PYTHON:-python3}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --models=*) MODELS="${1#*=}" ;;
@@ -48,6 +55,7 @@ while [[ $# -gt 0 ]]; do
     --per_device_batch=*) PER_DEVICE_BATCH="${1#*=}" ;;
     --workdir=*) WORKDIR="${1#*=}" ;;
     --results=*) RESULTS="${1#*=}" ;;
+    --set=*) SETS+=("--config.${1#*=}") ;;
     --tiny) TINY=1 ;;
     --help | -h) usage ;;
     *) die "unknown flag $1 (see $0 --help)" ;;
@@ -79,7 +87,7 @@ PROFILE_STEPS=$((LOG_EVERY - 1 < 3 ? LOG_EVERY - 1 : 3))
 cd "$REPO"
 mkdir -p "$WORKDIR" "$(dirname "$RESULTS")"
 # One line: device count|device kind|platform|jax|jaxlib|memory per device (GiB, 0 if unknown).
-DEVICE_INFO="$(python - <<'EOF'
+DEVICE_INFO="$("$PYTHON" - <<'EOF'
 import jax, jaxlib
 d = jax.devices()[0]
 stats = d.memory_stats() or {}
@@ -92,12 +100,12 @@ DRIVER=""
 if command -v nvidia-smi > /dev/null 2>&1; then
   DRIVER=", NVIDIA driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
 fi
-COMMIT="$(git -C "$REPO" rev-parse --short HEAD 2> /dev/null || echo unknown)"
+COMMIT="$(git -C "$REPO" describe --always --dirty 2> /dev/null || echo unknown)"
 
 # run_model NAME: trains it into $WORKDIR/NAME; prints its results-table row.
 run_model() {
   local name="$1" config per_device seq_len
-  local -a extra=()
+  local -a extra=("${SETS[@]}")
   case "$name" in
     tiny) config=configs/tiny.py per_device=2 seq_len=128 ;;
     llama_1b) config=configs/llama_1b.py per_device=$PER_DEVICE_BATCH seq_len=2048 ;;
@@ -112,7 +120,7 @@ run_model() {
   mkdir -p "$dir"
   local batch=$((per_device * DEVICES))
   local status=0
-  python -m jaxscale.train --config="$config" --workdir="$dir" \
+  "$PYTHON" -m jaxscale.train --config="$config" --workdir="$dir" \
     --config.train.steps="$STEPS" --config.train.log_every="$LOG_EVERY" \
     --config.train.eval_every=0 --config.train.batch_size="$batch" \
     --config.train.seq_len="$seq_len" --config.precision.compute_dtype=bfloat16 \
@@ -120,7 +128,7 @@ run_model() {
     --config.data.sources="(dict(format='synthetic'),)" \
     --config.profile.start_step="$PROFILE_START" --config.profile.steps="$PROFILE_STEPS" \
     "${extra[@]}" > "$dir/train.log" 2>&1 || status=$?
-  python - "$name" "$dir" "$status" "$batch" "$seq_len" "${extra[*]}" <<'EOF'
+  "$PYTHON" - "$name" "$dir" "$status" "$batch" "$seq_len" "${extra[*]}" <<'EOF'
 import glob, json, os, sys
 name, folder, status, batch, seq_len, extra = sys.argv[1:]
 lines = []
@@ -159,7 +167,8 @@ done
   echo "$DEVICES x $KIND ($PLATFORM, ${MEMORY_GIB} GiB each), jax $JAX_VERSION, jaxlib" \
     "$JAXLIB_VERSION$DRIVER, jaxscale $COMMIT; FSDP over all devices, bfloat16 compute," \
     "synthetic data, $STEPS steps; figures from the last $LOG_EVERY steps." \
-    "XLA_FLAGS: \`${XLA_FLAGS:-(performance.xla_flags=auto adds the GPU set)}\`."
+    "XLA_FLAGS: \`${XLA_FLAGS:-(performance.xla_flags=auto adds the GPU set)}\`;" \
+    "XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION."
   echo
   echo "| model | batch x seq | step time | tokens/s | tokens/s/device | MFU | peak memory |" \
     "compiled step | time to first step | profile |"

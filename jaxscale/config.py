@@ -98,8 +98,8 @@ def default_config() -> ml_collections.ConfigDict:
         norm_eps=1e-5,
         tie_embeddings=False,
         remat="none",  # jaxscale.models.REMAT_POLICIES: none | full | save_dots
-        # The attention kernel: auto (splash on TPU, else xla) | xla | splash (TPU); see
-        # jaxscale/parallel/attention.py.
+        # The attention kernel: auto (splash on TPU, cudnn on GPU, else xla) | xla | splash (TPU)
+        # | cudnn (NVIDIA GPU); see jaxscale/parallel/attention.py.
         attention="auto",
         # Sequence positions whose float32 logits the loss holds at once (0: the whole
         # sequence); smaller saves memory per device at large vocabularies, same loss.
@@ -144,6 +144,10 @@ def default_config() -> ml_collections.ConfigDict:
         bos_token="",  # a learned tokenizer's BOS/EOS token; "" = its own (SentencePiece)
         eos_token="",
         packing="concat",  # concat (concat-then-split, no padding) | first_fit (whole documents)
+        # The most runs (documents, padding counted as one) a packed row holds; a row with more is
+        # cut into several, padded. 0: no bound. A bound puts packed rows in cuDNN's packed layout
+        # on GPUs: faster attention, a workspace that grows with it (jaxscale/parallel/attention.py).
+        max_segments=0,
         max_bad_records=100,  # malformed records a process skips before the run fails
         # Threads reading and tokenizing the row streams; 0 reads on the prefetch thread; -1: 0
         # for the byte tokenizer, 4 for learned ones. Batches are the same for any value.
@@ -402,6 +406,9 @@ def _check_data(config: ml_collections.ConfigDict) -> None:
                           "malformed record stops the run)")
     if d.prefetch < 0:
         raise ConfigError(f"data.prefetch={d.prefetch} must be >= 0 (0 disables prefetching)")
+    if d.max_segments == 1 or d.max_segments < 0:
+        raise ConfigError(f"data.max_segments={d.max_segments} must be 0 (no bound) or >= 2 (a "
+                          "document and the padding after it)")
     vocab = tokenizer_from_config(config).vocab_size
     if vocab > m.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
@@ -523,10 +530,10 @@ def _check_context(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]
             f"train.seq_len={seq_len} is not divisible by 2 x {where} = {2 * shards}: the "
             f"sequence is cut into {2 * shards} chunks for a load-balanced causal attention; "
             f"make train.seq_len a multiple of {2 * shards}")
-    if config.model.attention == "splash":
+    if config.model.attention in ("splash", "cudnn"):
         raise ConfigError(
-            f"model.attention='splash' needs whole sequences on each device, but {where} splits "
-            "them (sharding.rules.length); use model.attention=auto or xla")
+            f"model.attention={config.model.attention!r} needs whole sequences on each device, "
+            f"but {where} splits them (sharding.rules.length); use model.attention=auto or xla")
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

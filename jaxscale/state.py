@@ -36,7 +36,8 @@ def rope_scaling(section: ml_collections.ConfigDict) -> RopeScaling | None:
 
 
 def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
-    """The model's config from the run's `model` and `precision` sections."""
+    """The model's config from the run's `model` and `precision` sections (and the bound on
+    documents per row that the input pipeline keeps, which fused attention needs)."""
     m = config.model
     return models.LlamaConfig(
         vocab_size=m.vocab_size, vocab_multiple=m.vocab_multiple, d_model=m.d_model,
@@ -44,7 +45,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
         mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
         max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
-        dtype=config.precision.compute_dtype, moe=moe_config(m.moe))
+        max_segments=config.data.max_segments, dtype=config.precision.compute_dtype, moe=moe_config(m.moe))
 
 
 def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:

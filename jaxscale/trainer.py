@@ -140,7 +140,9 @@ class Trainer:
         check_workdir(workdir)
 
         self.mesh = build_mesh(ici, dcn, devices)
-        check_implementation(config.model.attention, devices[0].platform, config.train.seq_len)
+        check_implementation(config.model.attention, devices[0], config.train.seq_len,
+                             config.precision.compute_dtype, config.model.head_dim,
+                             config.data.max_segments)
         self.rules = rules_from_config(config.sharding.rules)
         self.model = model_spec(config)
         self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,

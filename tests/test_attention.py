@@ -7,7 +7,8 @@ import pytest
 
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.context import load_balanced_order
-from jaxscale.parallel.attention import attend, check_implementation, resolve
+from jaxscale.parallel.attention import (attend, check_implementation, packed_segments,
+                                         resolve)
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import rules_from_config, use_rules
 from jaxscale.config import default_config
@@ -91,25 +92,84 @@ def test_a_split_sequence_in_any_order_attends_by_position():
     assert_close(unordered, attend(q, k, v, segments, "xla"))
 
 
+class FakeDevice:
+    def __init__(self, platform, compute_capability="9.0"):
+        self.platform, self.compute_capability = platform, compute_capability
+
+
+class FakeMesh:
+    def __init__(self, device):
+        self.devices = np.asarray([device])
+
+
 def test_auto_picks_the_kernel_from_the_mesh_devices():
-    assert resolve("auto", 2048) == "xla"  # the CPU test machine
-    assert resolve("xla", 2048) == "xla"
+    bf16 = jax.ShapeDtypeStruct((2, 2048, 8, 128), jnp.bfloat16)
+    assert resolve("auto", bf16, packed=True, max_segments=32) == "xla"  # the CPU test machine
+    assert resolve("xla", bf16, packed=True) == "xla"
+    with use_rules(FakeMesh(FakeDevice("tpu")), {}):
+        assert resolve("auto", bf16, packed=True) == "splash"
+        # not a multiple of the kernel's 128-token tiles
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 100, 8, 128), jnp.bfloat16),
+                       packed=True) == "xla"
+    with use_rules(FakeMesh(FakeDevice("gpu")), {}):
+        assert resolve("auto", bf16, packed=True, max_segments=32) == "cudnn"
+        assert resolve("auto", bf16, packed=False) == "cudnn"
+        assert resolve("auto", bf16, packed=True, max_segments=0) == "cudnn"  # the mask form
+        # float32, a head too wide for the kernel, an odd length with the document mask
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 2048, 8, 128), jnp.float32),
+                       packed=False) == "xla"
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 2048, 8, 192), jnp.bfloat16),
+                       packed=False) == "xla"
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 2047, 8, 128), jnp.bfloat16),
+                       packed=True) == "xla"
+    with use_rules(FakeMesh(FakeDevice("gpu", "8.0")), {}):  # an A100: no packed layout
+        assert resolve("auto", bf16, packed=True, max_segments=32) == "xla"
+        assert resolve("auto", bf16, packed=True, max_segments=0) == "cudnn"
 
-    class Tpu:
-        platform = "tpu"
 
-    class TpuMesh:
-        devices = np.asarray([Tpu()])
-
-    with use_rules(TpuMesh(), {}):
-        assert resolve("auto", 2048) == "splash"
-        assert resolve("auto", 100) == "xla"  # not a multiple of the kernel's 128-token tiles
-
-
-def test_splash_where_it_cannot_run_is_a_config_error():
+def test_a_kernel_where_it_cannot_run_is_a_config_error():
+    cpu, tpu, a100 = FakeDevice("cpu"), FakeDevice("tpu"), FakeDevice("gpu", "8.0")
     with pytest.raises(ConfigError, match="TPU kernel and the devices are cpu"):
-        check_implementation("splash", "cpu", 2048)
+        check_implementation("splash", cpu, 2048, "bfloat16", 128, 32)
     with pytest.raises(ConfigError, match="multiple of 128"):
-        check_implementation("splash", "tpu", 200)
-    check_implementation("splash", "tpu", 2048)
-    check_implementation("auto", "cpu", 200)
+        check_implementation("splash", tpu, 200, "bfloat16", 128, 32)
+    with pytest.raises(ConfigError, match="NVIDIA GPU kernel and the devices are tpu"):
+        check_implementation("cudnn", tpu, 2048, "bfloat16", 128, 32)
+    with pytest.raises(ConfigError, match="not float32 \\(precision.compute_dtype\\)"):
+        check_implementation("cudnn", FakeDevice("gpu"), 2048, "float32", 128, 32)
+    with pytest.raises(ConfigError, match="even train.seq_len, not 2047"):
+        check_implementation("cudnn", FakeDevice("gpu"), 2047, "bfloat16", 128, 0)
+    with pytest.raises(ConfigError, match="compute capability 9.0 .* have 8.0; set "
+                                          "data.max_segments=0"):
+        check_implementation("cudnn", a100, 2048, "bfloat16", 128, 32)
+    check_implementation("cudnn", a100, 2048, "bfloat16", 128, 0)
+    check_implementation("splash", tpu, 2048, "bfloat16", 128, 32)
+    check_implementation("cudnn", FakeDevice("gpu"), 2048, "float16", 128, 32)
+    check_implementation("auto", cpu, 200, "float32", 100, 0)
+
+
+def test_packed_segments_describe_the_same_mask_as_the_segment_ids():
+    """cuDNN's packed layout (run lengths and offsets) of random packed rows: rebuilt into a
+    [q, k] mask, it is exactly "same segment id"; unused slots are -1."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(6):
+        lengths = rng.integers(1, 12, size=rng.integers(1, 7))
+        ids = np.repeat(np.arange(1, len(lengths) + 1), lengths)[:48]
+        rows.append(np.pad(ids, (0, 48 - len(ids))))  # padding (0) is a run too
+    segments = np.stack(rows).astype(np.int32)
+    max_segments = 8
+    lengths, offsets = jax.jit(packed_segments, static_argnums=1)(jnp.asarray(segments),
+                                                                   max_segments)
+    assert lengths.shape == (6, max_segments) and offsets.shape == (6, max_segments + 1)
+    for row, row_lengths, row_offsets in zip(segments, np.asarray(lengths), np.asarray(offsets)):
+        runs = np.flatnonzero(np.diff(row, prepend=-1))
+        np.testing.assert_array_equal(row_offsets[:len(runs)], runs)
+        assert (row_offsets[len(runs):] == -1).all() and (row_lengths[len(runs):] == -1).all()
+        run_of = np.zeros(48, int)
+        for number, (start, length) in enumerate(zip(row_offsets, row_lengths)):
+            if length > 0:
+                run_of[start:start + length] = number + 1
+        assert (run_of > 0).all()  # every token is in some run
+        np.testing.assert_array_equal(run_of[:, None] == run_of[None, :],
+                                      row[:, None] == row[None, :])

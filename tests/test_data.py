@@ -140,6 +140,48 @@ def test_concat_leaves_no_padding_between_documents():
                                                                [3, 7, 2, 6, 9, 1, 4, 20])
 
 
+@pytest.mark.parametrize("method", packing.METHODS)
+def test_max_segments_cuts_crowded_rows_and_keeps_every_document(method):
+    """With max_segments=4 no row holds more than 4 runs (padding counted); the tokens the loss
+    sees, with their positions, are the same stream as without the bound, in the same order."""
+    rng = np.random.default_rng(0)
+    documents = [np.full(n, 10 + i, np.int32) for i, n in enumerate(rng.integers(1, 6, 40))]
+
+    def stream(rows):
+        kept = [np.stack([r[k][r["loss_mask"] > 0] for k in ("inputs", "targets", "positions")])
+                for r in rows]
+        return np.concatenate(kept, axis=1)
+
+    pairs = grain.MapDataset.source(documents).map(packing.NextTokenPairs(BOS, EOS))
+    unbounded = packed_rows(documents, method, seq_len=32, rows_at_once=2)
+    bounded = list(packing.pack(pairs.to_iter_dataset(), method, 32, 2, max_segments=4))
+    runs = [len(np.flatnonzero(np.diff(r["segment_ids"], prepend=-1))) for r in bounded]
+    assert max(runs) == 4 and len(bounded) > len(unbounded)
+    np.testing.assert_array_equal(stream(bounded), stream(unbounded))
+    for row in bounded:
+        check_packed_rows({k: v[None] for k, v in row.items()})
+
+
+def test_state_restores_inside_a_cut_row(batch_sharding, tmp_path):
+    """A row cut into several by data.max_segments: a state taken between its pieces resumes
+    at the next piece."""
+    path = tmp_path / "docs.txt"
+    path.write_text("".join(f"{i}\n" for i in range(400)))
+    config = small_config()
+    config.data.sources = (dict(format="text", path=str(path), document="line"),)
+    config.data.max_segments = 3
+    it = make_input(config, "train", batch_sharding)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [jax.device_get(next(it)) for _ in range(3)]
+    it.close()
+    assert max(b["segment_ids"].max() for b in expected) == 2  # rows of at most 2 documents
+    resumed = make_input(config, "train", batch_sharding)
+    resumed.set_state(state)
+    assert_same(expected, [jax.device_get(next(resumed)) for _ in range(3)])
+    resumed.close()
+
+
 def test_attention_mask_is_causal_and_within_segments():
     segment_ids = np.array([[1, 1, 2, 2, 2, 0]])
     mask = model_attention_mask(segment_ids)[0]

@@ -59,8 +59,8 @@ def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int
-         ) -> grain.IterDataset:
+def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int,
+         max_segments: int = 0) -> grain.IterDataset:
     """Packs next-token pairs into rows of `seq_len`.
 
     concat: concatenates documents and cuts the stream every `seq_len` tokens — no padding; a
@@ -68,6 +68,9 @@ def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int
     first_fit: places whole documents (longer ones cut into `seq_len` pieces first) into the
       first of `rows_at_once` rows with room, and pads the rest — no document is split across
       rows unless it is longer than a row.
+
+    `max_segments` > 0 bounds the runs per row (documents, and the padding as one more): a row
+    with more is cut into rows of `max_segments - 1` documents each, padded.
     """
     lengths = {name: seq_len for name in _PACKED}
     if method == "concat":
@@ -76,5 +79,42 @@ def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int
         pieces = grain.experimental.FlatMapIterDataset(pairs, _Chunks(seq_len))
         packed = grain.experimental.FirstFitPackIterDataset(
             pieces, length_struct=lengths, num_packing_bins=rows_at_once, shuffle_bins=False)
-    return packed.map(_row)
+    rows = packed.map(_row)
+    if max_segments:
+        rows = grain.experimental.FlatMapIterDataset(rows, _AtMostSegments(max_segments))
+    return rows
+
+
+class _AtMostSegments(grain.experimental.FlatMapTransform):
+    """Cuts a row with more than `limit` runs of one segment id into rows of `limit - 1` runs
+    each (documents keep their tokens, positions and order; the rest is padding), so that every
+    row fits a kernel that takes a fixed number of segments (cuDNN's packed layout)."""
+
+    max_fan_out = 1  # only used by MapDataset flat maps; this one runs on an IterDataset
+
+    def __init__(self, limit: int):
+        self._limit = limit
+
+    def flat_map(self, row: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        segment_ids = row["segment_ids"]
+        starts = np.flatnonzero(np.diff(segment_ids, prepend=-1))
+        if len(starts) <= self._limit:
+            return [row]
+        bounds = np.append(starts, len(segment_ids))
+        documents = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if segment_ids[a] != 0]
+        per_row = self._limit - 1
+        return [_padded_row(row, documents[i:i + per_row])
+                for i in range(0, len(documents), per_row)]
+
+
+def _padded_row(row: dict[str, np.ndarray], documents: list[tuple[int, int]]
+                ) -> dict[str, np.ndarray]:
+    """A row of `row`'s `documents` ([start, end) runs), in order from index 0, then padding."""
+    out = {key: np.zeros_like(values) for key, values in row.items()}
+    at = 0
+    for number, (start, end) in enumerate(documents, 1):
+        for key, values in row.items():
+            out[key][at:at + end - start] = number if key == "segment_ids" else values[start:end]
+        at += end - start
+    return out
 

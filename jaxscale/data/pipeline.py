@@ -99,7 +99,7 @@ def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, token
         _SYNCHRONOUS, allow_nones=True)
     pairs = pairs.filter(lambda pair: pair is not None)
     return packing.pack(pairs, config.data.packing, config.train.seq_len,
-                        rows_at_once=FIRST_FIT_ROWS)
+                        rows_at_once=FIRST_FIT_ROWS, max_segments=config.data.max_segments)
 
 
 def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[int],

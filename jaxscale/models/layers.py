@@ -71,7 +71,7 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
-                 rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None):
+                 rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0):
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                        0.02)
@@ -83,13 +83,14 @@ class Attention(nnx.Module):
         self.rope_scaling = rope_scaling
         self.dtype = dtype
         self.implementation = implementation
+        self.max_segments = max_segments
 
     def __call__(self, x: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array | None) -> jax.Array:
         q, k, v = self.project(x, positions)
         wide = float32_accumulating(self.dtype)
         out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
-                     self.implementation, positions=positions)
+                     self.implementation, positions=positions, max_segments=self.max_segments)
         return self.output(out)
 
     def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,

@@ -53,6 +53,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     remat: str = "none"  # a key of REMAT_POLICIES
     attention: str = "auto"  # jaxscale.parallel.attention.IMPLEMENTATIONS
+    max_segments: int = 0  # the most documents a packed row holds (0: unbounded); fused GPU
+    # attention takes packed rows only with a bound
     dtype: str = "bfloat16"  # compute dtype
     moe: MoEConfig | None = None  # None: every feed-forward is dense
 
@@ -102,7 +104,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
-                              rope_scaling=cfg.rope_scaling)
+                              rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)

@@ -1,7 +1,8 @@
 """Causal self-attention on the best kernel for the devices it runs on.
 
 Model code calls `attend(q, k, v, segment_ids, implementation)` with logical layouts only; this
-module decides the kernel and, for a kernel that XLA cannot split across devices, runs it per shard:
+module decides the kernel and, for a kernel that XLA cannot split across devices, runs it per shard
+(inside `shard_map`, each device on its own batch rows and heads):
 
 - `xla`: `jax.nn.dot_product_attention`'s XLA path. It materialises the [batch, heads, q, k]
   scores; it is the reference, and what CPUs run. With the length split over mesh axes (the
@@ -11,9 +12,18 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
   pipeline lays the tokens out in a load-balanced order (jaxscale/parallel/context.py).
 - `splash`: Pallas splash attention (TPU): blockwise, never materialises the scores, skips the
   blocks the causal and document masks hide. A Mosaic kernel is opaque to XLA's partitioner, so it
-  runs inside `shard_map` over the mesh, each device on its own batch rows and heads.
-- `auto`: splash when the mesh's devices are TPUs, the shapes suit it and the length is whole on
-  each device, else xla.
+  runs per shard.
+- `cudnn`: cuDNN's fused flash attention (NVIDIA GPUs, bfloat16/float16): never materialises the
+  scores. Packed rows take one of two forms. With `max_segments` (`data.max_segments`, which the
+  input pipeline guarantees) they go in cuDNN's packed layout, each document a segment given by
+  its offset and length: the kernel skips the blocks between documents, the fastest form, but its
+  backward takes a float32 workspace of about 8 bytes x batch x max_segments x length x heads x
+  head_dim, and it needs a Hopper GPU or newer. Without, the "same document" mask goes in as a
+  bias, [batch, 1, q, k] in the compute dtype: memory quadratic in the length but small next to
+  the scores XLA keeps (no heads, 2 bytes), and every causal block computed. Runs per shard, like
+  splash. Measured on an H100 in benchmarks/RESULTS.md.
+- `auto`: splash on TPUs and cudnn on GPUs where the kernel can run (shapes, dtype, the length
+  whole on each device), else xla.
 """
 
 from __future__ import annotations
@@ -28,48 +38,91 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import active_mesh_and_rules, logical_to_mesh, spec_axes
 
-IMPLEMENTATIONS = ("auto", "xla", "splash")
+IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn")
 QUERY_AXES = ("batch", "length", "heads", "head_dim")
 KEY_AXES = ("batch", "length", "kv_heads", "head_dim")
 SPLASH_BLOCK = 512  # the largest tile; a sequence must be a multiple of min(this, length)
 SPLASH_MIN_LENGTH = 128  # TPU kernels tile the sequence in multiples of 128
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_PACKED_CAPABILITY = (9, 0)  # cuDNN's packed (ragged) layout starts with Hopper
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-           implementation: str, *, positions: jax.Array | None = None,
+           implementation: str, *, positions: jax.Array | None = None, max_segments: int = 0,
            interpret: bool = False) -> jax.Array:
     """Causal attention. q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads,
     head_dim] (grouped-query: heads a multiple of kv_heads); segment_ids [batch, length] or None:
     a token sees only earlier tokens of its own segment; positions [batch, length] or None (the
     array indices): what "earlier" means when the length is split over devices, whose tokens
-    may be in any order. `interpret` runs a Pallas kernel in Python (any backend): for tests."""
-    if resolve(implementation, q.shape[1]) == "splash":
-        return _splash(q, k, v, segment_ids, interpret)
+    may be in any order. `max_segments`: the most segments (contiguous runs of one id, padding
+    included) a row holds, 0 if unbounded; the cudnn kernel's packed layout needs it.
+    `interpret` runs a Pallas kernel in Python (any backend): for tests."""
+    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments)
+    if kernel == "splash":
+        return _per_shard(functools.partial(_splash_on_shard, interpret=interpret),
+                          q, k, v, segment_ids)
+    if kernel == "cudnn":
+        return _per_shard(functools.partial(_cudnn_on_shard, max_segments=max_segments),
+                          q, k, v, segment_ids)
     if _length_axes():
         return _context(q, k, v, segment_ids, positions)
     return _xla(q, k, v, segment_ids)
 
 
-def resolve(implementation: str, length: int) -> str:
-    """`auto` -> the kernel for the platform of the active mesh (else the default backend)."""
+def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed: bool,
+            max_segments: int = 0) -> str:
+    """`auto` -> the kernel for the platform of the active mesh (else the default backend), for
+    queries shaped and typed like `q`."""
     if implementation != "auto":
         return implementation
-    active = active_mesh_and_rules()
-    platform = (active[0].devices.flat[0].platform if active is not None
-                else jax.default_backend())
-    fits = splash_fits(length) and not _length_axes()
-    return "splash" if platform == "tpu" and fits else "xla"
+    if _length_axes():
+        return "xla"
+    device = _device()
+    if device.platform == "tpu" and splash_fits(q.shape[1]):
+        return "splash"
+    if device.platform == "gpu" and cudnn_unsupported(device, q.dtype, q.shape[1], q.shape[-1],
+                                                      packed, max_segments) is None:
+        return "cudnn"
+    return "xla"
 
 
-def check_implementation(implementation: str, platform: str, length: int) -> None:
-    """ConfigError when the kernel asked for cannot run on `platform` at this sequence length."""
-    if implementation == "splash" and platform != "tpu":
+def cudnn_unsupported(device, dtype, length: int, head_dim: int, packed: bool,
+                      max_segments: int) -> str | None:
+    """Why cuDNN's fused attention cannot run here, or None when it can."""
+    if device.platform != "gpu":
+        return f"it is an NVIDIA GPU kernel and the devices are {device.platform}"
+    if jnp.dtype(dtype).name not in CUDNN_DTYPES:
+        return (f"it computes in {' or '.join(CUDNN_DTYPES)}, not {jnp.dtype(dtype).name} "
+                "(precision.compute_dtype)")
+    if head_dim % 8 or head_dim > 128:
+        return f"it needs model.head_dim a multiple of 8 and at most 128, not {head_dim}"
+    if packed and not max_segments and length % 2:
+        return (f"its document mask needs an even train.seq_len, not {length}; or set "
+                "data.max_segments for the packed layout")
+    capability = tuple(int(x) for x in getattr(device, "compute_capability", "0.0").split("."))
+    if packed and max_segments and capability < CUDNN_PACKED_CAPABILITY:
+        return (f"data.max_segments={max_segments} selects its packed layout, which needs "
+                f"compute capability 9.0 (Hopper) or newer, and the devices have "
+                f"{'.'.join(map(str, capability))}; set data.max_segments=0 for the mask form")
+    return None
+
+
+def check_implementation(implementation: str, device, length: int, dtype: str, head_dim: int,
+                         max_segments: int) -> None:
+    """ConfigError when the kernel asked for cannot run on `device`'s kind for these shapes."""
+    if implementation == "splash" and device.platform != "tpu":
         raise ConfigError(f"model.attention='splash' is a TPU kernel and the devices are "
-                          f"{platform}; use model.attention=auto or xla")
+                          f"{device.platform}; use model.attention=auto or xla")
     if implementation == "splash" and not splash_fits(length):
         raise ConfigError(f"model.attention='splash' needs train.seq_len a multiple of "
                           f"{SPLASH_MIN_LENGTH} (and of {SPLASH_BLOCK} above it), not {length}; "
                           "change train.seq_len or use model.attention=auto")
+    if implementation == "cudnn":
+        # Training rows are always packed (segment ids from the input pipeline).
+        why = cudnn_unsupported(device, dtype, length, head_dim, True, max_segments)
+        if why is not None:
+            raise ConfigError(f"model.attention='cudnn' cannot run: {why}; or use "
+                              "model.attention=auto or xla")
 
 
 def splash_fits(length: int) -> bool:
@@ -85,6 +138,12 @@ def _xla(q, k, v, segment_ids):
     # Causality comes from `is_causal`, so without packing there is no mask to materialise.
     mask = None if segment_ids is None else segment_mask(segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+
+def _device():
+    """A device of the active mesh, else of the default backend."""
+    active = active_mesh_and_rules()
+    return active[0].devices.flat[0] if active is not None else jax.devices()[0]
 
 
 def _length_axes() -> tuple[str, ...]:
@@ -123,21 +182,21 @@ def _context(q, k, v, segment_ids, positions):
                          out_specs=q_spec, check_vma=False)(q, k, v, positions, segment_ids)
 
 
-def _splash(q, k, v, segment_ids, interpret):
+def _per_shard(kernel, q, k, v, segment_ids):
+    """`kernel(q, k, v, segment_ids)` on each device's batch rows and heads: XLA cannot split a
+    custom kernel across devices itself."""
     active = active_mesh_and_rules()
     if active is None:
-        return _splash_on_shard(q, k, v, segment_ids, interpret=interpret)
+        return kernel(q, k, v, segment_ids)
     mesh, rules = active
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
     if _length_axes():
-        raise ValueError("splash attention needs the whole sequence on each device; the length "
-                         f"axis is split over {q_spec[1]} (use model.attention=xla)")
+        raise ValueError("a fused attention kernel needs the whole sequence on each device; the "
+                         f"length axis is split over {q_spec[1]} (use model.attention=xla)")
     seg_spec = P(q_spec[0], None)
     args = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
     in_specs = (q_spec, kv_spec, kv_spec) + ((seg_spec,) if segment_ids is not None else ())
-    body = functools.partial(_splash_on_shard, interpret=interpret)
-    if segment_ids is None:
-        body = functools.partial(body, segment_ids=None)
+    body = kernel if segment_ids is not None else lambda q, k, v: kernel(q, k, v, None)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
                          check_vma=False)(*args)
 
@@ -166,3 +225,33 @@ def _splash_on_shard(q, k, v, segment_ids, *, interpret):
         ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
         out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(q, k, v, ids)
     return heads_first(out)
+
+
+def _cudnn_on_shard(q, k, v, segment_ids, *, max_segments):
+    """cuDNN flash attention on one device's rows and heads (no mesh involved)."""
+    if segment_ids is None or not max_segments:
+        mask = None if segment_ids is None else segment_mask(segment_ids)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            implementation="cudnn")
+    # jax.nn's wrapper has no packed layout; the cuDNN module under it takes segment offsets.
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    lengths, offsets = packed_segments(segment_ids, max_segments)
+    return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                                 kv_offsets=offsets, scale=q.shape[-1] ** -0.5,
+                                 mask_type=MaskType.PADDING_CAUSAL)
+
+
+def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's packed layout of rows whose segments are contiguous runs of one id (padding's 0
+    a run too): (lengths int32[batch, M], offsets int32[batch, M + 1]), each row's run lengths
+    and start offsets in order, padded with -1, M = `max_segments`. A row with more runs than M
+    would lose the rest; the input pipeline cuts such rows (jaxscale/data/packing.py)."""
+    length = segment_ids.shape[1]
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    # Each row's start indices, then `length` for the runs it does not have.
+    first = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments + 1,
+                                             fill_value=length)[0])(starts).astype(jnp.int32)
+    lengths = jnp.where(first[:, :-1] < length, first[:, 1:] - first[:, :-1], -1)
+    offsets = jnp.where(first < length, first, -1)
+    return lengths, offsets
