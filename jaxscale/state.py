@@ -45,7 +45,8 @@ def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
         mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
         max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
-        max_segments=config.data.max_segments, dtype=config.precision.compute_dtype, moe=moe_config(m.moe))
+        max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
+        moe=moe_config(m.moe))
 
 
 def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
