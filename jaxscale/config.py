@@ -21,7 +21,7 @@ from jaxscale.errors import ConfigError
 MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-    "expert",
+    "experts",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 # sharding.optimizer_state: with each parameter, or also split over the data-parallel axes (ZeRO-1).
@@ -69,7 +69,7 @@ def default_config() -> ml_collections.ConfigDict:
             mlp=("tensor",),
             vocab=("tensor",),
             layers=("pipeline",),  # pipeline stages hold consecutive layers
-            expert=("expert",),  # the experts of an MoE layer (model.moe)
+            experts=("expert",),  # the experts of an MoE layer (model.moe)
         ),
         # Where the optimizer state lives: "params" (with each parameter) or "data" (ZeRO-1: also
         # split over the data-parallel axes; see docs/parallelism.md).
@@ -146,7 +146,7 @@ def default_config() -> ml_collections.ConfigDict:
         packing="concat",  # concat (concat-then-split, no padding) | first_fit (whole documents)
         # The most runs (documents, padding counted as one) a packed row holds; a row with more is
         # cut into several, padded. 0: no bound. A bound puts packed rows in cuDNN's packed layout
-        # on GPUs: faster attention, a workspace that grows with it (jaxscale/parallel/attention.py).
+        # on GPUs: faster attention, a workspace that grows with it (parallel/attention.py).
         max_segments=0,
         max_bad_records=100,  # malformed records a process skips before the run fails
         # Threads reading and tokenizing the row streams; 0 reads on the prefetch thread; -1: 0
@@ -199,7 +199,7 @@ def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
         mlp=m.mlp_dim,
         vocab=model_config(config).padded_vocab_size,
         layers=m.n_layers,
-        expert=m.moe.experts,
+        experts=m.moe.experts,
     )
 
 
@@ -510,11 +510,11 @@ def _check_experts(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]
         raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by {where}; pick an "
                           f"expert degree that divides {moe.experts}")
     rules = config.sharding.rules
-    experts, batch = tuple(rules.get("expert", ())), tuple(rules.get("batch", ()))
+    experts, batch = tuple(rules.get("experts", ())), tuple(rules.get("batch", ()))
     if experts != ("expert",) or "expert" not in batch:
-        raise ConfigError(f"{where} needs sharding.rules.expert=('expert',) and the expert axis "
+        raise ConfigError(f"{where} needs sharding.rules.experts=('expert',) and the expert axis "
                           f"in sharding.rules.batch (the rows trade places with the experts), got "
-                          f"expert={experts} and batch={batch}")
+                          f"experts={experts} and batch={batch}")
 
 
 def _check_context(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

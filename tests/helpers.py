@@ -1,8 +1,11 @@
-"""Small configs and batches shared by the tests."""
+"""Small configs and batches shared by the tests, and the loss and gradients on a mesh."""
+
+import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxscale.config import default_config
+from jaxscale.config import MESH_AXES, default_config
 
 
 def small_config(**mesh):
@@ -52,3 +55,50 @@ def model_attention_mask(segment_ids):
     length = segment_ids.shape[-1]
     same_segment = np.asarray(segment_mask(np.asarray(segment_ids)))[:, 0]
     return same_segment & np.tril(np.ones((length, length), bool))
+
+
+def mesh_devices(config):
+    """The first devices, as many as `config`'s (ICI) mesh sizes multiply to."""
+    import jax
+
+    return jax.devices()[:math.prod(config.mesh[a] for a in MESH_AXES)]
+
+
+def mesh_trainer(config, workdir):
+    """A Trainer on `mesh_devices(config)`."""
+    from jaxscale.trainer import Trainer
+
+    return Trainer(config, str(workdir), devices=mesh_devices(config))
+
+
+class MeshLossAndGradients(NamedTuple):
+    loss: Any  # the mean loss over the batch's counted tokens (+ MoE router penalties)
+    grads: Any  # its gradient with respect to the parameters
+    hlo: str  # the compiled computation, to look for its collectives
+
+
+def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradients:
+    """The mean loss of `batch` (default: `random_batch`) at `config`'s initial parameters and its
+    gradient, computed on `config`'s mesh through the train step's own loss_and_grad. The batch
+    goes in as the input pipeline lays it out: in the load-balanced order over the context axis."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxscale.parallel.context import length_shards, load_balanced
+    from jaxscale.step import loss_and_grad
+
+    trainer = mesh_trainer(config, workdir)
+    params = trainer.init_state(config.train.seed).params
+    batch = random_batch(config) if batch is None else batch
+    shards = length_shards(trainer.batch_sharding, batch["inputs"].shape)
+    assert shards == config.mesh.context  # the sequences are split over the context axis alone
+    batch = jax.device_put(load_balanced(batch, shards), trainer.batch_sharding)
+
+    def mean_loss_and_grad(params, batch):
+        tokens = jnp.sum(batch["loss_mask"])
+        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
+        return total / tokens, grads
+    # Compiled ahead of time and called as compiled: one compilation gives the HLO and the values.
+    compiled = jax.jit(trainer._with_rules(mean_loss_and_grad)).lower(params, batch).compile()
+    loss, grads = jax.device_get(compiled(params, batch))
+    return MeshLossAndGradients(loss, grads, compiled.as_text())

@@ -179,6 +179,13 @@ CASES = [
     train("a batch that the expert axis does not split is refused", "--config.model.moe.every=1",
           "--config.model.moe.experts=4", "--config.mesh.expert=4", "--config.train.batch_size=4",
           names=["batch", "mesh.expert=4"]),
+    train("an experts rule off the expert axis is refused", "--config.model.moe.every=1",
+          "--config.model.moe.experts=4", "--config.mesh.expert=2",
+          "--config.sharding.rules.experts=('fsdp',)", names=["rules.experts", "('fsdp',)"]),
+    # Configs written before the logical axis was renamed `experts` (the mesh axis keeps `expert`).
+    train("a rule for the old logical axis name expert is refused", "--config=oldrule.py",
+          files={"oldrule.py": config_file("c.sharding.rules.expert = ('expert',)")},
+          names=["unknown logical axis 'expert'", "'experts'"]),
     train("a sequence that 2 x the context axis does not divide is refused",
           "--config.mesh.context=4", "--config.train.seq_len=12",
           names=["seq_len=12", "mesh.context=4"]),

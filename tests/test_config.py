@@ -121,3 +121,13 @@ def test_pipeline_with_moe_layers_is_refused():
     config.mesh.update(data=4, pipeline=2)
     config.model.moe.update(experts=4, every=1)
     expect_error(config, "mesh.pipeline=2 with MoE layers")
+
+
+def test_a_run_config_from_before_the_experts_rule_was_renamed_still_reads(tmp_path):
+    """Sampling and export read a run's config.json over today's defaults without validating it:
+    a `sharding.rules.expert` saved before the logical axis became `experts` is carried along
+    unused, and the experts keep the default rule."""
+    from jaxscale.workdir import CONFIG_FILE, read_config
+
+    (tmp_path / CONFIG_FILE).write_text('{"sharding": {"rules": {"expert": ["expert"]}}}')
+    assert tuple(read_config(str(tmp_path)).sharding.rules.experts) == ("expert",)

@@ -11,19 +11,16 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale.parallel.context import length_shards, load_balanced, load_balanced_order
+from jaxscale.parallel.context import load_balanced, load_balanced_order
 from jaxscale.plan.collectives import replica_groups
 from jaxscale.plan.compiled import abstract_batch
-from jaxscale.step import loss_and_grad, summed_loss
-from jaxscale.trainer import Trainer
-from tests.helpers import random_batch, small_config
+from jaxscale.step import summed_loss
+from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESH_KEYS = ("data", "fsdp", "tensor", "pipeline", "context")
 
 
 def context_config(**mesh):
@@ -44,32 +41,11 @@ def unpacked_batch(config, seed=0):
 BATCHES = {"packed": random_batch, "unpacked": unpacked_batch}
 
 
-def make_trainer(config, tmp_path):
-    devices = int(np.prod([config.mesh[a] for a in MESH_KEYS]))
-    return Trainer(config, str(tmp_path), devices=jax.devices()[:devices])
-
-
-def loss_and_gradients(config, batch, tmp_path):
-    """(mean loss, its gradient) on `config`'s mesh through the train step's loss_and_grad, the
-    batch laid out in the load-balanced order as the input pipeline lays it out."""
-    trainer = make_trainer(config, tmp_path)
-    params = trainer.init_state(config.train.seed).params
-    shards = length_shards(trainer.batch_sharding, batch["inputs"].shape)
-    assert shards == config.mesh.context
-    batch = jax.device_put(load_balanced(batch, shards), trainer.batch_sharding)
-
-    def mean_loss_and_grad(params, batch):
-        tokens = jnp.sum(batch["loss_mask"])
-        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
-        return total / tokens, grads
-    return jax.device_get(jax.jit(trainer._with_rules(mean_loss_and_grad))(params, batch))
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """jax.grad of the plain model on one device, in the natural token order, per batch kind."""
     config = context_config()
-    trainer = make_trainer(config, tmp_path_factory.mktemp("ref"))
+    trainer = mesh_trainer(config, tmp_path_factory.mktemp("ref"))
     params = trainer.init_state(config.train.seed).params
     out = {}
     for kind, make_batch in BATCHES.items():
@@ -90,8 +66,8 @@ def references(tmp_path_factory):
 ], ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
 def test_a_split_sequence_gives_the_whole_sequences_loss_and_gradients(mesh, kind, references,
                                                                        tmp_path):
-    loss, grads = loss_and_gradients(context_config(**mesh), BATCHES[kind](context_config()),
-                                     tmp_path)
+    loss, grads, _ = loss_and_gradients_on_mesh(context_config(**mesh),
+                                                tmp_path, BATCHES[kind](context_config()))
     ref_loss, ref_grads = references[kind]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
@@ -104,7 +80,7 @@ def test_context_with_pipeline_stages_and_remat(schedule, remat, references, tmp
     config = context_config(context=2, pipeline=2)
     config.model.remat = remat
     config.pipeline.schedule = schedule
-    loss, grads = loss_and_gradients(config, random_batch(config), tmp_path)
+    loss, grads, _ = loss_and_gradients_on_mesh(config, tmp_path)
     ref_loss, ref_grads = references["packed"]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
@@ -134,7 +110,7 @@ def test_attention_all_gathers_keys_and_values_over_the_context_axis(tmp_path):
     """The compiled train step of context=4 x fsdp=2: each layer's keys and values [4 local rows,
     all 32 positions, 2 kv heads, 16] are all-gathered within the 4 devices of a context group."""
     config = context_config(context=4, fsdp=2)
-    trainer = make_trainer(config, tmp_path)
+    trainer = mesh_trainer(config, tmp_path)
     hlo = trainer.train_step.lower(trainer.abstract_state, abstract_batch(trainer)).compile()
     gathers = [line for line in hlo.as_text().splitlines()
                if "= f32[4,32,2,16]" in line and " all-gather(" in line]

@@ -20,10 +20,8 @@ from jaxscale.cli import load_config_file
 from jaxscale.models import LlamaConfig, abstract_model, create_model
 from jaxscale.models.moe import MoE, MoEConfig, route
 from jaxscale.state import model_config, model_spec
-from jaxscale.step import (loss_and_grad, loss_grad_and_router_metrics,
-                           summed_loss_and_router_stats)
-from jaxscale.trainer import Trainer
-from tests.helpers import random_batch, small_config
+from jaxscale.step import loss_grad_and_router_metrics, summed_loss_and_router_stats
+from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 from tests.test_bad_inputs import config_file, run_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -283,32 +281,11 @@ def expert_config(**mesh):
     return config
 
 
-def expert_trainer(config, tmp_path):
-    used = int(np.prod([config.mesh[a] for a in ("data", "fsdp", "tensor", "expert")]))
-    return Trainer(config, str(tmp_path), devices=jax.devices()[:used])
-
-
-def mean_loss_and_gradients(config, tmp_path):
-    """((mean loss, its gradient), the compiled HLO) on `config`'s mesh, through the step's
-    loss_and_grad (router penalties included)."""
-    trainer = expert_trainer(config, tmp_path)
-    params = trainer.init_state(config.train.seed).params
-    batch = jax.device_put(random_batch(config), trainer.batch_sharding)
-
-    def mean_loss_and_grad(params, batch):
-        tokens = jnp.sum(batch["loss_mask"])
-        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
-        return total / tokens, grads
-    step = jax.jit(trainer._with_rules(mean_loss_and_grad))
-    hlo = step.lower(params, batch).compile().as_text()
-    return jax.device_get(step(params, batch)), hlo
-
-
 @pytest.mark.slow
 def test_expert_meshes_give_one_devices_loss_and_gradients(tmp_path):
-    (ref_loss, ref_grads), _ = mean_loss_and_gradients(expert_config(), tmp_path / "one")
+    ref_loss, ref_grads, _ = loss_and_gradients_on_mesh(expert_config(), tmp_path / "one")
     for mesh in (dict(expert=4, data=2), dict(expert=2, fsdp=2, data=2)):
-        (loss, grads), hlo = mean_loss_and_gradients(expert_config(**mesh), tmp_path / str(mesh))
+        loss, grads, hlo = loss_and_gradients_on_mesh(expert_config(**mesh), tmp_path / str(mesh))
         assert "all-to-all" in hlo  # the tokens reach their experts' devices and come back
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
@@ -317,7 +294,7 @@ def test_expert_meshes_give_one_devices_loss_and_gradients(tmp_path):
 
 
 def test_the_compiled_train_step_exchanges_tokens_by_all_to_all(tmp_path):
-    compiled, _ = expert_trainer(expert_config(expert=4, data=2), tmp_path).compile_train_step()
+    compiled, _ = mesh_trainer(expert_config(expert=4, data=2), tmp_path).compile_train_step()
     assert "all-to-all" in compiled.as_text()
 
 
@@ -327,7 +304,7 @@ def device_bytes(tree, device):
 
 
 def test_each_device_holds_a_quarter_of_the_experts_and_their_optimizer_state(tmp_path):
-    trainer = expert_trainer(expert_config(expert=4, data=2), tmp_path)
+    trainer = mesh_trainer(expert_config(expert=4, data=2), tmp_path)
     state = trainer.init_state(0)
     experts = lambda tree: [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
                             if jax.tree_util.keystr(path[-1:]) in ("['gate']", "['up']",

@@ -12,14 +12,14 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxscale.parallel.pipeline import Pipeline
-from jaxscale.step import loss_and_grad, summed_loss
+from jaxscale.step import summed_loss
 from jaxscale.trainer import Trainer
-from tests.helpers import random_batch, small_config
+from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
+                           small_config)
 from tests.test_parity import assert_same_training, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,24 +32,6 @@ def pipeline_config(schedule="gpipe", repeats=1, microbatches=0, layers=8, remat
     config.train.batch_size = 16
     config.pipeline.update(schedule=schedule, repeats=repeats, microbatches=microbatches)
     return config
-
-
-def devices_for(config):
-    return jax.devices()[:int(np.prod([config.mesh[a] for a in
-                                       ("data", "fsdp", "tensor", "pipeline")]))]
-
-
-def loss_and_gradients(config, tmp_path):
-    """(mean loss, its gradient) on `config`'s mesh, through the train step's own loss_and_grad."""
-    trainer = Trainer(config, str(tmp_path), devices=devices_for(config))
-    params = trainer.init_state(config.train.seed).params
-    batch = jax.device_put(random_batch(config), trainer.batch_sharding)
-
-    def mean_loss_and_grad(params, batch):
-        tokens = jnp.sum(batch["loss_mask"])
-        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
-        return total / tokens, grads
-    return jax.device_get(jax.jit(trainer._with_rules(mean_loss_and_grad))(params, batch))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +67,7 @@ def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, r
     """Against jax.grad of the plain model (remat none) on one device; remat recomputes the same
     float32 values, so every policy must match too."""
     config = pipeline_config(schedule, repeats, remat=remat, **mesh)
-    loss, grads = loss_and_gradients(config, tmp_path)
+    loss, grads, _ = loss_and_gradients_on_mesh(config, tmp_path)
     ref_loss, ref_grads = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
@@ -114,7 +96,7 @@ def test_low_precision_pipelines_train_like_the_plain_model(schedule, dtype, tmp
     config.precision.compute_dtype = dtype
     plain = pipeline_config(layers=2)
     plain.precision.compute_dtype = dtype
-    losses = train(config, tmp_path / f"pp-{dtype}", devices=devices_for(config))[0]
+    losses = train(config, tmp_path / f"pp-{dtype}", devices=mesh_devices(config))[0]
     reference = train(plain, tmp_path / f"one-{dtype}", devices=jax.devices()[:1])[0]
     np.testing.assert_allclose(losses, reference, rtol=2e-3)
     assert losses[-1] < losses[0]
@@ -122,7 +104,7 @@ def test_low_precision_pipelines_train_like_the_plain_model(schedule, dtype, tmp
 
 def test_each_device_holds_only_its_stages_layers(tmp_path):
     config = pipeline_config(pipeline=4, data=2)
-    trainer = Trainer(config, str(tmp_path), devices=devices_for(config))
+    trainer = mesh_trainer(config, tmp_path)
     state = trainer.init_state(config.train.seed)
     layers = config.model.n_layers
     for leaf in jax.tree.leaves(state.params["blocks"]) + jax.tree.leaves(

@@ -14,7 +14,7 @@ Tokens reach their slots by a stable sort of the assignments by expert and a cum
 (`route`), then one gather into `[batch, experts, capacity, d_model]`; the experts run as batched
 matmuls over the stacked weights `[experts, ...]`; a gather brings each assignment's output back
 and the weighted sum combines a token's choices. No [tokens, experts, capacity] one-hot masks.
-With the experts split over devices (the `expert` logical axis), the buffers travel to their
+With the experts split over devices (the `experts` logical axis), the buffers travel to their
 experts' devices and back by all-to-all (`jaxscale.parallel.experts`).
 
 The layer also returns `RouterStats`, over the whole batch: the load-balancing loss (Switch
@@ -39,7 +39,7 @@ from flax import nnx
 from jaxscale.models.layers import param
 from jaxscale.parallel.experts import constrain_experts, to_experts, to_tokens
 
-BUFFERS = ("batch", "expert", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
+BUFFERS = ("batch", "experts", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +150,11 @@ class MoE(nnx.Module):
     def __init__(self, d_model: int, mlp_dim: int, cfg: MoEConfig, out_stddev: float,
                  dtype: jnp.dtype, rngs: nnx.Rngs):
         e = cfg.experts
-        # The router has no `expert` axis: each device scores its own tokens against every expert.
+        # The router has no `experts` axis: each device scores its own tokens against every expert.
         self.router = param(rngs, (d_model, e), ("embed", None), 0.02)
-        self.gate = param(rngs, (e, d_model, mlp_dim), ("expert", "embed", "mlp"), 0.02)
-        self.up = param(rngs, (e, d_model, mlp_dim), ("expert", "embed", "mlp"), 0.02)
-        self.down = param(rngs, (e, mlp_dim, d_model), ("expert", "mlp", "embed"), out_stddev)
+        self.gate = param(rngs, (e, d_model, mlp_dim), ("experts", "embed", "mlp"), 0.02)
+        self.up = param(rngs, (e, d_model, mlp_dim), ("experts", "embed", "mlp"), 0.02)
+        self.down = param(rngs, (e, mlp_dim, d_model), ("experts", "mlp", "embed"), out_stddev)
         self.cfg = cfg
         self.dtype = dtype
 
@@ -180,5 +180,5 @@ class MoE(nnx.Module):
         dt = self.dtype
         gate = jnp.einsum("becd,edf->becf", buffers, self.gate[...].astype(dt))
         up = jnp.einsum("becd,edf->becf", buffers, self.up[...].astype(dt))
-        hidden = constrain_experts(jax.nn.silu(gate) * up, ("batch", "expert", None, "mlp"))
+        hidden = constrain_experts(jax.nn.silu(gate) * up, ("batch", "experts", None, "mlp"))
         return jnp.einsum("becf,efd->becd", hidden, self.down[...].astype(dt))

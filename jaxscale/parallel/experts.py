@@ -1,6 +1,6 @@
 """Expert parallelism: moving an MoE layer's dispatched tokens to their experts' devices and back.
 
-The `expert` logical axis (the experts of a layer) is split over the mesh axes of the `expert`
+The `experts` logical axis (the experts of a layer) is split over the mesh axes of the `experts`
 rule; the `batch` rule splits the rows over the same axes too (default ("data", "fsdp",
 "expert")), so the attention and other dense parts of the model are data-parallel over them and
 never replicated. An MoE layer dispatches each row's tokens into buffers [batch, experts,
@@ -30,19 +30,19 @@ from jaxscale.parallel.sharding import (Rules, active_mesh_and_rules, logical_to
 def _expert_first(rules: Rules) -> Rules:
     """The rules with the expert axes taken off every other logical axis: in the expert layout
     the experts hold them, so e.g. `batch` splits only over its other axes."""
-    taken = set(rules.get("expert", ()))
-    return {name: axes if name == "expert" else tuple(a for a in axes if a not in taken)
+    taken = set(rules.get("experts", ()))
+    return {name: axes if name == "experts" else tuple(a for a in axes if a not in taken)
             for name, axes in rules.items()}
 
 
 def _layouts(logical: Sequence[str | None], rules: Rules) -> tuple[P, P, tuple[str, ...]]:
     """(token spec, expert spec, expert axes) of an array with these logical axes (one `batch`
-    and one `expert` among them). In the token spec the expert axes split `batch` last (minor),
+    and one `experts` among them). In the token spec the expert axes split `batch` last (minor),
     which makes the all-to-all's concatenated blocks of rows come out in the rows' order."""
-    experts = tuple(rules.get("expert", ()))
+    experts = tuple(rules.get("experts", ()))
     expert_spec = logical_to_mesh(logical, _expert_first(rules))
     token_spec = list(expert_spec)
-    token_spec[logical.index("expert")] = None
+    token_spec[logical.index("experts")] = None
     token_spec[logical.index("batch")] = spec_axes(expert_spec[logical.index("batch")]) + experts
     return P(*token_spec), expert_spec, experts
 
@@ -54,7 +54,7 @@ def _exchange(x: jax.Array, logical: Sequence[str | None], to_experts: bool) -> 
     mesh, rules = active
     token_spec, expert_spec, experts = _layouts(logical, rules)
     degree = math.prod(mesh.shape[a] for a in experts)
-    batch, expert = logical.index("batch"), logical.index("expert")
+    batch, expert = logical.index("batch"), logical.index("experts")
     rows = math.prod(mesh.shape[a] for a in spec_axes(token_spec[batch]))
     if degree == 1 or x.shape[batch] % rows or x.shape[expert] % degree:
         # Nothing to exchange, or rows that do not split evenly (a decoding batch): the
@@ -68,7 +68,7 @@ def _exchange(x: jax.Array, logical: Sequence[str | None], to_experts: bool) -> 
 
 
 def to_experts(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """Dispatched buffers (logical axes include `batch` and `expert`) from the token layout to
+    """Dispatched buffers (logical axes include `batch` and `experts`) from the token layout to
     the expert layout, by an all-to-all over the expert mesh axes."""
     return _exchange(x, logical, to_experts=True)
 
