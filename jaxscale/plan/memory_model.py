@@ -6,12 +6,18 @@ What it counts, per device:
     (exact: computed from every parameter's shape and PartitionSpec);
   - gradients and the optimizer's update: float32 copies of the parameters in the moments'
     layout (one more with gradient accumulation: the running sum);
-  - gathered weights: under FSDP one layer's weights, gathered in the compute dtype, twice (the
-    compiler prefetches the next layer's while the current one runs);
+  - weights in the compute dtype: under FSDP one layer's weights, gathered, twice (the compiler
+    prefetches the next layer's while the current one runs); with MoE layers, the device's
+    experts of every layer;
   - activations of one microbatch: what the backward pass keeps per layer under the remat
     policy, plus one layer's working set during its backward pass, plus the attention scores
     where the XLA path materialises them (CPUs and GPUs; TPUs use the splash kernel);
   - the loss: float32 logits of `model.loss_chunk_len` positions at a time (jaxscale/loss.py).
+MoE layers (jaxscale/models/moe.py) add their dispatch buffers [rows, experts, capacity, d_model]
+in both layouts, the experts' hidden activations and the router's logits (`_moe_row`); the
+expert axis splits the experts' weights and moments (their sharding specs say so) and the rows.
+A context axis splits every row's tokens, and each layer all-gathers the whole row's keys and
+values; its attention is the XLA path's, whose scores are [rows, heads, tokens / C, tokens].
 With S pipeline stages (jaxscale/parallel/pipeline.py) the state is split S ways by the sharding
 specs themselves (`layers` -> `pipeline`), and the activations are those of the device's L/S
 layers on microbatches of 1/M of the rows, as the schedule keeps them (`_pipeline_activations`).
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +38,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.loss import chunk_length
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
-from jaxscale.parallel.sharding import logical_to_mesh, rules_from_config, spec_axes
+from jaxscale.parallel.sharding import Rules, logical_to_mesh, rules_from_config, spec_axes
 from jaxscale.state import ModelSpec, moment_specs
 from jaxscale.step import BATCH_KEYS
+
+# The logical axis of an MoE layer's experts: "expert", being renamed "experts".
+_EXPERT_AXIS_NAMES = ("expert", "experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,34 +100,26 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     pipeline = config_pipeline(config, mesh_shape["pipeline"])
     # With a pipeline, a stage works on 1/M of those rows at a time.
     stage_rows = max(rows // pipeline.num_microbatches, 1) if pipeline else rows
-    # Per-device widths of the layer's tensors (the tensor axis splits heads and the MLP).
-    d = m.d_model
-    q = m.n_heads * m.head_dim // shards("heads")
-    kv = m.n_kv_heads * m.head_dim // shards("kv_heads")
-    mlp = m.mlp_dim // shards("mlp")
-    heads = max(m.n_heads // shards("heads"), 1)
-
-    # Per layer, bytes per token of everything the forward pass makes: the norms' float32 inputs
-    # and their outputs, residuals, q/k/v (RoPE in float32), the attention output and its
-    # projection, the MLP's gate and up projections, its float32 activation and their product.
-    everything = (d * (2 * 4 + 5 * compute) + (q + 2 * kv) * compute + (q + kv) * 4
-                  + q * compute + mlp * (3 * compute + 4))
-    # What the policies keep between the passes, per layer and token: everything, the layer's
-    # input, or the input and the outputs of the weight matmuls.
-    kept = {"none": everything, "full": d * compute,
-            "save_dots": (3 * d + q + 2 * kv + 2 * mlp) * compute}[m.remat]
+    # A context axis splits every row's tokens; its attention is the XLA path's, never splash.
+    context = shards("length")
+    tokens = t.seq_len // context
+    layers = _layer_bytes(config, cfg, shards, compute, tokens)
 
     def scores(n_rows: int) -> int:
-        """The XLA path's float32 scores and probabilities of one layer on `n_rows` rows."""
-        return 0 if splash_attention else n_rows * heads * t.seq_len ** 2 * 8
+        """The XLA path's float32 scores and probabilities of one layer on `n_rows` rows (each
+        device's queries against every key), and with a context axis its boolean mask."""
+        if splash_attention and context == 1:
+            return 0
+        mask = tokens * t.seq_len if context > 1 else 0
+        return n_rows * (layers.heads * tokens * t.seq_len * 8 + mask)
 
     def layer_kept(n_rows: int) -> int:
         """What one layer keeps for its backward pass (the scores too, without remat)."""
-        return kept * n_rows * t.seq_len + (scores(n_rows) if m.remat == "none" else 0)
+        return n_rows * layers.kept + (scores(n_rows) if m.remat == "none" else 0)
 
     def working_set(n_rows: int) -> int:
         """One layer recomputed and differentiated at a time: its activations, their gradients."""
-        return 2 * everything * n_rows * t.seq_len + scores(n_rows)
+        return 2 * layers.everything * n_rows + scores(n_rows)
 
     if pipeline is None:
         activations = m.n_layers * layer_kept(rows) + working_set(rows)
@@ -128,21 +129,17 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
         activations = _pipeline_activations(
             pipeline, m.n_layers // pipeline.stages, layer_kept(stage_rows),
             working_set(stage_rows), stage_weights * compute,
-            stage_rows * t.seq_len * d * compute)
+            stage_rows * tokens * m.d_model * compute)
 
-    chunk = chunk_length(t.seq_len, m.loss_chunk_len)
+    chunk = chunk_length(t.seq_len, m.loss_chunk_len) // context
     vocab = cfg.padded_vocab_size // shards("vocab")
     # 1F1B computes the loss inside its loop, a microbatch at a time; otherwise after the layers.
     loss_rows = stage_rows if pipeline and pipeline.schedule == "1f1b" else rows
     # A chunk's float32 logits, and half as much again for their gradient (fused with the
     # softmax, partly in place; calibrated on the TPU compiler's Llama 3 1B and 8B steps), plus
     # the features' float32 copy.
-    logits = int(loss_rows * chunk * vocab * 4 * 1.5) + loss_rows * t.seq_len * d * 4
+    logits = int(loss_rows * chunk * vocab * 4 * 1.5) + loss_rows * tokens * m.d_model * 4
 
-    fsdp_gathered = 0
-    if shards("embed") > 1:  # the output head is not gathered: the loss contracts it in slices
-        layer_elements = d * (q + 2 * kv) + q * d + 3 * d * mlp
-        fsdp_gathered = 2 * layer_elements * compute
     # The gradients, the optimizer's update (float32, in the moments' layout) and, with
     # accumulation, the running sum; GPipe's backward loop keeps one too (its gradient carry,
     # in the stage layout), where 1F1B's carry becomes the gradients.
@@ -150,9 +147,106 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     gradients = 4 * moment_elements * (3 if running_sum else 2)
     return MemoryEstimate(
         params=4 * params, moments=2 * moment_bytes * moment_elements,
-        batch=len(BATCH_KEYS) * 4 * rows * t.microbatches * t.seq_len,
-        gradients=gradients, gathered_weights=fsdp_gathered, activations=activations,
-        logits=logits)
+        batch=len(BATCH_KEYS) * 4 * rows * t.microbatches * tokens,
+        gradients=gradients,
+        gathered_weights=_compute_weights(spec, param_specs, rules, mesh_shape,
+                                          compute < 4) * compute,
+        activations=activations, logits=logits)
+
+
+class _LayerBytes(NamedTuple):
+    """Per device and row, bytes of a layer's activations: `everything` its forward pass makes
+    (the largest layer's: dense or MoE), `kept` what the remat policy keeps for the backward (the
+    mean over the layers), without the attention scores; `heads` on the device."""
+    heads: int
+    everything: int
+    kept: int
+
+
+def _layer_bytes(config: ml_collections.ConfigDict, cfg, shards, compute: int,
+                 tokens: int) -> _LayerBytes:
+    """The layers' `_LayerBytes` when a device holds `tokens` of each row."""
+    m, seq_len = config.model, config.train.seq_len
+    # Per-device widths of the layer's tensors (the tensor axis splits heads and the MLP).
+    d = m.d_model
+    q = m.n_heads * m.head_dim // shards("heads")
+    kv = m.n_kv_heads * m.head_dim // shards("kv_heads")
+    mlp = m.mlp_dim // shards("mlp")
+    # Per token, everything attention and the norms make: the norms' float32 inputs and
+    # outputs, residuals, q/k/v (RoPE in float32), the attention output and its projection.
+    attention = (d * (2 * 4 + 5 * compute) + (q + 2 * kv) * compute + (q + kv) * 4
+                 + q * compute) * tokens
+    # With a context axis, the keys and values of the whole row, all-gathered
+    # (jaxscale/parallel/attention.py `_context`): the backward needs them.
+    if tokens < seq_len:
+        attention += seq_len * 2 * kv * compute
+    # The MLP's gate and up projections, its float32 activation and their product. What the
+    # policies keep between the passes: everything, the layer's input, or the input and the
+    # outputs of the weight matmuls.
+    dense = attention + mlp * (3 * compute + 4) * tokens
+    kept_dense = {"none": dense, "full": d * compute * tokens,
+                  "save_dots": (3 * d + q + 2 * kv + 2 * mlp) * compute * tokens}[m.remat]
+    moe_layers = cfg.moe_layers
+    everything, kept = dense, kept_dense * (m.n_layers - moe_layers)
+    if moe_layers:
+        moe, exchanged = _moe_row(cfg.moe, seq_len, tokens, d, mlp, compute)
+        moe += attention
+        # Without remat the backward needs all but the buffers as they were before each
+        # all-to-all (an all-to-all's gradient is another, of the gradient); save_dots keeps
+        # no expert matmul (the experts are their batch dimension), only the router's float32
+        # logits beside attention's.
+        kept_moe = {"none": moe - exchanged, "full": d * compute * tokens,
+                    "save_dots": ((3 * d + q + 2 * kv) * compute
+                                  + cfg.moe.experts * 4) * tokens}[m.remat]
+        everything = max(dense, moe)
+        kept += kept_moe * moe_layers
+    return _LayerBytes(max(m.n_heads // shards("heads"), 1), everything, kept // m.n_layers)
+
+
+def _moe_row(moe, seq_len: int, tokens: int, d: int, mlp: int,
+             compute: int) -> tuple[int, int]:
+    """Bytes of one row's MoE feed-forward on a device (jaxscale/models/moe.py), and of those the
+    buffers that only go into an all-to-all. Per slot of the [experts, capacity] buffers: the
+    dispatched tokens in the token and the expert layout and the experts' outputs in both, the
+    gate and up projections, their product and the float32 activation; per token, the float32
+    input of the router, its logits and probabilities, and the top_k outputs gathered back in
+    float32 and weighted. The buffers' capacity is the whole row's and no mesh axis splits it: a
+    context axis leaves every device all of its rows' slots."""
+    slots = moe.experts * moe.capacity(seq_len)
+    per_slot = 4 * d * compute + mlp * (3 * compute + 4)
+    per_token = d * 4 + 2 * moe.experts * 4 + 2 * moe.top_k * d * 4
+    return slots * per_slot + tokens * per_token, slots * 2 * d * compute
+
+
+def _is_expert_weight(logical: P) -> bool:
+    """Whether a parameter's logical spec names the experts' axis (spelt either way)."""
+    return any(name in _EXPERT_AXIS_NAMES for entry in logical for name in spec_axes(entry))
+
+
+def _compute_weights(spec: ModelSpec, param_specs, rules: Rules, mesh_shape: Mapping[str, int],
+                     converted: bool) -> int:
+    """Elements per device of weights held in the compute dtype beyond the float32 state. Under
+    FSDP, one stacked unit's weights gathered (a layer, or a group of `moe.every` layers), twice:
+    the compiler prefetches the next unit's while the current one runs. The output head is not
+    gathered: the loss contracts it in slices. With MoE layers and a compute dtype narrower than
+    the parameters (`converted`), every layer's local experts: XLA:CPU holds that much more for
+    MoE models in bfloat16 (18 MiB for configs/tiny_moe.py with data=8 and remat full, 2.4 MiB
+    with expert=8) and nothing more in float32; read as their converted copies, hoisted out of
+    the loop over layers."""
+    blocks, abstract = param_specs["blocks"], spec.abstract_params["blocks"]
+    gathered = 0
+    embed_axes = tuple(rules.get("embed", ()))
+    if math.prod(mesh_shape[a] for a in embed_axes) > 1:
+        whole = dict(mesh_shape) | {a: 1 for a in (*embed_axes, *rules.get("layers", ()))}
+        units = jax.tree.leaves(abstract)[0].shape[0]  # the stacked `layers` axis
+        gathered = 2 * _tree_shard_elements(blocks, abstract, whole) // units
+    if not converted:
+        return gathered
+    experts = jax.tree.leaves(jax.tree.map(
+        lambda logical, p, a: _shard_elements(a.shape, p, mesh_shape)
+        if _is_expert_weight(logical) else 0,
+        spec.logical_specs["blocks"], blocks, abstract, is_leaf=lambda x: isinstance(x, P)))
+    return gathered + sum(experts)
 
 
 def _pipeline_activations(pipeline: Pipeline, stage_layers: int, layer_kept: int,

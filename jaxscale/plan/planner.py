@@ -29,7 +29,7 @@ from jaxscale.plan.chips import Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
 from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step
 from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
-from jaxscale.plan.search import Candidate, candidates
+from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
 from jaxscale.state import model_spec
 
@@ -96,12 +96,13 @@ def _splash(config: ml_collections.ConfigDict, target: Target) -> bool:
     return a == "splash" or (a == "auto" and on_tpu and splash_fits(config.train.seq_len))
 
 
-def _reference(rows: dict[Candidate, Row], config, role: str,
-               mesh: tuple[int, int, int, int], granules: int) -> Row | None:
-    """The row of a familiar layout (pure data, FSDP only), with the config's remat and no
-    accumulation, to show beside the choice; None when the model does not allow it."""
-    dcn = (granules, 1, 1) if mesh[0] > 1 else (1, granules, 1)
-    wanted = Candidate(mesh, dcn, config.model.remat, 1, "params")
+def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices: int,
+               granules: int) -> Row | None:
+    """The row of a familiar layout (pure data, FSDP only: all of a granule's devices on `axis`,
+    the granules too), with the config's remat and no accumulation, to show beside the choice;
+    None when the model does not allow it."""
+    wanted = Candidate(*layout({axis: devices // granules}, {axis: granules}),
+                       config.model.remat, 1, "params")
     row = rows.get(wanted)
     return dataclasses.replace(row, role=role) if row else None
 
@@ -120,7 +121,7 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
     spec = model_spec(config)
     found = candidates(config, n, granules)
     if not found:
-        raise ConfigError(f"no layout of {n} devices over data/fsdp/tensor divides this model "
+        raise ConfigError(f"no layout of {n} devices over the mesh axes divides this model "
                           f"and batch (train.batch_size={config.train.batch_size}); use a batch "
                           f"size that is a multiple of {n}")
     splash = _splash(config, target)
@@ -135,8 +136,8 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
     by_speed = sorted(rows.values(), key=lambda r: (r.time.total, rank.simplicity(r.candidate)))
     promising = [r for r in by_speed if r.estimate.total <= budget]
     references = [r for r in (
-        _reference(rows, config, "pure data", (n // granules, 1, 1, 1), granules),
-        _reference(rows, config, "FSDP only", (1, n // granules, 1, 1), granules)) if r]
+        _reference(rows, config, "pure data", "data", n, granules),
+        _reference(rows, config, "FSDP only", "fsdp", n, granules)) if r]
 
     judged: dict[Candidate, Row] = {}  # compiled (or, for GPUs, the estimates' best)
     if target.compiles:

@@ -20,14 +20,19 @@ or nodes, the network (DCN).
 Overlap assumption: collectives over `data` and `fsdp` (gathering the next layer's weights,
 reducing gradients) run asynchronously beside the matmuls, as XLA schedules them, so they cost
 time only beyond the compute they hide behind; collectives over `tensor` sit between a layer's
-matmuls (each needs the previous one's output), and those over `pipeline` between a pipeline's
-ticks (the next stage needs the activations sent), so their time adds in full:
-    step = max(compute, data/fsdp communication) + tensor and pipeline communication.
+matmuls (each needs the previous one's output), those over `pipeline` between a pipeline's
+ticks (the next stage needs the activations sent), an MoE layer's all-to-alls over `expert`
+between its router and its experts, and a layer's key/value gathers over `context` before its
+attention, so their time adds in full (`_exposed`):
+    step = max(compute, overlapped communication) + exposed communication.
+The gradients' all-reduces count as overlapped over whichever axes hold replicas (data, context,
+expert).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -50,8 +55,8 @@ _EXPOSED_AXES = ("tensor", "pipeline")
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     compute: float  # seconds, the pipeline's bubble included
-    overlapped: float  # data/fsdp communication, hidden behind compute up to its length
-    exposed: float  # tensor and pipeline communication, on the critical path
+    overlapped: float  # weight gathers, gradient reductions: hidden behind compute up to its length
+    exposed: float  # tensor, pipeline, expert and context communication, on the critical path
     model_flops: float  # per step, all devices (no recomputation): MFU's numerator
     bubble: float = 0.0  # the share of the layers' compute a pipeline spends idle
 
@@ -92,8 +97,13 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     compute dtype, as the compiled programs move them): per microbatch, FSDP gathers every
     weight twice (forward, backward) and reduce-scatters its gradient; tensor parallelism
     all-reduces a layer's [tokens, d_model] activations twice per pass (after attention and after
-    the MLP) over forward, backward and any remat recomputation; data parallelism all-reduces
-    the gradients once per step.
+    the MLP) over forward, backward and any remat recomputation; the gradients are all-reduced
+    once per step over the axes that hold replicas of them (`_gradient_reductions`).
+
+    An expert axis exchanges every MoE layer's dispatch buffers [rows, experts, capacity,
+    d_model] by all-to-all, there and back, in every pass. A context axis all-gathers every
+    layer's keys and values in each forward pass, and reduce-scatters their gradients in the
+    backward (the tokens' positions and segment ids are gathered once, for all layers).
 
     A pipeline does all of that per tick of its loop (forward and backward ticks for GPipe, 1F1B's
     ticks doing both), for the stage's layers and a microbatch's rows; the compiled programs also
@@ -103,14 +113,15 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     as the TPU compiler emits them."""
     t, m = config.train, config.model
     shape = candidate.mesh_shape
-    data, fsdp, tensor = shape["data"], shape["fsdp"], shape["tensor"]
+    fsdp, tensor = shape["fsdp"], shape["tensor"]
     dcn = dict(zip(DCN_AXES, candidate.dcn))
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
     accumulation = candidate.microbatches  # each accumulation step runs a pipeline's whole loop
     k, layers, layer_params = accumulation, m.n_layers, _layer_params(spec)
     stage_layer_params = layer_params
     passes = 3 if candidate.remat != "none" else 2  # forward, backward, remat's forward
-    rows = t.batch_size // k // (data * fsdp)  # a microbatch's rows, per device
+    rows = t.batch_size // k // _shards(config, shape, "batch")  # a microbatch's, per device
+    context = _shards(config, shape, "length")
     gradient_reductions = 1
     if p := candidate.pipeline:
         stage_layer_params //= p.stages
@@ -122,20 +133,33 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
         else:  # a loop of forward ticks, then one of backward ticks
             ticks = p.repeats * p.num_microbatches + p.stages - 1
         k = gradient_reductions = accumulation * ticks
-    # One device's model slice: the stage's layers and the embedding and head.
-    params = spec.num_params - layer_params + stage_layer_params
-    weights = params * compute / tensor
-    activations = rows * t.seq_len * m.d_model * compute
+    # One device's model slice: the stage's layers and the embedding and head, its experts.
+    experts = _expert_params(spec)
+    params = spec.num_params - layer_params + stage_layer_params - experts
+    weights = (params + experts / shape["expert"]) * compute / tensor
+    activations = rows * t.seq_len // context * m.d_model * compute
     found = []
     if fsdp > 1:
         found += [Collective("all-gather", int(weights), 2 * k, ("fsdp",), fsdp, dcn["fsdp"] > 1),
                   Collective("reduce-scatter", int(weights), k, ("fsdp",), fsdp, dcn["fsdp"] > 1)]
-    if data > 1:
-        found.append(Collective("all-reduce", int(weights / fsdp), gradient_reductions,
-                                ("data",), data, dcn["data"] > 1))
+    found += _gradient_reductions(params * compute / tensor / fsdp,
+                                  experts / shape["expert"] * compute / tensor / fsdp,
+                                  gradient_reductions, shape, dcn)
     if tensor > 1:
         found.append(Collective("all-reduce", activations, 2 * passes * layers * k,
                                 ("tensor",), tensor, False))
+    if shape["expert"] > 1:
+        moe = spec.config.moe
+        buffers = rows * moe.experts * moe.capacity(t.seq_len) * m.d_model * compute
+        found.append(Collective("all-to-all", buffers, 2 * passes * spec.config.moe_layers * k,
+                                ("expert",), shape["expert"], dcn["expert"] > 1))
+    if context > 1:
+        kv = rows * t.seq_len * 2 * m.n_kv_heads * m.head_dim // _shards(config, shape,
+                                                                         "kv_heads")
+        found += [Collective("all-gather", kv * compute, (passes - 1) * layers * k,
+                             ("context",), context, dcn["context"] > 1),
+                  Collective("reduce-scatter", kv * compute, layers * k, ("context",), context,
+                             dcn["context"] > 1)]
     if p:
         crosses = dcn["pipeline"] > 1
         found += [Collective("collective-permute", activations, 4 * k, ("pipeline",), 2,
@@ -145,9 +169,35 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     return found
 
 
+def _shards(config: ml_collections.ConfigDict, shape: dict[str, int], logical: str) -> int:
+    """How many ways the rules split a logical axis on a mesh of `shape`."""
+    return math.prod(shape[a] for a in config.sharding.rules.get(logical, ()))
+
+
+def _gradient_reductions(dense: float, experts: float, count: int, shape: dict[str, int],
+                         dcn: dict[str, int]) -> list[Collective]:
+    """All-reduces of the gradients (bytes per device of the dense and the expert weights) over
+    the axes that hold replicas: the dense weights' over data, context and expert (rows and
+    tokens split there, weights do not), the experts' over data and context."""
+    found = []
+    for size, axes in ((dense, ("data", "context", "expert")), (experts, ("data", "context"))):
+        axes = tuple(a for a in axes if shape[a] > 1)
+        if axes and size:
+            found.append(Collective("all-reduce", int(size), count, axes,
+                                    math.prod(shape[a] for a in axes),
+                                    any(dcn.get(a, 1) > 1 for a in axes)))
+    return found
+
+
 def _layer_params(spec: ModelSpec) -> int:
     """Parameters of the stacked layers (what pipeline stages split)."""
     return sum(a.size for a in jax.tree.leaves(spec.abstract_params["blocks"]))
+
+
+def _expert_params(spec: ModelSpec) -> int:
+    """Parameters of the MoE layers' experts (what the expert axis splits)."""
+    m = spec.config
+    return m.moe_layers * m.moe.experts * 3 * m.d_model * m.mlp_dim if m.moe else 0
 
 
 def step_time(config: ml_collections.ConfigDict, spec: ModelSpec, candidate: Candidate,
@@ -158,12 +208,22 @@ def step_time(config: ml_collections.ConfigDict, spec: ModelSpec, candidate: Can
     for c in collectives:
         bandwidth = chip.network if c.crosses_dcn else chip.fast_link_bandwidth
         seconds = c.link_bytes * c.count / bandwidth
-        if any(a in _EXPOSED_AXES for a in c.axes):
+        if _exposed(c):
             exposed += seconds
         else:
             overlapped += seconds
     bubble = candidate.pipeline.bubble_fraction() if candidate.pipeline else 0.0
     return StepTime(compute, overlapped, exposed, model_flops, bubble)
+
+
+def _exposed(c: Collective) -> bool:
+    """Whether a collective is on the step's critical path: any over `tensor` or `pipeline`, an
+    all-to-all (an MoE layer's experts wait for their tokens, the combine for their outputs),
+    and a gather or reduce-scatter over `context` (a layer's attention waits for the keys and
+    values; their gradients are the backward's next input). The gradients' all-reduces over
+    `context` or `expert`, whose replicas they are, overlap like those over `data`."""
+    return (any(a in _EXPOSED_AXES for a in c.axes) or c.kind == "all-to-all"
+            or (c.kind in ("all-gather", "reduce-scatter") and "context" in c.axes))
 
 
 def simplicity(candidate: Candidate) -> tuple:

@@ -2,19 +2,26 @@
 remat policy, gradient accumulation, optimizer-state layout and, with pipeline stages, schedule
 and pipeline microbatches, with the global batch fixed.
 
-Searched: `data`, `fsdp`, `tensor`, `pipeline` inside a slice or node, and the split of the
-DCN-connected granules (GPU nodes) over `data`, `fsdp` and `pipeline`; tensor parallelism stays on
+Searched: `data`, `fsdp`, `tensor`, `pipeline`, `expert` and `context` inside a slice or node, and
+the split of the DCN-connected granules (GPU nodes) over all of them but `tensor`, which stays on
 the fast links, where its per-layer collectives belong. Pipelining across granules is what
 pipelines are for: only one stage's activations cross the slow network, not every weight (FSDP)
 or every gradient (data). With S stages, GPipe is tried with M = 2S and 4S pipeline microbatches
 and every accumulation, 1F1B with M = 2S to 16S and none; one layer group per stage
 (`pipeline.repeats` 1).
+
+`expert` degrees are searched for models with MoE layers only, those that divide the experts
+(`_expert_allowed`); `context` degrees only where the batch cannot take them (`_context_useful`).
+Both are pruned before `validate`, so a dense model with short sequences searches what it did
+before they existed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from typing import Mapping
 
 import ml_collections
 
@@ -23,8 +30,8 @@ from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.parallel.pipeline import Pipeline
 
-SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline")
-DCN_AXES = ("data", "fsdp", "pipeline")
+SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
+DCN_AXES = ("data", "fsdp", "pipeline", "expert", "context")
 # Pipeline microbatches tried, per stage. GPipe keeps every microbatch's activations until its
 # backward, so a larger M costs memory and accumulation (a bubble per part) is what saves it: 2
 # (the default) and 4, which halves the bubble. 1F1B keeps at most 2S - 1 in flight, so a larger
@@ -38,12 +45,22 @@ PIPELINE_REMAT = ("none", "full")
 # Gradient accumulation steps tried (those that divide the batch): each halves the activations
 # and adds one more pass of FSDP gathers, so beyond 16 memory is rarely the problem it solves.
 MICROBATCHES = (1, 2, 4, 8, 16)
+# The fewest tokens of a row a context shard keeps: thinner, the matmuls underfill the chips'
+# 128-wide tiles while each layer's key/value all-gather still moves the whole row.
+MIN_CONTEXT_TOKENS = 128
+
+
+def _mesh_shape(ici: tuple, dcn: tuple) -> dict[str, int]:
+    """Each mesh axis's size (ICI size x DCN factor), in the mesh's axis order."""
+    factors = dict(zip(DCN_AXES, dcn))
+    sizes = {a: n * factors.get(a, 1) for a, n in zip(SEARCHED_AXES, ici)}
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    ici: tuple[int, int, int, int]  # data, fsdp, tensor, pipeline inside a slice / node
-    dcn: tuple[int, int, int]  # data, fsdp, pipeline across slices / nodes
+    ici: tuple[int, ...]  # a size per SEARCHED_AXES inside a slice / node
+    dcn: tuple[int, ...]  # a factor per DCN_AXES across slices / nodes
     remat: str
     microbatches: int
     optimizer_state: str  # "params" or "data" (ZeRO-1)
@@ -54,9 +71,7 @@ class Candidate:
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Each axis's size over the whole mesh (ICI size x DCN factor)."""
-        dcn = dict(zip(DCN_AXES, self.dcn))
-        sizes = {a: n * dcn.get(a, 1) for a, n in zip(SEARCHED_AXES, self.ici)}
-        return {a: sizes.get(a, 1) for a in MESH_AXES}  # in the mesh's axis order
+        return _mesh_shape(self.ici, self.dcn)
 
     @property
     def mesh_label(self) -> str:
@@ -143,6 +158,47 @@ def _schedules(stages: int) -> list[tuple[int, str, int]]:
             + [(1, "1f1b", n * stages) for n in ONE_F_ONE_B_MICROBATCHES_PER_STAGE])
 
 
+def layout(ici: Mapping[str, int], dcn: Mapping[str, int] | None = None) -> tuple[tuple, tuple]:
+    """A Candidate's (ici, dcn) tuples from the sizes of the axes above 1, e.g. {"fsdp": 8}."""
+    dcn = dcn or {}
+    return tuple(ici.get(a, 1) for a in SEARCHED_AXES), tuple(dcn.get(a, 1) for a in DCN_AXES)
+
+
+def _expert_allowed(config: ml_collections.ConfigDict, degree: int) -> bool:
+    """An expert degree above 1 needs MoE layers and experts it divides (validate checks the
+    rules and the batch too, more slowly)."""
+    moe = config.model.moe
+    return degree == 1 or (moe.every > 0 and moe.experts % degree == 0)
+
+
+def _context_useful(config: ml_collections.ConfigDict, candidate: Candidate) -> bool:
+    """Whether the candidate's context degree C can beat data parallelism over the same devices.
+    Splitting each row's tokens C ways saves what splitting the rows C more ways saves (the same
+    tokens and attention scores per device, the same replicated weights), and adds the all-gather
+    of every layer's keys and values. So C > 1 is searched only where a microbatch's rows cannot
+    be split C more ways: the batch is smaller than the devices, or one row is all a device can
+    hold. The length rule must name the axis (else it would only replicate)."""
+    shape = candidate.mesh_shape
+    degree = shape["context"]
+    if degree == 1:
+        return True
+    rules = config.sharding.rules
+    if "context" not in tuple(rules.get("length", ())):
+        return False
+    rows = config.train.batch_size // candidate.microbatches
+    return rows % (math.prod(shape[a] for a in rules.get("batch", ())) * degree) != 0
+
+
+def _mesh_allowed(config: ml_collections.ConfigDict, ici: tuple, dcn: tuple) -> bool:
+    """The cheap checks of a mesh, before any candidate on it is validated."""
+    sizes = _mesh_shape(ici, dcn)
+    context, seq_len = sizes["context"], config.train.seq_len
+    return (config.model.n_layers % sizes["pipeline"] == 0  # stages split the layers
+            and _expert_allowed(config, sizes["expert"])
+            and (context == 1 or (seq_len % (2 * context) == 0  # the load balance's 2C chunks
+                                  and seq_len // context >= MIN_CONTEXT_TOKENS)))
+
+
 def candidates(config: ml_collections.ConfigDict, num_devices: int,
                granules: int = 1) -> list[Candidate]:
     """Every candidate that `jaxscale.config.validate` accepts for `config` on `num_devices`
@@ -158,9 +214,10 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
     found = []
     for ici, dcn in itertools.product(factorisations(per_granule, len(SEARCHED_AXES)),
                                       factorisations(granules, len(DCN_AXES))):
-        if config.model.n_layers % (ici[3] * dcn[2]):
-            continue  # the stages must split the layers: validate says so too, more slowly
-        data_degree, stages = ici[0] * dcn[0], ici[3] * dcn[2]
+        if not _mesh_allowed(config, ici, dcn):
+            continue
+        sizes = _mesh_shape(ici, dcn)
+        data_degree, stages = sizes["data"], sizes["pipeline"]
         # Whether ZeRO-1 splits every parameter's moments on this mesh: validate checks it on the
         # model's shapes (slow to build), and it depends on the mesh alone, so once per mesh;
         # None: not asked yet.
@@ -168,7 +225,7 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
         for microbatches, schedule, m in _schedules(stages):
             candidate = Candidate(ici, dcn, config.model.remat, microbatches, "params", schedule,
                                   m)
-            if not valid(candidate):
+            if not _context_useful(config, candidate) or not valid(candidate):
                 continue
             layouts = [candidate]
             sharded = dataclasses.replace(candidate, optimizer_state="data")
