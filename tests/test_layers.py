@@ -124,3 +124,39 @@ def test_remat_policies_keep_gradients(remat):
     config.model.remat = remat
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  grads(config), baseline)
+
+
+@pytest.mark.parametrize("moe_every", [0, 1])
+def test_save_dots_keeps_the_weight_matmuls_also_in_a_pipeline_stage(moe_every, capsys):
+    """remat=save_dots keeps each block's weight-matmul outputs for the backward pass (full keeps
+    none of them), for a block run alone and under the vmap over stages that a pipeline runs it
+    in (which gives every matmul a batch dimension), dense and MoE (whose expert matmuls are
+    batched over the experts anyway)."""
+    def kept(remat: str, stages: bool) -> int:
+        config = small_config()
+        config.model.update(remat=remat, attention="xla")
+        config.model.moe.update(every=moe_every, experts=4, top_k=2)
+        model = create_model(model_config(config), 0)
+        block_def, stacked = nnx.split(model.blocks)
+        block = model.block_fn(block_def)
+        length, d = 8, config.model.d_model
+        positions = jnp.broadcast_to(jnp.arange(length), (2, length))
+        run = lambda state, x: block(state, x, positions, None)
+        x = jnp.ones((2, length, d))
+        if moe_every:
+            from jaxscale.models.moe import RouterStats
+            x = (x, RouterStats.zeros(4))
+            run = lambda state, carry, run=run: run(state, carry)[0]
+        if stages:  # two stages, one layer each, as GPipe's vmap over the stage axis runs them
+            run, state = jax.vmap(run), stacked
+            x = jax.tree.map(lambda a: jnp.stack([a, a]), x)
+        else:
+            state = jax.tree.map(lambda a: a[0], stacked)
+        jax.ad_checkpoint.print_saved_residuals(lambda s, x: jnp.sum(run(s, x)), state, x)
+        return capsys.readouterr().out.count("named 'weight_matmul'")
+
+    for stages in (False, True):
+        assert kept("full", stages) == 0
+        # q, k, v, the attention output's projection, and the feed-forward's (gate, up) or the
+        # router's and the experts' (gate, up)
+        assert kept("save_dots", stages) >= 6

@@ -12,11 +12,17 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.models.rope import RopeScaling, apply_rope
 from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
 
+
+# The name of every weight matmul's output in a block: what remat "save_dots" keeps. Named rather
+# than recognised by shape (a dot without batch dimensions): a pipeline stage's vmap gives every
+# dot a batch dimension, and the experts' matmuls have one anyway.
+WEIGHT_MATMUL = "weight_matmul"
 
 # A layer as a pure function: (its state, x, *per-row inputs) -> x.
 LayerFn = Callable[..., jax.Array]
@@ -24,6 +30,11 @@ LayerFn = Callable[..., jax.Array]
 # inputs) -> x after every layer in order. x is the activations, or with MoE layers the pytree
 # (activations, router statistics) that `Llama.features_with_stats` carries through.
 Stack = Callable[..., jax.Array]
+
+
+def weight_matmul(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, weight)`, its output named for the remat policies."""
+    return checkpoint_name(jnp.einsum(spec, x, weight), WEIGHT_MATMUL)
 
 
 def scan_layers(layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax.Array:
@@ -111,9 +122,9 @@ class Attention(nnx.Module):
                 positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) in the compute dtype, q and k rotated to their positions."""
         dt = self.dtype
-        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
+        q = weight_matmul("btd,dnh->btnh", x, self.q[...].astype(dt))
+        k = weight_matmul("btd,dkh->btkh", x, self.k[...].astype(dt))
+        v = weight_matmul("btd,dkh->btkh", x, self.v[...].astype(dt))
         q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
@@ -124,7 +135,7 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' outputs [batch, length, heads, head_dim] -> [batch, length, d_model]."""
         dt = self.dtype
-        return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o[...].astype(dt))
+        return weight_matmul("btnh,nhd->btd", out.astype(dt), self.o[...].astype(dt))
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
@@ -169,6 +180,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        hidden = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
-        hidden = constrain(hidden, ("batch", "length", "mlp"))
-        return hidden @ self.down[...].astype(dt)
+        gate = weight_matmul("btd,df->btf", x, self.gate[...].astype(dt))
+        up = weight_matmul("btd,df->btf", x, self.up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return weight_matmul("btf,fd->btd", hidden, self.down[...].astype(dt))

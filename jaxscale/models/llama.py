@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import (CACHE_AXES, MLP, Attention, KVCache, LayerFn, RMSNorm,
-                                    Stack, float32_accumulating, param, scan_layers)
+from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, LayerFn,
+                                    RMSNorm, Stack, float32_accumulating, param, scan_layers)
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
@@ -27,9 +27,9 @@ from jaxscale.parallel.sharding import constrain
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep the outputs of weight matmuls (no batch dimension in the dot), recompute the rest:
-    # norms, activations and the attention scores, which are cheap in FLOPs and big in memory.
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep the outputs of the weight matmuls (named WEIGHT_MATMUL), recompute the rest: norms,
+    # activations and the attention scores, which are cheap in FLOPs and big in memory.
+    "save_dots": jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL),
 }
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import param
+from jaxscale.models.layers import param, weight_matmul
 from jaxscale.parallel.experts import constrain_experts, to_experts, to_tokens
 
 BUFFERS = ("batch", "experts", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
@@ -164,7 +164,7 @@ class MoE(nnx.Module):
         row, or a prompt), where a dropped choice would make the output depend on the batch."""
         cfg = self.cfg
         capacity = x.shape[1] if dropless else cfg.capacity(x.shape[1])
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
+        logits = weight_matmul("btd,de->bte", x.astype(jnp.float32), self.router[...])
         probs = jax.nn.softmax(logits, axis=-1)
         routing = jax.vmap(functools.partial(route, top_k=cfg.top_k, capacity=capacity))(probs)
         # Dispatch and combine stay with the rows; the experts run where their weights are
@@ -178,7 +178,7 @@ class MoE(nnx.Module):
         """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model] (in the
         expert layout): one batched matmul per weight, over the stacked experts."""
         dt = self.dtype
-        gate = jnp.einsum("becd,edf->becf", buffers, self.gate[...].astype(dt))
-        up = jnp.einsum("becd,edf->becf", buffers, self.up[...].astype(dt))
+        gate = weight_matmul("becd,edf->becf", buffers, self.gate[...].astype(dt))
+        up = weight_matmul("becd,edf->becf", buffers, self.up[...].astype(dt))
         hidden = constrain_experts(jax.nn.silu(gate) * up, ("batch", "experts", None, "mlp"))
-        return jnp.einsum("becf,efd->becd", hidden, self.down[...].astype(dt))
+        return weight_matmul("becf,efd->becd", hidden, self.down[...].astype(dt))

@@ -42,10 +42,6 @@ from jaxscale.parallel.sharding import Rules, logical_to_mesh, rules_from_config
 from jaxscale.state import ModelSpec, moment_specs
 from jaxscale.step import BATCH_KEYS
 
-# The logical axis of an MoE layer's experts: "expert", being renamed "experts".
-_EXPERT_AXIS_NAMES = ("expert", "experts")
-
-
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per device, by what holds them."""
@@ -193,11 +189,12 @@ def _layer_bytes(config: ml_collections.ConfigDict, cfg, shards, compute: int,
         moe += attention
         # Without remat the backward needs all but the buffers as they were before each
         # all-to-all (an all-to-all's gradient is another, of the gradient); save_dots keeps
-        # no expert matmul (the experts are their batch dimension), only the router's float32
-        # logits beside attention's.
+        # attention's weight-matmul outputs, the router's float32 logits and, per slot of the
+        # experts' buffers, their gate, up and down outputs.
+        slots = cfg.moe.experts * cfg.moe.capacity(seq_len)
         kept_moe = {"none": moe - exchanged, "full": d * compute * tokens,
-                    "save_dots": ((3 * d + q + 2 * kv) * compute
-                                  + cfg.moe.experts * 4) * tokens}[m.remat]
+                    "save_dots": ((3 * d + q + 2 * kv) * compute + cfg.moe.experts * 4) * tokens
+                    + slots * (2 * mlp + d) * compute}[m.remat]
         everything = max(dense, moe)
         kept += kept_moe * moe_layers
     return _LayerBytes(max(m.n_heads // shards("heads"), 1), everything, kept // m.n_layers)
@@ -219,8 +216,8 @@ def _moe_row(moe, seq_len: int, tokens: int, d: int, mlp: int,
 
 
 def _is_expert_weight(logical: P) -> bool:
-    """Whether a parameter's logical spec names the experts' axis (spelt either way)."""
-    return any(name in _EXPERT_AXIS_NAMES for entry in logical for name in spec_axes(entry))
+    """Whether a parameter's logical spec names the experts' axis."""
+    return any(name == "experts" for entry in logical for name in spec_axes(entry))
 
 
 def _compute_weights(spec: ModelSpec, param_specs, rules: Rules, mesh_shape: Mapping[str, int],

@@ -39,9 +39,6 @@ DCN_AXES = ("data", "fsdp", "pipeline", "expert", "context")
 # accumulation.
 GPIPE_MICROBATCHES_PER_STAGE = (2, 4)
 ONE_F_ONE_B_MICROBATCHES_PER_STAGE = (2, 4, 8, 16)
-# Under the stages' vmap every weight matmul has the stage as a batch dimension, so `save_dots`
-# (dots_with_no_batch_dims_saveable) saves none of them: it is `full` there, not searched twice.
-PIPELINE_REMAT = ("none", "full")
 # Gradient accumulation steps tried (those that divide the batch): each halves the activations
 # and adds one more pass of FSDP gathers, so beyond 16 memory is rarely the problem it solves.
 MICROBATCHES = (1, 2, 4, 8, 16)
@@ -233,6 +230,5 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
                 zero1 = valid(sharded)
             if zero1:
                 layouts.append(sharded)
-            found += [dataclasses.replace(c, remat=r) for c in layouts
-                      for r in (REMAT_POLICIES if stages == 1 else PIPELINE_REMAT)]
+            found += [dataclasses.replace(c, remat=r) for c in layouts for r in REMAT_POLICIES]
     return found
