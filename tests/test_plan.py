@@ -17,7 +17,7 @@ from jaxscale.plan import rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import GIB, compile_train_step
 from jaxscale.plan.memory_model import estimate_memory
-from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, make_plan
+from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _fused_attention, make_plan
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.state import model_spec
@@ -109,6 +109,31 @@ def test_gpu_targets_are_planned_from_estimates_and_pure_data_does_not_fit():
     assert plan.chosen.estimate.total <= FIT_FRACTION * 80 * GIB
     assert plan.verdict(next(r for r in plan.rows if r.role == "pure data")) == \
         "too big (estimate)"
+
+
+def test_the_memory_model_counts_attention_scores_only_where_no_fused_kernel_runs():
+    """Llama 1B at 2048 tokens: splash on TPUs and cuDNN on H100s and A100s keep no scores;
+    float32 compute (cuDNN computes in 16 bits), cuDNN's packed layout on an A100 (Hopper only)
+    and CPUs take XLA's path, whose float32 scores of every head the estimate then carries."""
+    def fused(target, **changes):
+        config = load_config_file("configs/llama_1b.py")
+        for key, value in changes.items():
+            section, name = key.split("__")
+            config[section][name] = value
+        return _fused_attention(config, parse_target(target))
+
+    assert fused("v5p-8") and fused("h100:8") and fused("a100:8")
+    assert not fused("h100:8", precision__compute_dtype="float32")
+    assert fused("h100:8", data__max_segments=32)
+    assert not fused("a100:8", data__max_segments=32)
+    assert not fused("h100:8", model__attention="xla") and not fused("cpu:8")
+    config = load_config_file("configs/llama_1b.py")
+    c = Candidate(*layout({"fsdp": 8}), "none", 1, "params")
+    spec = model_spec(c.apply(config))
+    with_scores, without = (estimate_memory(c.apply(config), spec, c.mesh_shape, f).total
+                            for f in (False, True))
+    # 8 rows x 32 heads x 2048^2 float32 scores and probabilities, kept for each of 16 layers
+    assert with_scores - without >= 16 * 8 * 32 * 2048 ** 2 * 8
 
 
 @pytest.fixture(scope="module")

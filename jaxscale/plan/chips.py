@@ -23,6 +23,7 @@ class Chip:
     network: float
     fast_link: str  # "ICI" or "NVLink": what the report calls the fast links
     per_granule: int  # chips per host (TPU) or per node (GPU, the NVLink domain)
+    compute_capability: str = ""  # NVIDIA GPUs' (what cuDNN's kernels need); "" for TPUs
 
     @property
     def fast_link_bandwidth(self) -> float:
@@ -47,16 +48,16 @@ CHIPS = {c.name: c for c in (
     Chip("TPU v6e", 32 * GIB, 918e12, 800 * GB, 100e9 / 8, "ICI", 8),
     # NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 900 GB/s; network
     # one 400 Gbps ConnectX-7 NIC per GPU (DGX H100, GCP A3 Ultra).
-    Chip("H100 SXM", 80 * GIB, 989e12, 900 * GB, 400e9 / 8, "NVLink", 8),
+    Chip("H100 SXM", 80 * GIB, 989e12, 900 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
     # H100 PCIe: 80 GB, 756 TFLOP/s; NVLink bridge 600 GB/s between pairs, PCIe otherwise; the
     # planner has no target for it (metrics only).
-    Chip("H100 PCIe", 80 * GIB, 756e12, 600 * GB, 400e9 / 8, "NVLink", 8),
+    Chip("H100 PCIe", 80 * GIB, 756e12, 600 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
     # NVIDIA H200 datasheet: 141 GB HBM3e (140 GiB usable, nvidia-smi), same compute and NVLink
     # as H100 SXM; 400 Gbps per GPU (DGX H200, GCP A3 Ultra).
-    Chip("H200", 140 * GIB, 989e12, 900 * GB, 400e9 / 8, "NVLink", 8),
+    Chip("H200", 140 * GIB, 989e12, 900 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
     # NVIDIA A100 datasheet (SXM4 80 GB): 312 TFLOP/s bf16, NVLink 600 GB/s; 200 Gbps HDR NIC
     # per GPU (DGX A100).
-    Chip("A100", 80 * GIB, 312e12, 600 * GB, 200e9 / 8, "NVLink", 8),
+    Chip("A100", 80 * GIB, 312e12, 600 * GB, 200e9 / 8, "NVLink", 8, "8.0"),
 )}
 
 # `jax.Device.device_kind` strings -> table keys, searched in order (the more specific first:

@@ -11,7 +11,8 @@ What it counts, per device:
     experts of every layer;
   - activations of one microbatch: what the backward pass keeps per layer under the remat
     policy, plus one layer's working set during its backward pass, plus the attention scores
-    where the XLA path materialises them (CPUs and GPUs; TPUs use the splash kernel);
+    where the XLA path materialises them (CPUs, a context axis, GPUs without cuDNN's kernel; TPUs
+    use splash). Not counted: the workspace of cuDNN's packed layout (`data.max_segments`);
   - the loss: float32 logits of `model.loss_chunk_len` positions at a time (jaxscale/loss.py).
 MoE layers (jaxscale/models/moe.py) add their dispatch buffers [rows, experts, capacity, d_model]
 in both layouts, the experts' hidden activations and the router's logits (`_moe_row`); the
@@ -74,9 +75,9 @@ def _tree_shard_elements(specs, abstract, mesh_shape) -> int:
 
 
 def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
-                    mesh_shape: Mapping[str, int], splash_attention: bool) -> MemoryEstimate:
+                    mesh_shape: Mapping[str, int], fused_attention: bool) -> MemoryEstimate:
     """Bytes per device of `config`'s train step on a mesh of `mesh_shape` (each axis its ICI
-    size times its DCN factor). `splash_attention`: the attention kernel keeps no scores."""
+    size times its DCN factor). `fused_attention`: the attention kernel keeps no scores (splash, cuDNN)."""
     rules = rules_from_config(config.sharding.rules)
     m, t, cfg = config.model, config.train, spec.config
     param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
@@ -96,7 +97,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     pipeline = config_pipeline(config, mesh_shape["pipeline"])
     # With a pipeline, a stage works on 1/M of those rows at a time.
     stage_rows = max(rows // pipeline.num_microbatches, 1) if pipeline else rows
-    # A context axis splits every row's tokens; its attention is the XLA path's, never splash.
+    # A context axis splits every row's tokens; its attention is the XLA path's, never fused.
     context = shards("length")
     tokens = t.seq_len // context
     layers = _layer_bytes(config, cfg, shards, compute, tokens)
@@ -104,7 +105,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     def scores(n_rows: int) -> int:
         """The XLA path's float32 scores and probabilities of one layer on `n_rows` rows (each
         device's queries against every key), and with a context axis its boolean mask."""
-        if splash_attention and context == 1:
+        if fused_attention and context == 1:
             return 0
         mask = tokens * t.seq_len if context > 1 else 0
         return n_rows * (layers.heads * tokens * t.seq_len * 8 + mask)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from typing import Callable
 
 import jax
 import ml_collections
 
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.attention import splash_fits
+from jaxscale.parallel.attention import cudnn_unsupported, splash_fits
 from jaxscale.plan import rank
 from jaxscale.plan.chips import Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
@@ -88,12 +89,19 @@ class Plan:
         return fits if row.compiled else f"{fits} (estimate)"
 
 
-def _splash(config: ml_collections.ConfigDict, target: Target) -> bool:
-    """Whether the step will use the splash kernel (no attention scores in memory)."""
-    a = config.model.attention
-    on_tpu = target.platform == "tpu" or (target.platform == "local" and target.chip_name and
-                                          target.chip_name.startswith("TPU"))
-    return a == "splash" or (a == "auto" and on_tpu and splash_fits(config.train.seq_len))
+def _fused_attention(config: ml_collections.ConfigDict, target: Target) -> bool:
+    """Whether the step's attention kernel keeps no scores in memory: splash on TPUs, cuDNN on
+    NVIDIA GPUs, where the config asks for it or `auto` picks it (jaxscale/parallel/attention.py).
+    With a context axis the XLA path runs whatever this says; the memory model knows that."""
+    a, chip = config.model.attention, target.chip
+    if chip is None:  # CPUs
+        return False
+    if chip.name.startswith("TPU"):
+        return a == "splash" or (a == "auto" and splash_fits(config.train.seq_len))
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability=chip.compute_capability)
+    return a == "cudnn" or (a == "auto" and cudnn_unsupported(
+        gpu, config.precision.compute_dtype, config.train.seq_len, config.model.head_dim, True,
+        config.data.max_segments) is None)
 
 
 def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices: int,
@@ -124,12 +132,12 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
         raise ConfigError(f"no layout of {n} devices over the mesh axes divides this model "
                           f"and batch (train.batch_size={config.train.batch_size}); use a batch "
                           f"size that is a multiple of {n}")
-    splash = _splash(config, target)
+    fused = _fused_attention(config, target)
     rows = {}
     for c in found:
         c_config = c.apply(config)
         collectives = rank.analytic_collectives(c_config, spec, c, granules)
-        rows[c] = Row(c, estimate_memory(c_config, spec, c.mesh_shape, splash), collectives,
+        rows[c] = Row(c, estimate_memory(c_config, spec, c.mesh_shape, fused), collectives,
                       rank.step_time(c_config, spec, c, collectives, chip, n))
     log(f"{len(found)} candidates; compiling the fastest that the estimate fits in "
         f"{budget / GIB:.1f} GiB per device" if capacity else f"{len(found)} candidates")
