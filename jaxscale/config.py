@@ -530,10 +530,10 @@ def _check_context(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]
             f"train.seq_len={seq_len} is not divisible by 2 x {where} = {2 * shards}: the "
             f"sequence is cut into {2 * shards} chunks for a load-balanced causal attention; "
             f"make train.seq_len a multiple of {2 * shards}")
-    if config.model.attention in ("splash", "cudnn"):
+    if config.model.attention == "splash":
         raise ConfigError(
-            f"model.attention={config.model.attention!r} needs whole sequences on each device, "
-            f"but {where} splits them (sharding.rules.length); use model.attention=auto or xla")
+            f"model.attention='splash' needs whole sequences on each device, but {where} splits "
+            "them (sharding.rules.length); use model.attention=auto, xla or (GPUs) cudnn")
 
 
 def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

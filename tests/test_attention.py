@@ -98,8 +98,8 @@ class FakeDevice:
 
 
 class FakeMesh:
-    def __init__(self, device):
-        self.devices = np.asarray([device])
+    def __init__(self, device, shape=None):
+        self.devices, self.shape = np.asarray([device]), shape or {}
 
 
 def test_auto_picks_the_kernel_from_the_mesh_devices():
@@ -125,6 +125,12 @@ def test_auto_picks_the_kernel_from_the_mesh_devices():
     with use_rules(FakeMesh(FakeDevice("gpu", "8.0")), {}):  # an A100: no packed layout
         assert resolve("auto", bf16, packed=True, max_segments=32) == "xla"
         assert resolve("auto", bf16, packed=True, max_segments=0) == "cudnn"
+    # The length split over a context axis: splash needs whole rows, cuDNN takes the mask form
+    # (the A100 too, whatever data.max_segments says).
+    rules = rules_from_config(default_config().sharding.rules)
+    for device, kernel in ((FakeDevice("tpu"), "xla"), (FakeDevice("gpu", "8.0"), "cudnn")):
+        with use_rules(FakeMesh(device, dict(context=2, tensor=1)), rules):
+            assert resolve("auto", bf16, packed=True, max_segments=32) == kernel
 
 
 def test_a_kernel_where_it_cannot_run_is_a_config_error():

@@ -191,8 +191,6 @@ CASES = [
           names=["seq_len=12", "mesh.context=4"]),
     train("splash attention on a context axis is refused", "--config.mesh.context=2",
           "--config.model.attention=splash", names=["splash", "mesh.context=2"]),
-    train("cuDNN attention on a context axis is refused", "--config.mesh.context=2",
-          "--config.model.attention=cudnn", names=["cudnn", "mesh.context=2"]),
     train("cuDNN attention on CPUs is refused", "--config.model.attention=cudnn",
           names=["model.attention='cudnn'", "devices are cpu"]),
     train("a bound of one segment per row is refused", "--config.data.max_segments=1",

@@ -17,7 +17,7 @@ from jaxscale.plan import rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import GIB, compile_train_step
 from jaxscale.plan.memory_model import estimate_memory
-from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _fused_attention, make_plan
+from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _attention_kernel, make_plan
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.state import model_spec
@@ -115,25 +115,31 @@ def test_the_memory_model_counts_attention_scores_only_where_no_fused_kernel_run
     """Llama 1B at 2048 tokens: splash on TPUs and cuDNN on H100s and A100s keep no scores;
     float32 compute (cuDNN computes in 16 bits), cuDNN's packed layout on an A100 (Hopper only)
     and CPUs take XLA's path, whose float32 scores of every head the estimate then carries."""
-    def fused(target, **changes):
+    def kernel(target, **changes):
         config = load_config_file("configs/llama_1b.py")
         for key, value in changes.items():
             section, name = key.split("__")
             config[section][name] = value
-        return _fused_attention(config, parse_target(target))
+        return _attention_kernel(config, parse_target(target))
 
-    assert fused("v5p-8") and fused("h100:8") and fused("a100:8")
-    assert not fused("h100:8", precision__compute_dtype="float32")
-    assert fused("h100:8", data__max_segments=32)
-    assert not fused("a100:8", data__max_segments=32)
-    assert not fused("h100:8", model__attention="xla") and not fused("cpu:8")
+    assert (kernel("v5p-8"), kernel("h100:8"), kernel("a100:8")) == ("splash", "cudnn", "cudnn")
+    assert kernel("h100:8", precision__compute_dtype="float32") == "xla"
+    assert kernel("h100:8", data__max_segments=32) == "cudnn"
+    assert kernel("a100:8", data__max_segments=32) == "xla"
+    assert kernel("h100:8", model__attention="xla") == kernel("cpu:8") == "xla"
     config = load_config_file("configs/llama_1b.py")
     c = Candidate(*layout({"fsdp": 8}), "none", 1, "params")
     spec = model_spec(c.apply(config))
-    with_scores, without = (estimate_memory(c.apply(config), spec, c.mesh_shape, f).total
-                            for f in (False, True))
+    xla, splash, cudnn = (estimate_memory(c.apply(config), spec, c.mesh_shape, k).total
+                          for k in ("xla", "splash", "cudnn"))
     # 8 rows x 32 heads x 2048^2 float32 scores and probabilities, kept for each of 16 layers
-    assert with_scores - without >= 16 * 8 * 32 * 2048 ** 2 * 8
+    assert xla - cudnn >= 16 * 8 * 32 * 2048 ** 2 * 8 and splash == cudnn
+    # With the length split over context=2, splash's attention is XLA's; cuDNN keeps the mask
+    # and its bias, 3 bytes a score, one per row rather than per head.
+    c = Candidate(*layout({"fsdp": 4, "context": 2}), "none", 1, "params")
+    xla, splash, cudnn = (estimate_memory(c.apply(config), spec, c.mesh_shape, k).total
+                          for k in ("xla", "splash", "cudnn"))
+    assert xla == splash and xla - cudnn >= 16 * 2 * 32 * 1024 * 2048 * 8 - 1
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +313,7 @@ def test_pipeline_memory_estimate_is_within_25_percent_of_the_compiler(schedule)
     pipeline=4, M=8, full remat); 0.83-1.12 on a v5p slice (docs/planning.md)."""
     c, _, memory = compiled_pipeline(schedule)
     config = c.apply(tiny_float32())
-    estimate = estimate_memory(config, model_spec(config), c.mesh_shape, False)
+    estimate = estimate_memory(config, model_spec(config), c.mesh_shape, "xla")
     assert 0.75 <= estimate.total / memory.total <= 1.25, (estimate, memory)
 
 
@@ -351,7 +357,7 @@ def test_pipelines_across_the_network_are_ranked_where_hsdp_does_not_fit():
     spec = model_spec(config)
     hsdp = [Candidate(*layout({"fsdp": 8}, {"data": 2}), remat, k, "params")
             for remat in REMAT_POLICIES for k in (1, 2)]
-    assert all(estimate_memory(c.apply(config), spec, c.mesh_shape, False).total > plan.budget
+    assert all(estimate_memory(c.apply(config), spec, c.mesh_shape, "xla").total > plan.budget
                for c in hsdp)
     across = [r for r in plan.rows if r.candidate.dcn[2] == 2]
     assert across and all(plan.fits(r) for r in across)
@@ -447,7 +453,7 @@ def test_expert_and_context_memory_estimates_are_within_25_percent_of_the_compil
     context=4, remat full). In bfloat16 tiny_moe's expert, data and FSDP layouts read 0.89 to
     1.18, tiny's context layouts 0.92 to 0.94 (docs/planning.md)."""
     config, c, _, memory = compiled_layout(name)
-    estimate = estimate_memory(config, model_spec(config), c.mesh_shape, False)
+    estimate = estimate_memory(config, model_spec(config), c.mesh_shape, "xla")
     assert 0.75 <= estimate.total / memory.total <= 1.25, (estimate, memory)
 
 

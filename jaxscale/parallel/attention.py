@@ -7,9 +7,9 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
 - `xla`: `jax.nn.dot_product_attention`'s XLA path. It materialises the [batch, heads, q, k]
   scores; it is the reference, and what CPUs run. With the length split over mesh axes (the
   `context` axis) it runs inside `shard_map`: each device all-gathers the keys, values, positions
-  and segment ids over those axes and keeps its own queries, so a fused kernel could run per shard;
-  the causal mask comes from the tokens' positions, not their array indices, because the input
-  pipeline lays the tokens out in a load-balanced order (jaxscale/parallel/context.py).
+  and segment ids over those axes and keeps its own queries; the causal mask comes from the
+  tokens' positions, not their array indices, because the input pipeline lays the tokens out in
+  a load-balanced order (jaxscale/parallel/context.py).
 - `splash`: Pallas splash attention (TPU): blockwise, never materialises the scores, skips the
   blocks the causal and document masks hide. A Mosaic kernel is opaque to XLA's partitioner, so it
   runs per shard.
@@ -21,9 +21,10 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
   head_dim, and it needs a Hopper GPU or newer. Without, the "same document" mask goes in as a
   bias, [batch, 1, q, k] in the compute dtype: memory quadratic in the length but small next to
   the scores XLA keeps (no heads, 2 bytes), and every causal block computed. Runs per shard, like
-  splash. Measured on an H100 in benchmarks/RESULTS.md.
-- `auto`: splash on TPUs and cudnn on GPUs where the kernel can run (shapes, dtype, the length
-  whole on each device), else xla.
+  splash; with the length split over a context axis, per shard in the mask form, the mask built
+  from positions as for xla. Measured on an H100 in benchmarks/RESULTS.md.
+- `auto`: splash on TPUs (the length whole on each device) and cudnn on GPUs where the kernel can
+  run (shapes, dtype), else xla.
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
     if kernel == "splash":
         return _per_shard(functools.partial(_splash_on_shard, interpret=interpret),
                           q, k, v, segment_ids)
+    if _length_axes():
+        return _context(q, k, v, segment_ids, positions, kernel)
     if kernel == "cudnn":
         return _per_shard(functools.partial(_cudnn_on_shard, max_segments=max_segments),
                           q, k, v, segment_ids)
-    if _length_axes():
-        return _context(q, k, v, segment_ids, positions)
     return _xla(q, k, v, segment_ids)
 
 
@@ -75,13 +76,12 @@ def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed:
     queries shaped and typed like `q`."""
     if implementation != "auto":
         return implementation
-    if _length_axes():
-        return "xla"
-    device = _device()
-    if device.platform == "tpu" and splash_fits(q.shape[1]):
+    device, split = _device(), bool(_length_axes())
+    if device.platform == "tpu" and splash_fits(q.shape[1]) and not split:
         return "splash"
-    if device.platform == "gpu" and cudnn_unsupported(device, q.dtype, q.shape[1], q.shape[-1],
-                                                      packed, max_segments) is None:
+    # A split length takes the mask form (the shards' tokens are not contiguous documents).
+    if device.platform == "gpu" and cudnn_unsupported(
+            device, q.dtype, q.shape[1], q.shape[-1], packed, 0 if split else max_segments) is None:
         return "cudnn"
     return "xla"
 
@@ -156,9 +156,10 @@ def _length_axes() -> tuple[str, ...]:
                  if mesh.shape[a] > 1)
 
 
-def _context(q, k, v, segment_ids, positions):
-    """XLA attention with the length split over `_length_axes()`: per device, its queries against
-    every key, under the mask "same segment and key position <= query position"."""
+def _context(q, k, v, segment_ids, positions, kernel: str):
+    """Attention with the length split over `_length_axes()`: per device, its queries against
+    every key, under the mask "same segment and key position <= query position", by XLA or
+    (`kernel` cudnn) cuDNN taking the mask as a bias."""
     mesh, rules = active_mesh_and_rules()
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
     row_spec = P(*q_spec[:2])
@@ -174,7 +175,8 @@ def _context(q, k, v, segment_ids, positions):
         key_positions, key_segments = gather(positions), gather(segment_ids)
         mask = ((segment_ids[:, :, None] == key_segments[:, None, :])
                 & (key_positions[:, None, :] <= positions[:, :, None]))
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                            implementation="cudnn" if kernel == "cudnn" else None)
     # check_vma=False: under a pipeline's vmap over stages the output's replication over the
     # stage axis cannot be inferred, though every stage computes its own rows exactly.
     return jax.shard_map(per_shard, mesh=mesh,

@@ -75,9 +75,10 @@ def _tree_shard_elements(specs, abstract, mesh_shape) -> int:
 
 
 def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
-                    mesh_shape: Mapping[str, int], fused_attention: bool) -> MemoryEstimate:
+                    mesh_shape: Mapping[str, int], attention_kernel: str) -> MemoryEstimate:
     """Bytes per device of `config`'s train step on a mesh of `mesh_shape` (each axis its ICI
-    size times its DCN factor). `fused_attention`: the attention kernel keeps no scores (splash, cuDNN)."""
+    size times its DCN factor). `attention_kernel`: what `model.attention` runs on the target (jaxscale/parallel/attention.py):
+    xla, or splash and cudnn, which keep no scores."""
     rules = rules_from_config(config.sharding.rules)
     m, t, cfg = config.model, config.train, spec.config
     param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
@@ -97,18 +98,20 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     pipeline = config_pipeline(config, mesh_shape["pipeline"])
     # With a pipeline, a stage works on 1/M of those rows at a time.
     stage_rows = max(rows // pipeline.num_microbatches, 1) if pipeline else rows
-    # A context axis splits every row's tokens; its attention is the XLA path's, never fused.
+    # A context axis splits every row's tokens (and makes splash's attention the XLA path's).
     context = shards("length")
     tokens = t.seq_len // context
     layers = _layer_bytes(config, cfg, shards, compute, tokens)
 
     def scores(n_rows: int) -> int:
-        """The XLA path's float32 scores and probabilities of one layer on `n_rows` rows (each
-        device's queries against every key), and with a context axis its boolean mask."""
-        if fused_attention and context == 1:
-            return 0
+        """One layer's attention memory on `n_rows` rows (each device's queries against every
+        key): the XLA path's float32 scores and probabilities, and with a context axis its
+        boolean mask; cuDNN's there: the mask and the bias made of it; a fused kernel's on
+        whole rows: none."""
         mask = tokens * t.seq_len if context > 1 else 0
-        return n_rows * (layers.heads * tokens * t.seq_len * 8 + mask)
+        if attention_kernel == "xla" or (attention_kernel == "splash" and context > 1):
+            return n_rows * (layers.heads * tokens * t.seq_len * 8 + mask)
+        return n_rows * mask * (1 + compute)
 
     def layer_kept(n_rows: int) -> int:
         """What one layer keeps for its backward pass (the scores too, without remat)."""

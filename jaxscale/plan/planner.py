@@ -89,19 +89,20 @@ class Plan:
         return fits if row.compiled else f"{fits} (estimate)"
 
 
-def _fused_attention(config: ml_collections.ConfigDict, target: Target) -> bool:
-    """Whether the step's attention kernel keeps no scores in memory: splash on TPUs, cuDNN on
-    NVIDIA GPUs, where the config asks for it or `auto` picks it (jaxscale/parallel/attention.py).
-    With a context axis the XLA path runs whatever this says; the memory model knows that."""
+def _attention_kernel(config: ml_collections.ConfigDict, target: Target) -> str:
+    """What `model.attention` runs on `target` (jaxscale/parallel/attention.py): splash on TPUs,
+    cudnn on NVIDIA GPUs where the config asks for it or `auto` picks it, else xla. (With a
+    context axis splash's attention is XLA's; the memory model knows that.)"""
     a, chip = config.model.attention, target.chip
     if chip is None:  # CPUs
-        return False
+        return "xla"
     if chip.name.startswith("TPU"):
-        return a == "splash" or (a == "auto" and splash_fits(config.train.seq_len))
+        return "splash" if a == "splash" or (a == "auto" and splash_fits(config.train.seq_len)) \
+            else "xla"
     gpu = types.SimpleNamespace(platform="gpu", compute_capability=chip.compute_capability)
-    return a == "cudnn" or (a == "auto" and cudnn_unsupported(
-        gpu, config.precision.compute_dtype, config.train.seq_len, config.model.head_dim, True,
-        config.data.max_segments) is None)
+    runs = cudnn_unsupported(gpu, config.precision.compute_dtype, config.train.seq_len,
+                             config.model.head_dim, True, config.data.max_segments) is None
+    return "cudnn" if a == "cudnn" or (a == "auto" and runs) else "xla"
 
 
 def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices: int,
@@ -132,12 +133,12 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
         raise ConfigError(f"no layout of {n} devices over the mesh axes divides this model "
                           f"and batch (train.batch_size={config.train.batch_size}); use a batch "
                           f"size that is a multiple of {n}")
-    fused = _fused_attention(config, target)
+    kernel = _attention_kernel(config, target)
     rows = {}
     for c in found:
         c_config = c.apply(config)
         collectives = rank.analytic_collectives(c_config, spec, c, granules)
-        rows[c] = Row(c, estimate_memory(c_config, spec, c.mesh_shape, fused), collectives,
+        rows[c] = Row(c, estimate_memory(c_config, spec, c.mesh_shape, kernel), collectives,
                       rank.step_time(c_config, spec, c, collectives, chip, n))
     log(f"{len(found)} candidates; compiling the fastest that the estimate fits in "
         f"{budget / GIB:.1f} GiB per device" if capacity else f"{len(found)} candidates")
