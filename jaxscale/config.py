@@ -54,8 +54,10 @@ def default_config() -> ml_collections.ConfigDict:
                   # True: the planner chooses the sizes above, the remat policy, accumulation and
                   # optimizer-state layout at start-up (docs/planning.md), planning for
                   # auto_memory_gib GiB per device (0: the capacity the memory check uses,
-                  # performance.device_memory_gib or what the device reports; CPUs have none).
-                  auto=False, auto_memory_gib=0.0)
+                  # performance.device_memory_gib or what the device reports; CPUs have none),
+                  # and times its auto_trials fastest-ranked candidates that fit for a few steps
+                  # on the devices (1: trusts its ranking).
+                  auto=False, auto_memory_gib=0.0, auto_trials=3)
     # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
     c.sharding = dict(
         rules=dict(

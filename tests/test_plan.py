@@ -13,9 +13,10 @@ import pytest
 from jaxscale.cli import load_config_file
 from jaxscale.config import validate
 from jaxscale.models import REMAT_POLICIES
-from jaxscale.plan import rank, report
+from jaxscale.plan import auto, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import GIB, compile_train_step
+from jaxscale.plan.measure import seconds_per_step
 from jaxscale.plan.memory_model import estimate_memory
 from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _attention_kernel, make_plan
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
@@ -71,6 +72,38 @@ def test_mesh_auto_stops_with_one_line_when_nothing_fits(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: mesh.auto: no layout of 8 devices")
     assert "GiB too many" in lines[0]
+
+
+def test_mesh_auto_trains_with_the_candidate_that_ran_fastest(monkeypatch, capsys):
+    """With auto_trials=2 the two fastest-ranked candidates that fit are compiled and timed, and
+    the one that ran faster is chosen, whatever the model's ranking said (here the timings are
+    made to contradict it)."""
+    config = tiny()
+    config.mesh.update(auto=True, auto_trials=2)
+    calls = []
+
+    def timing(candidate_config, devices, executable):
+        calls.append(candidate_config)
+        return 2.0 if len(calls) == 1 else 1.0  # the model's second choice runs faster
+
+    monkeypatch.setattr(auto, "seconds_per_step", timing)
+    chosen, (executable, _) = auto.planned_config(config, jax.devices()[:8])
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and "s per step (the model's estimate" in out
+    assert chosen.to_dict() == calls[1].to_dict()
+    timed = [line for line in out.splitlines() if line.startswith("timed ")]
+    assert len(timed) == 2 and timed[1].split(":")[1].strip().startswith("1 s per step")
+    assert executable is not None
+
+
+def test_a_compiled_candidate_is_timed_on_the_devices():
+    """A real timing: the planner's compiled step, run from random parameters on random tokens
+    on 8 CPU devices, takes a positive, finite time."""
+    config = tiny()
+    c = Candidate(*layout({"data": 2, "fsdp": 4}), "none", 1, "params")
+    executable, _ = compile_train_step(c.apply(config), jax.devices()[:8])
+    seconds = seconds_per_step(c.apply(config), jax.devices()[:8], executable)
+    assert 0 < seconds < 60
 
 
 @pytest.mark.slow
@@ -380,7 +413,7 @@ def test_mesh_auto_trains_the_pipeline_it_chooses_when_only_stages_split_the_sta
                         head_dim=32)
     config.train.update(batch_size=16, seq_len=64)
     config.sharding.rules.update(embed=(), heads=(), kv_heads=(), mlp=(), vocab=())
-    config.mesh.update(auto=True, auto_memory_gib=24 / 0.9 / 1024)
+    config.mesh.update(auto=True, auto_memory_gib=24 / 0.9 / 1024, auto_trials=1)
     trainer = Trainer(config, str(tmp_path))
     assert trainer.config.mesh.pipeline * trainer.config.mesh.dcn.pipeline > 1
     metrics = trainer.run()

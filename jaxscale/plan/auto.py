@@ -10,11 +10,9 @@ from jaxscale.errors import ConfigError
 from jaxscale.plan import report
 from jaxscale.plan.chips import GIB
 from jaxscale.plan.compiled import StepMemory
-from jaxscale.plan.planner import make_plan
+from jaxscale.plan.measure import agreed, seconds_per_step
+from jaxscale.plan.planner import Plan, Row, make_plan
 from jaxscale.plan.targets import local_target
-
-# Candidates compiled at start-up: one that fits is enough to train.
-AUTO_TOP = 1
 
 
 def planned_config(config: ml_collections.ConfigDict, devices
@@ -32,10 +30,13 @@ def planned_config(config: ml_collections.ConfigDict, devices
         if jax.process_index() == 0:
             print(line, flush=True)
 
-    gib = config.mesh.auto_memory_gib
+    gib, trials = config.mesh.auto_memory_gib, config.mesh.auto_trials
     if gib < 0:
         raise ConfigError(f"mesh.auto_memory_gib={gib} must be >= 0 (0: the capacity the run's "
                           "memory check uses)")
+    if trials < 1:
+        raise ConfigError(f"mesh.auto_trials={trials} must be >= 1 (1: train with the planner's "
+                          "first choice, untimed)")
     check_device_memory_gib(config.performance.device_memory_gib)
     # Without mesh.auto_memory_gib, plan for the capacity the run's memory check will hold the
     # step to (performance.device_memory_gib, else the allocator's limit), else the chip's.
@@ -44,12 +45,33 @@ def planned_config(config: ml_collections.ConfigDict, devices
     capacity_bytes = int(gib * GIB) if gib else capacity[0] if capacity else None
     target = local_target(devices)
     say(f"mesh.auto: planning the layout for {len(devices)} {devices[0].device_kind} device(s)")
-    plan = make_plan(config, target, top=AUTO_TOP, capacity=capacity_bytes, devices=devices,
+    plan = make_plan(config, target, top=trials, capacity=capacity_bytes, devices=devices,
                      log=say)
     say(report.header(plan))
     say(report.table(plan))
-    chosen = plan.chosen
-    if chosen is None:
+    if plan.chosen is None:
         raise ConfigError(f"mesh.auto: {report.no_fit(plan)}")
+    timed = [r for r in plan.rows if r.executable is not None and plan.fits(r)][:trials]
+    if len(timed) > 1:
+        plan.chosen = fastest_measured(plan, timed, config, devices, say)
+    chosen = plan.chosen
     say(report.chosen(plan))
     return chosen.candidate.apply(config), (chosen.executable, chosen.compiled)
+
+
+def fastest_measured(plan: Plan, rows: list[Row], config: ml_collections.ConfigDict, devices,
+                     say) -> Row:
+    """The row of `rows` (compiled, fitting) whose step runs fastest on `devices`."""
+    seconds = []
+    for row in rows:
+        try:
+            seconds.append(seconds_per_step(row.candidate.apply(config), devices,
+                                            row.executable))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory at run time: not a choice
+            say(f"timing {row.candidate.summary()} failed: {' '.join(str(e).split())[:200]}")
+            seconds.append(float("inf"))
+    seconds = agreed(seconds)
+    for row, s in zip(rows, seconds):
+        say(f"timed {row.candidate.summary()}: {s:.4g} s per step (the model's estimate "
+            f"{row.time.total:.3g} s)")
+    return rows[seconds.index(min(seconds))]

@@ -1,0 +1,67 @@
+"""`mesh.auto_trials`: the planner's compiled candidates timed on the devices at hand.
+
+The planner ranks layouts by a model (FLOPs at peak, collectives over the links) that has no
+term for memory traffic, so two layouts within a few percent of each other can rank the wrong way
+round (on an H100, `llama_1b` with remat none was predicted 3% faster than save_dots and measured
+6% slower; benchmarks/RESULTS.md). When the run's own devices are the target, a few steps of each
+compiled candidate settle it: each is run from random parameters on random tokens, and the
+fastest step wins.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxscale.step import BATCH_KEYS
+
+STEPS_TIMED = 3  # after one warm-up step; the median is kept
+
+
+def random_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+    """One global batch of random tokens, one document per row: what a step's speed depends on
+    (its shapes) without reading any data."""
+    t = config.train
+    rng = np.random.default_rng(t.seed)
+    shape = (t.batch_size, t.seq_len)
+    tokens = rng.integers(0, config.model.vocab_size, size=(t.batch_size, t.seq_len + 1),
+                          dtype=np.int32)
+    batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                 segment_ids=np.ones(shape, np.int32), loss_mask=np.ones(shape, np.float32),
+                 positions=np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), shape))
+    return {key: batch[key] for key in BATCH_KEYS}
+
+
+def seconds_per_step(config: ml_collections.ConfigDict, devices,
+                     executable: jax.stages.Compiled) -> float:
+    """The median time of `executable`, the train step of `config` compiled for `devices`, over
+    `STEPS_TIMED` steps after a warm-up one. Every process of a multi-host run takes part."""
+    from jaxscale.trainer import Trainer  # the trainer imports the whole stack; only needed here
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = Trainer(config, workdir, devices=devices)
+        state = trainer.init_state(config.train.seed)
+        batch = {k: jax.make_array_from_callback(v.shape, trainer.batch_sharding,
+                                                 lambda index, v=v: v[index])
+                 for k, v in random_batch(config).items()}
+        times = []
+        for _ in range(STEPS_TIMED + 1):
+            start = time.perf_counter()
+            state = jax.block_until_ready(executable(state, batch))[0]
+            times.append(time.perf_counter() - start)
+        del state, batch, trainer
+    gc.collect()  # frees this candidate's state before the next one is allocated
+    return statistics.median(times[1:])
+
+
+def agreed(seconds: list[float]) -> list[float]:
+    """Process 0's timings on every process, so that all choose the same layout."""
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+    return [float(s) for s in multihost_utils.broadcast_one_to_all(np.asarray(seconds))]
