@@ -46,7 +46,7 @@ def planned_config(config: ml_collections.ConfigDict, devices
     target = local_target(devices)
     say(f"mesh.auto: planning the layout for {len(devices)} {devices[0].device_kind} device(s)")
     plan = make_plan(config, target, top=trials, capacity=capacity_bytes, devices=devices,
-                     log=say)
+                     one_per_layout=trials > 1, log=say)
     say(report.header(plan))
     say(report.table(plan))
     if plan.chosen is None:

@@ -118,10 +118,14 @@ def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices
 
 def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3,
               capacity: int | None = None, compile_references: bool = False, devices=None,
-              log: Callable[[str], None] = lambda line: None) -> Plan:
+              one_per_layout: bool = False, log: Callable[[str], None] = lambda line: None
+              ) -> Plan:
     """Plans `config` for `target`; `capacity` overrides the chip's memory per device (bytes).
     `compile_references`: also compile the pure-data and FSDP-only rows that the estimate fits
-    (for comparisons). `devices`: compile for these (default: the target's)."""
+    (for comparisons). `devices`: compile for these (default: the target's). `one_per_layout`:
+    compile no second candidate of a mesh and remat policy that already fits, one differing only
+    in accumulation or optimizer-state layout (which the step-time model rarely tells apart),
+    so that the `top` compiled are different layouts to time."""
     start = time.perf_counter()
     chip = target.chip or NOMINAL_CPU
     capacity = capacity or (chip.hbm_bytes if target.chip else None)
@@ -155,6 +159,9 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
             fitting = [r for r in judged.values() if r.error is None and r.bytes <= budget]
             if len(judged) >= top and (fitting or len(judged) >= 2 * top):
                 break
+            if one_per_layout and _layout(row.candidate) in {_layout(r.candidate)
+                                                             for r in fitting}:
+                continue
             judged[row.candidate] = _compile(row, config, devices, chip, log)
         for ref in references if compile_references else ():
             if ref.candidate not in judged and ref.estimate.total <= budget:
@@ -173,6 +180,11 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
                                                        r.time.total))
     plan.seconds = time.perf_counter() - start
     return plan
+
+
+def _layout(c: Candidate) -> Candidate:
+    """`c` with one accumulation step and the optimizer state with the parameters."""
+    return dataclasses.replace(c, microbatches=1, optimizer_state="params")
 
 
 def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, log) -> Row:
