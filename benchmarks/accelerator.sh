@@ -105,7 +105,7 @@ COMMIT="$(git -C "$REPO" describe --always --dirty 2> /dev/null || echo unknown)
 # run_model NAME: trains it into $WORKDIR/NAME; prints its results-table row.
 run_model() {
   local name="$1" config per_device seq_len
-  local -a extra=("${SETS[@]}")
+  local -a extra=()
   case "$name" in
     tiny) config=configs/tiny.py per_device=2 seq_len=128 ;;
     llama_1b) config=configs/llama_1b.py per_device=$PER_DEVICE_BATCH seq_len=2048 ;;
@@ -127,7 +127,8 @@ run_model() {
     --config.mesh.data=1 --config.mesh.fsdp=-1 --config.checkpoint.enabled=False \
     --config.data.sources="(dict(format='synthetic'),)" \
     --config.profile.start_step="$PROFILE_START" --config.profile.steps="$PROFILE_STEPS" \
-    "${extra[@]}" > "$dir/train.log" 2>&1 || status=$?
+    "${extra[@]}" "${SETS[@]}" > "$dir/train.log" 2>&1 || status=$?
+  extra+=("${SETS[@]}")  # named in the table too; given last above, so they win
   "$PYTHON" - "$name" "$dir" "$status" "$batch" "$seq_len" "${extra[*]}" <<'EOF'
 import glob, json, os, sys
 name, folder, status, batch, seq_len, extra = sys.argv[1:]

@@ -5,8 +5,8 @@ rows, against XLA's path, which materialises the scores under a [batch, 1, T, T]
                                    [--head_dim=64] [--max_segments=32] [--repeats=20]
 
 Each side computes a loss of the attention output and its gradients with respect to q, k and v
-(bfloat16), on rows packed with random documents (up to `max_segments` runs per row, padding
-included). First checks both against a float32 computation of the same masked attention
+(bfloat16), on rows packed with random documents (`max_segments` runs per row, the last one
+padding). First checks both against a float32 computation of the same masked attention
 (relative error of outputs and gradients; bfloat16 inputs land near 1e-2 or below), then times
 each side's forward and backward (median of `repeats` after warm-up) and reads the compiled
 temporaries from `memory_analysis()`. The cuDNN forms (jaxscale/parallel/attention.py): the

@@ -14,9 +14,7 @@ cuDNN's time / XLA's in (2).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -25,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention import packed_segment_ids, relative_error  # noqa: E402
+from benchmarks.attention import packed_segment_ids, relative_error, timed  # noqa: E402
 from jaxscale.config import default_config  # noqa: E402
 from jaxscale.parallel.attention import _context, attend  # noqa: E402
 from jaxscale.parallel.context import load_balanced_order  # noqa: E402
@@ -90,12 +88,7 @@ def main() -> int:
             fn = grads(kernel)
             error = relative_error(fn(q_o, k_o, v_o)[1], reference)
             temp = fn.lower(q_o, k_o, v_o).compile().memory_analysis().temp_size_in_bytes
-            times = []
-            for _ in range(a.repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(q_o, k_o, v_o))
-                times.append(time.perf_counter() - start)
-            seconds[kernel] = statistics.median(times)
+            seconds[kernel] = timed(fn, (q_o, k_o, v_o), a.repeats)
             print(f"_context {kernel:<5}: gradients rel. error {error:.2e}, "
                   f"{seconds[kernel] * 1e3:.2f} ms, temporaries {temp / 2**20:.0f} MiB")
     print(f"ratio: {seconds['cudnn'] / seconds['xla']:.4f}")

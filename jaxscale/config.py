@@ -465,6 +465,10 @@ def _check_pipeline(config: ml_collections.ConfigDict, mesh_shape: dict[str, int
     stages = mesh_shape["pipeline"]
     if stages == 1:
         return
+    if config.model.attention == "cudnn":
+        raise ConfigError(f"model.attention='cudnn' cannot run in mesh.pipeline={stages} stages: "
+                          "JAX's cuDNN attention has no batching rule for the stages' vmap; use "
+                          "model.attention=auto (XLA's attention there) or xla")
     if config.model.moe.every:
         raise ConfigError(f"mesh.pipeline={stages} with MoE layers (model.moe.every="
                           f"{config.model.moe.every}) is not supported yet; set mesh.pipeline=1 "

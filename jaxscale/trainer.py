@@ -119,6 +119,13 @@ def devices_kind(mesh) -> str:
     return mesh.devices.flat[0].device_kind
 
 
+def check_attention(config: ml_collections.ConfigDict, device) -> None:
+    """ConfigError when `model.attention` cannot run on devices like `device`."""
+    check_implementation(config.model.attention, device, config.train.seq_len,
+                         config.precision.compute_dtype, config.model.head_dim,
+                         config.data.max_segments)
+
+
 class Trainer:
     """Trains `config` in `workdir`: `Trainer(config, workdir).run()`."""
 
@@ -130,8 +137,10 @@ class Trainer:
         self._planned_step = None
         if config.mesh.auto:
             from jaxscale.plan.auto import planned_config  # imported only when asked for
+            check_attention(config, devices[0])  # the planner compiles with that kernel
             config, self._planned_step = planned_config(config, devices)
         ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
+        check_attention(config, devices[0])
         offloaded = config.optim.offload_state
         if offloaded:
             offload.check_supported(devices)
@@ -140,9 +149,6 @@ class Trainer:
         check_workdir(workdir)
 
         self.mesh = build_mesh(ici, dcn, devices)
-        check_implementation(config.model.attention, devices[0], config.train.seq_len,
-                             config.precision.compute_dtype, config.model.head_dim,
-                             config.data.max_segments)
         self.rules = rules_from_config(config.sharding.rules)
         self.model = model_spec(config)
         self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,

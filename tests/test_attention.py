@@ -118,18 +118,29 @@ def test_auto_picks_the_kernel_from_the_mesh_devices():
         # float32, a head too wide for the kernel, an odd length with the document mask
         assert resolve("auto", jax.ShapeDtypeStruct((2, 2048, 8, 128), jnp.float32),
                        packed=False) == "xla"
-        assert resolve("auto", jax.ShapeDtypeStruct((2, 2048, 8, 192), jnp.bfloat16),
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 2048, 8, 264), jnp.bfloat16),
                        packed=False) == "xla"
         assert resolve("auto", jax.ShapeDtypeStruct((2, 2047, 8, 128), jnp.bfloat16),
                        packed=True) == "xla"
-    with use_rules(FakeMesh(FakeDevice("gpu", "8.0")), {}):  # an A100: no packed layout
+        # an odd length is fine in the packed layout, which builds no mask
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 2047, 8, 128), jnp.bfloat16),
+                       packed=True, max_segments=8) == "cudnn"
+    # An A100 has no packed layout: packed rows take the mask form, and heads up to 128.
+    with use_rules(FakeMesh(FakeDevice("gpu", "8.0")), {}):
+        assert resolve("auto", bf16, packed=True, max_segments=32) == "cudnn"
+        assert resolve("auto", jax.ShapeDtypeStruct((2, 2048, 8, 192), jnp.bfloat16),
+                       packed=True) == "xla"
+    # A GPU that reports no CUDA compute capability (ROCm reports its gfx name) is no NVIDIA GPU.
+    with use_rules(FakeMesh(FakeDevice("gpu", "gfx942")), {}):
         assert resolve("auto", bf16, packed=True, max_segments=32) == "xla"
-        assert resolve("auto", bf16, packed=True, max_segments=0) == "cudnn"
-    # The length split over a context axis: splash needs whole rows, cuDNN takes the mask form
-    # (the A100 too, whatever data.max_segments says).
+    # The length split over a context axis: splash needs whole rows, cuDNN takes the mask form;
+    # inside pipeline stages (their vmap) cuDNN cannot run.
     rules = rules_from_config(default_config().sharding.rules)
-    for device, kernel in ((FakeDevice("tpu"), "xla"), (FakeDevice("gpu", "8.0"), "cudnn")):
-        with use_rules(FakeMesh(device, dict(context=2, tensor=1)), rules):
+    for device, shape, kernel in ((FakeDevice("tpu"), dict(context=2), "xla"),
+                                  (FakeDevice("gpu", "8.0"), dict(context=2), "cudnn"),
+                                  (FakeDevice("gpu"), dict(pipeline=2), "xla")):
+        with use_rules(FakeMesh(device, dict(dict(context=1, pipeline=1, tensor=1), **shape)),
+                       rules):
             assert resolve("auto", bf16, packed=True, max_segments=32) == kernel
 
 
@@ -145,10 +156,12 @@ def test_a_kernel_where_it_cannot_run_is_a_config_error():
         check_implementation("cudnn", FakeDevice("gpu"), 2048, "float32", 128, 32)
     with pytest.raises(ConfigError, match="even train.seq_len, not 2047"):
         check_implementation("cudnn", FakeDevice("gpu"), 2047, "bfloat16", 128, 0)
-    with pytest.raises(ConfigError, match="compute capability 9.0 .* have 8.0; set "
-                                          "data.max_segments=0"):
-        check_implementation("cudnn", a100, 2048, "bfloat16", 128, 32)
-    check_implementation("cudnn", a100, 2048, "bfloat16", 128, 0)
+    with pytest.raises(ConfigError, match="at most 128, not 256"):
+        check_implementation("cudnn", a100, 2048, "bfloat16", 256, 32)
+    with pytest.raises(ConfigError, match="devices are gpu with compute capability 'gfx942'"):
+        check_implementation("cudnn", FakeDevice("gpu", "gfx942"), 2048, "bfloat16", 128, 0)
+    check_implementation("cudnn", a100, 2048, "bfloat16", 128, 32)  # the mask form
+    check_implementation("cudnn", FakeDevice("gpu"), 2047, "bfloat16", 256, 32)  # packed
     check_implementation("splash", tpu, 2048, "bfloat16", 128, 32)
     check_implementation("cudnn", FakeDevice("gpu"), 2048, "float16", 128, 32)
     check_implementation("auto", cpu, 200, "float32", 100, 0)
@@ -179,3 +192,21 @@ def test_packed_segments_describe_the_same_mask_as_the_segment_ids():
         assert (run_of > 0).all()  # every token is in some run
         np.testing.assert_array_equal(run_of[:, None] == run_of[None, :],
                                       row[:, None] == row[None, :])
+
+
+def test_packed_segments_at_and_over_the_bound():
+    """Rows of exactly M runs (with and without padding) are whole; a row of more lists only
+    its first M runs (the (M+1)-th start is no offset: cuDNN lays the rows' segments end to end,
+    so a stray offset would shift every later row's), and its neighbours are untouched."""
+    segments = jnp.asarray([[1, 2, 3, 4, 5, 5, 5, 0],   # 6 runs: over M = 4
+                            [1, 1, 1, 1, 2, 2, 0, 0],   # 3 runs
+                            [1, 1, 2, 2, 3, 3, 4, 4],   # exactly 4, no padding
+                            [1, 2, 2, 2, 3, 3, 0, 0]],  # exactly 4 with the padding
+                           jnp.int32)
+    lengths, offsets = packed_segments(segments, 4)
+    np.testing.assert_array_equal(lengths, [[1, 1, 1, 1], [4, 2, 2, -1], [2, 2, 2, 2],
+                                            [1, 3, 2, 2]])
+    np.testing.assert_array_equal(offsets, [[0, 1, 2, 3, -1], [0, 4, 6, -1, -1],
+                                            [0, 2, 4, 6, -1], [0, 1, 4, 6, -1]])
+    # As many offsets as lengths in every row, so each row's segments stay its own.
+    np.testing.assert_array_equal((offsets[:, :-1] >= 0), (lengths >= 0))

@@ -193,6 +193,8 @@ CASES = [
           "--config.model.attention=splash", names=["splash", "mesh.context=2"]),
     train("cuDNN attention on CPUs is refused", "--config.model.attention=cudnn",
           names=["model.attention='cudnn'", "devices are cpu"]),
+    train("cuDNN attention on CPUs is refused before planning", "--config.mesh.auto=True",
+          "--config.model.attention=cudnn", names=["model.attention='cudnn'", "devices are cpu"]),
     train("a planner that times no candidate is refused", "--config.mesh.auto=True",
           "--config.mesh.auto_trials=0", names=["mesh.auto_trials=0", ">= 1"]),
     train("a bound of one segment per row is refused", "--config.data.max_segments=1",

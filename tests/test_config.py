@@ -123,6 +123,14 @@ def test_pipeline_with_moe_layers_is_refused():
     expect_error(config, "mesh.pipeline=2 with MoE layers")
 
 
+def test_cudnn_attention_in_pipeline_stages_is_refused():
+    """JAX's cuDNN attention cannot be batched over the stages' vmap (seen on an H100)."""
+    config = default_config()
+    config.mesh.update(data=4, pipeline=2)
+    config.model.attention = "cudnn"
+    expect_error(config, "model.attention='cudnn' cannot run in mesh.pipeline=2 stages")
+
+
 def test_a_run_config_from_before_the_experts_rule_was_renamed_still_reads(tmp_path):
     """Sampling and export read a run's config.json over today's defaults without validating it:
     a `sharding.rules.expert` saved before the logical axis became `experts` is carried along

@@ -18,7 +18,7 @@ from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import GIB, compile_train_step
 from jaxscale.plan.measure import seconds_per_step
 from jaxscale.plan.memory_model import estimate_memory
-from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _attention_kernel, make_plan
+from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _attention, make_plan
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.state import model_spec
@@ -144,35 +144,40 @@ def test_gpu_targets_are_planned_from_estimates_and_pure_data_does_not_fit():
         "too big (estimate)"
 
 
-def test_the_memory_model_counts_attention_scores_only_where_no_fused_kernel_runs():
-    """Llama 1B at 2048 tokens: splash on TPUs and cuDNN on H100s and A100s keep no scores;
-    float32 compute (cuDNN computes in 16 bits), cuDNN's packed layout on an A100 (Hopper only)
-    and CPUs take XLA's path, whose float32 scores of every head the estimate then carries."""
-    def kernel(target, **changes):
+def test_the_memory_model_counts_each_attention_kernels_own_memory():
+    """Llama 1B at 2048 tokens, as the run decides its kernel: splash on TPUs; cuDNN on NVIDIA
+    GPUs, in its packed layout with data.max_segments on whole rows of a Hopper GPU, else in its
+    mask form; XLA's path for float32 compute, inside pipeline stages and on CPUs. Only XLA's
+    path holds the float32 scores of every head; cuDNN's forms hold their workspace or mask."""
+    def kernel(target, shape=None, **changes):
         config = load_config_file("configs/llama_1b.py")
         for key, value in changes.items():
             section, name = key.split("__")
             config[section][name] = value
-        return _attention_kernel(config, parse_target(target))
+        return _attention(config, parse_target(target),
+                          dict(dict(context=1, pipeline=1), **(shape or {})))
 
-    assert (kernel("v5p-8"), kernel("h100:8"), kernel("a100:8")) == ("splash", "cudnn", "cudnn")
-    assert kernel("h100:8", precision__compute_dtype="float32") == "xla"
-    assert kernel("h100:8", data__max_segments=32) == "cudnn"
-    assert kernel("a100:8", data__max_segments=32) == "xla"
-    assert kernel("h100:8", model__attention="xla") == kernel("cpu:8") == "xla"
+    assert kernel("v5p-8") == ("splash", 0) and kernel("h100:8") == ("cudnn", 0)
+    assert kernel("h100:8", data__max_segments=32) == ("cudnn", 32)
+    assert kernel("a100:8", data__max_segments=32) == ("cudnn", 0)
+    assert kernel("h100:8", dict(context=2), data__max_segments=32) == ("cudnn", 0)
+    assert kernel("v5p-8", dict(context=2)) == ("xla", 0)
+    assert kernel("h100:8", dict(pipeline=2))[0] == "xla"
+    assert kernel("h100:8", precision__compute_dtype="float32")[0] == "xla"
+    assert kernel("h100:8", model__attention="xla")[0] == kernel("cpu:8")[0] == "xla"
+
     config = load_config_file("configs/llama_1b.py")
     c = Candidate(*layout({"fsdp": 8}), "none", 1, "params")
     spec = model_spec(c.apply(config))
-    xla, splash, cudnn = (estimate_memory(c.apply(config), spec, c.mesh_shape, k).total
-                          for k in ("xla", "splash", "cudnn"))
-    # 8 rows x 32 heads x 2048^2 float32 scores and probabilities, kept for each of 16 layers
-    assert xla - cudnn >= 16 * 8 * 32 * 2048 ** 2 * 8 and splash == cudnn
-    # With the length split over context=2, splash's attention is XLA's; cuDNN keeps the mask
-    # and its bias, 3 bytes a score, one per row rather than per head.
-    c = Candidate(*layout({"fsdp": 4, "context": 2}), "none", 1, "params")
-    xla, splash, cudnn = (estimate_memory(c.apply(config), spec, c.mesh_shape, k).total
-                          for k in ("xla", "splash", "cudnn"))
-    assert xla == splash and xla - cudnn >= 16 * 2 * 32 * 1024 * 2048 * 8 - 1
+    total = {k: estimate_memory(c.apply(config), spec, c.mesh_shape, *k).total
+             for k in (("xla", 0), ("splash", 0), ("cudnn", 0), ("cudnn", 32))}
+    rows, length, heads, layers = 8, 2048, 32, 16
+    # XLA: float32 scores and probabilities, kept by every layer without remat
+    assert total["xla", 0] - total["splash", 0] >= layers * rows * heads * length ** 2 * 8
+    # cuDNN's mask form: a boolean mask, the bfloat16 bias and its gradient, one layer at a time
+    assert total["cudnn", 0] - total["splash", 0] == rows * length ** 2 * 5
+    # its packed layout: the backward's workspace, 8 bytes x M x queries x heads x head_dim
+    assert total["cudnn", 32] - total["splash", 0] == rows * 8 * 32 * length * heads * 64
 
 
 @pytest.fixture(scope="module")

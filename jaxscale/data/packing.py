@@ -90,7 +90,7 @@ class _AtMostSegments(grain.experimental.FlatMapTransform):
     each (documents keep their tokens, positions and order; the rest is padding), so that every
     row fits a kernel that takes a fixed number of segments (cuDNN's packed layout)."""
 
-    max_fan_out = 1  # only used by MapDataset flat maps; this one runs on an IterDataset
+    max_fan_out = 1  # grain reads it only for MapDataset flat maps; unbounded on an IterDataset
 
     def __init__(self, limit: int):
         self._limit = limit

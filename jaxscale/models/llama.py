@@ -53,8 +53,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     remat: str = "none"  # a key of REMAT_POLICIES
     attention: str = "auto"  # jaxscale.parallel.attention.IMPLEMENTATIONS
-    max_segments: int = 0  # the most runs of one segment id a packed row holds (0: unbounded);
-    # a bound lets GPU attention take packed rows in cuDNN's packed layout
+    # The most runs of one segment id a packed row holds (0: unbounded); a bound lets GPU
+    # attention take packed rows in cuDNN's packed layout.
+    max_segments: int = 0
     dtype: str = "bfloat16"  # compute dtype
     moe: MoEConfig | None = None  # None: every feed-forward is dense
 

@@ -30,6 +30,7 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ KEY_AXES = ("batch", "length", "kv_heads", "head_dim")
 SPLASH_BLOCK = 512  # the largest tile; a sequence must be a multiple of min(this, length)
 SPLASH_MIN_LENGTH = 128  # TPU kernels tile the sequence in multiples of 128
 CUDNN_DTYPES = ("bfloat16", "float16")
-CUDNN_PACKED_CAPABILITY = (9, 0)  # cuDNN's packed (ragged) layout starts with Hopper
+CUDNN_PACKED_CAPABILITY = (9, 0)  # Hopper: cuDNN's packed (ragged) layout, heads up to 256
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
@@ -65,7 +66,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
     if _length_axes():
         return _context(q, k, v, segment_ids, positions, kernel)
     if kernel == "cudnn":
-        return _per_shard(functools.partial(_cudnn_on_shard, max_segments=max_segments),
+        layout = packed_layout_bound(_capability(_device()), max_segments, split=False)
+        return _per_shard(functools.partial(_cudnn_on_shard, max_segments=layout),
                           q, k, v, segment_ids)
     return _xla(q, k, v, segment_ids)
 
@@ -76,34 +78,49 @@ def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed:
     queries shaped and typed like `q`."""
     if implementation != "auto":
         return implementation
-    device, split = _device(), bool(_length_axes())
-    if device.platform == "tpu" and splash_fits(q.shape[1]) and not split:
-        return "splash"
-    # A split length takes the mask form (the shards' tokens are not contiguous documents).
-    if device.platform == "gpu" and cudnn_unsupported(
-            device, q.dtype, q.shape[1], q.shape[-1], packed, 0 if split else max_segments) is None:
-        return "cudnn"
-    return "xla"
+    device = _device()
+    return auto_kernel(device.platform, _capability(device), q.dtype, q.shape[1], q.shape[-1],
+                       packed=packed, max_segments=max_segments, split=bool(_length_axes()),
+                       pipelined=_pipelined())
 
 
-def cudnn_unsupported(device, dtype, length: int, head_dim: int, packed: bool,
-                      max_segments: int) -> str | None:
-    """Why cuDNN's fused attention cannot run here, or None when it can."""
-    if device.platform != "gpu":
-        return f"it is an NVIDIA GPU kernel and the devices are {device.platform}"
+def auto_kernel(platform: str, capability: str, dtype, length: int, head_dim: int, *,
+                packed: bool, max_segments: int, split: bool, pipelined: bool) -> str:
+    """What `auto` runs: splash on TPUs (whole rows), cuDNN on NVIDIA GPUs where it can run, else
+    XLA. `split`: the length is split over a context axis; `pipelined`: inside a pipeline stage's
+    vmap, which JAX's cuDNN attention cannot be batched over (its batching rule reshapes the
+    mask's and the segments' arrays as if they had the heads' and no stage axis)."""
+    if platform == "tpu":
+        return "splash" if splash_fits(length) and not split else "xla"
+    layout = packed_layout_bound(capability, max_segments, split)
+    if pipelined or cudnn_unsupported(platform, capability, dtype, length, head_dim,
+                                      mask_form=packed and not layout) is not None:
+        return "xla"
+    return "cudnn"
+
+
+def packed_layout_bound(capability: str, max_segments: int, split: bool) -> int:
+    """The `max_segments` cuDNN's packed layout runs with: the config's bound on whole rows of a
+    Hopper GPU or newer, else 0: packed rows take the mask form."""
+    hopper = _cuda_capability(capability) >= CUDNN_PACKED_CAPABILITY
+    return max_segments if max_segments and not split and hopper else 0
+
+
+def cudnn_unsupported(platform: str, capability: str, dtype, length: int, head_dim: int, *,
+                      mask_form: bool) -> str | None:
+    """Why cuDNN's fused attention cannot run here, or None when it can. `mask_form`: packed
+    rows as a document mask (the bias needs an even length)."""
+    if platform != "gpu" or _cuda_capability(capability) == (0, 0):
+        return (f"it is an NVIDIA GPU kernel and the devices are {platform}"
+                + (f" with compute capability {capability!r}" if platform == "gpu" else ""))
     if jnp.dtype(dtype).name not in CUDNN_DTYPES:
         return (f"it computes in {' or '.join(CUDNN_DTYPES)}, not {jnp.dtype(dtype).name} "
                 "(precision.compute_dtype)")
-    if head_dim % 8 or head_dim > 128:
-        return f"it needs model.head_dim a multiple of 8 and at most 128, not {head_dim}"
-    if packed and not max_segments and length % 2:
-        return (f"its document mask needs an even train.seq_len, not {length}; or set "
-                "data.max_segments for the packed layout")
-    capability = tuple(int(x) for x in getattr(device, "compute_capability", "0.0").split("."))
-    if packed and max_segments and capability < CUDNN_PACKED_CAPABILITY:
-        return (f"data.max_segments={max_segments} selects its packed layout, which needs "
-                f"compute capability 9.0 (Hopper) or newer, and the devices have "
-                f"{'.'.join(map(str, capability))}; set data.max_segments=0 for the mask form")
+    widest = 256 if _cuda_capability(capability) >= CUDNN_PACKED_CAPABILITY else 128
+    if head_dim % 8 or head_dim > widest:
+        return f"it needs model.head_dim a multiple of 8 and at most {widest}, not {head_dim}"
+    if mask_form and length % 2:
+        return f"its document mask needs an even train.seq_len, not {length}"
     return None
 
 
@@ -119,9 +136,12 @@ def check_implementation(implementation: str, device, length: int, dtype: str, h
                           "change train.seq_len or use model.attention=auto")
     if implementation == "cudnn":
         # Training rows are always packed (segment ids from the input pipeline).
-        why = cudnn_unsupported(device, dtype, length, head_dim, True, max_segments)
+        capability = _capability(device)
+        layout = packed_layout_bound(capability, max_segments, split=False)
+        why = cudnn_unsupported(device.platform, capability, dtype, length, head_dim,
+                                mask_form=not layout)
         if why is not None:
-            raise ConfigError(f"model.attention='cudnn' cannot run: {why}; or use "
+            raise ConfigError(f"model.attention='cudnn' cannot run: {why}; use "
                               "model.attention=auto or xla")
 
 
@@ -144,6 +164,29 @@ def _device():
     """A device of the active mesh, else of the default backend."""
     active = active_mesh_and_rules()
     return active[0].devices.flat[0] if active is not None else jax.devices()[0]
+
+
+def _capability(device) -> str:
+    """An NVIDIA GPU's CUDA compute capability ("9.0"); what other devices report, or ""."""
+    return str(getattr(device, "compute_capability", ""))
+
+
+def _cuda_capability(capability: str) -> tuple[int, int]:
+    """(major, minor) of a CUDA compute capability; (0, 0) for anything else (a ROCm GPU reports
+    its gfx name there)."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", capability)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def _pipelined() -> bool:
+    """Whether the active rules split the layers over a mesh axis of size > 1 (pipeline
+    stages): the stages run their layers under a vmap."""
+    active = active_mesh_and_rules()
+    if active is None:
+        return False
+    mesh, rules = active
+    return any(mesh.shape.get(a, 1) > 1
+               for a in spec_axes(logical_to_mesh(("layers",), rules)[0]))
 
 
 def _length_axes() -> tuple[str, ...]:
@@ -247,13 +290,17 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     """cuDNN's packed layout of rows whose segments are contiguous runs of one id (padding's 0
     a run too): (lengths int32[batch, M], offsets int32[batch, M + 1]), each row's run lengths
     and start offsets in order, padded with -1, M = `max_segments`. A row with more runs than M
-    would lose the rest; the input pipeline cuts such rows (jaxscale/data/packing.py)."""
+    loses those beyond the M-th (its tokens attend to nothing), and only it: cuDNN lays every
+    row's segments end to end, so a row must not list more offsets than lengths. The input
+    pipeline cuts such rows (jaxscale/data/packing.py)."""
     length = segment_ids.shape[1]
     starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
                               segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    # Each row's start indices, then `length` for the runs it does not have.
+    # Each row's first M + 1 start indices, then `length` for the runs it does not have: the
+    # (M + 1)-th ends the M-th run.
     first = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments + 1,
                                              fill_value=length)[0])(starts).astype(jnp.int32)
-    lengths = jnp.where(first[:, :-1] < length, first[:, 1:] - first[:, :-1], -1)
-    offsets = jnp.where(first < length, first, -1)
-    return lengths, offsets
+    runs = first[:, :-1] < length
+    lengths = jnp.where(runs, first[:, 1:] - first[:, :-1], -1)
+    offsets = jnp.where(runs, first[:, :-1], -1)
+    return lengths, jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)

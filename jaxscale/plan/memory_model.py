@@ -43,6 +43,7 @@ from jaxscale.parallel.sharding import Rules, logical_to_mesh, rules_from_config
 from jaxscale.state import ModelSpec, moment_specs
 from jaxscale.step import BATCH_KEYS
 
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per device, by what holds them."""
@@ -75,10 +76,12 @@ def _tree_shard_elements(specs, abstract, mesh_shape) -> int:
 
 
 def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
-                    mesh_shape: Mapping[str, int], attention_kernel: str) -> MemoryEstimate:
+                    mesh_shape: Mapping[str, int], attention_kernel: str,
+                    packed_layout: int = 0) -> MemoryEstimate:
     """Bytes per device of `config`'s train step on a mesh of `mesh_shape` (each axis its ICI
-    size times its DCN factor). `attention_kernel`: what `model.attention` runs on the target (jaxscale/parallel/attention.py):
-    xla, or splash and cudnn, which keep no scores."""
+    size times its DCN factor). `attention_kernel`: what `model.attention` runs on the target
+    for this mesh (jaxscale/parallel/attention.py `auto_kernel`): xla, splash or cudnn;
+    `packed_layout`: the bound cuDNN's packed layout runs with (0: its mask form)."""
     rules = rules_from_config(config.sharding.rules)
     m, t, cfg = config.model, config.train, spec.config
     param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
@@ -98,24 +101,30 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     pipeline = config_pipeline(config, mesh_shape["pipeline"])
     # With a pipeline, a stage works on 1/M of those rows at a time.
     stage_rows = max(rows // pipeline.num_microbatches, 1) if pipeline else rows
-    # A context axis splits every row's tokens (and makes splash's attention the XLA path's).
+    # A context axis splits every row's tokens.
     context = shards("length")
     tokens = t.seq_len // context
     layers = _layer_bytes(config, cfg, shards, compute, tokens)
 
     def scores(n_rows: int) -> int:
-        """One layer's attention memory on `n_rows` rows (each device's queries against every
-        key): the XLA path's float32 scores and probabilities, and with a context axis its
-        boolean mask; cuDNN's there: the mask and the bias made of it; a fused kernel's on
-        whole rows: none."""
-        mask = tokens * t.seq_len if context > 1 else 0
-        if attention_kernel == "xla" or (attention_kernel == "splash" and context > 1):
+        """One layer's attention memory on `n_rows` rows, each device's queries against every
+        key. XLA's path: the float32 scores and probabilities of every head, and with a context
+        axis its boolean mask. cuDNN's packed layout: the backward's float32 workspace (about 8
+        bytes per query, head_dim element and segment slot, measured); its mask form: the
+        boolean mask, the bias made of it and the bias's gradient. Splash: none."""
+        if attention_kernel == "xla":
+            mask = tokens * t.seq_len if context > 1 else 0
             return n_rows * (layers.heads * tokens * t.seq_len * 8 + mask)
-        return n_rows * mask * (1 + compute)
+        if attention_kernel == "splash":
+            return 0
+        if packed_layout:
+            return n_rows * 8 * packed_layout * tokens * layers.heads * m.head_dim
+        return n_rows * tokens * t.seq_len * (1 + 2 * compute)
 
     def layer_kept(n_rows: int) -> int:
-        """What one layer keeps for its backward pass (the scores too, without remat)."""
-        return n_rows * layers.kept + (scores(n_rows) if m.remat == "none" else 0)
+        """What one layer keeps for its backward pass (without remat, XLA's scores too)."""
+        kept_scores = scores(n_rows) if m.remat == "none" and attention_kernel == "xla" else 0
+        return n_rows * layers.kept + kept_scores
 
     def working_set(n_rows: int) -> int:
         """One layer recomputed and differentiated at a time: its activations, their gradients."""

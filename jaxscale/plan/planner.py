@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
+from collections.abc import Mapping
 from typing import Callable
 
 import jax
 import ml_collections
 
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.attention import cudnn_unsupported, splash_fits
+from jaxscale.parallel.attention import auto_kernel, packed_layout_bound
 from jaxscale.plan import rank
 from jaxscale.plan.chips import Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
@@ -89,20 +89,25 @@ class Plan:
         return fits if row.compiled else f"{fits} (estimate)"
 
 
-def _attention_kernel(config: ml_collections.ConfigDict, target: Target) -> str:
-    """What `model.attention` runs on `target` (jaxscale/parallel/attention.py): splash on TPUs,
-    cudnn on NVIDIA GPUs where the config asks for it or `auto` picks it, else xla. (With a
-    context axis splash's attention is XLA's; the memory model knows that.)"""
+def _attention(config: ml_collections.ConfigDict, target: Target,
+               mesh_shape: Mapping[str, int]) -> tuple[str, int]:
+    """(the attention kernel a run of `config` on `target` with `mesh_shape` uses, the bound
+    cuDNN's packed layout runs with): as jaxscale/parallel/attention.py decides at run time,
+    from the target's chip instead of its devices."""
     a, chip = config.model.attention, target.chip
-    if chip is None:  # CPUs
-        return "xla"
-    if chip.name.startswith("TPU"):
-        return "splash" if a == "splash" or (a == "auto" and splash_fits(config.train.seq_len)) \
-            else "xla"
-    gpu = types.SimpleNamespace(platform="gpu", compute_capability=chip.compute_capability)
-    runs = cudnn_unsupported(gpu, config.precision.compute_dtype, config.train.seq_len,
-                             config.model.head_dim, True, config.data.max_segments) is None
-    return "cudnn" if a == "cudnn" or (a == "auto" and runs) else "xla"
+    platform = "cpu" if chip is None else "tpu" if chip.name.startswith("TPU") else "gpu"
+    capability = chip.compute_capability if chip else ""
+    split = mesh_shape["context"] > 1
+    if a == "auto":
+        a = auto_kernel(platform, capability, config.precision.compute_dtype,
+                        config.train.seq_len, config.model.head_dim, packed=True,
+                        max_segments=config.data.max_segments, split=split,
+                        pipelined=mesh_shape["pipeline"] > 1)
+    if a == "splash" and split:  # refused by validate; the XLA path's memory, to be safe
+        a = "xla"
+    bound = packed_layout_bound(capability, config.data.max_segments, split) if a == "cudnn" \
+        else 0
+    return a, bound
 
 
 def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices: int,
@@ -137,13 +142,14 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
         raise ConfigError(f"no layout of {n} devices over the mesh axes divides this model "
                           f"and batch (train.batch_size={config.train.batch_size}); use a batch "
                           f"size that is a multiple of {n}")
-    kernel = _attention_kernel(config, target)
     rows = {}
     for c in found:
         c_config = c.apply(config)
         collectives = rank.analytic_collectives(c_config, spec, c, granules)
-        rows[c] = Row(c, estimate_memory(c_config, spec, c.mesh_shape, kernel), collectives,
-                      rank.step_time(c_config, spec, c, collectives, chip, n))
+        memory = estimate_memory(c_config, spec, c.mesh_shape,
+                                 *_attention(c_config, target, c.mesh_shape))
+        rows[c] = Row(c, memory, collectives, rank.step_time(c_config, spec, c, collectives,
+                                                             chip, n))
     log(f"{len(found)} candidates; compiling the fastest that the estimate fits in "
         f"{budget / GIB:.1f} GiB per device" if capacity else f"{len(found)} candidates")
     by_speed = sorted(rows.values(), key=lambda r: (r.time.total, rank.simplicity(r.candidate)))

@@ -173,8 +173,8 @@ def _context_useful(config: ml_collections.ConfigDict, candidate: Candidate) -> 
     Splitting each row's tokens C ways saves what splitting the rows C more ways saves (the same
     tokens and attention scores per device, the same replicated weights), and adds the all-gather
     of every layer's keys and values. So C > 1 is searched only where a microbatch's rows cannot
-    be split C more ways: the batch is smaller than the devices, or one row is all a device can
-    hold. The length rule must name the axis (else it would only replicate)."""
+    be split C more ways (they are not a multiple of the batch shards times C). The length rule
+    must name the axis (else it would only replicate)."""
     shape = candidate.mesh_shape
     degree = shape["context"]
     if degree == 1:
