@@ -91,7 +91,7 @@ def main() -> int:
     reference = loss_and_grads("xla", 0, True)(*wide)[1]
 
     print(f"{device.device_kind}, jax {jax.__version__}: batch {a.batch} x {a.length} tokens, "
-          f"{a.heads} heads ({a.kv_heads} kv) of {a.head_dim}, up to {a.max_segments} runs a row")
+          f"{a.heads} heads ({a.kv_heads} kv) of {a.head_dim}, {a.max_segments} runs a row")
     sides = {"xla": ("xla", a.max_segments, True),
              "cudnn, mask": ("cudnn", 0, True),
              "cudnn, packed layout": ("cudnn", a.max_segments, True),
