@@ -162,13 +162,19 @@ def test_max_segments_cuts_crowded_rows_and_keeps_every_document(method):
         check_packed_rows({k: v[None] for k, v in row.items()})
 
 
+def line_documents_config(tmp_path, lines: list[str]):
+    """small_config reading `lines` from a text file, one document each."""
+    path = tmp_path / "docs.txt"
+    path.write_text("".join(f"{line}\n" for line in lines))
+    config = small_config()
+    config.data.sources = (dict(format="text", path=str(path), document="line"),)
+    return config
+
+
 def test_state_restores_inside_a_cut_row(batch_sharding, tmp_path):
     """A row cut into several by data.max_segments: a state taken between its pieces resumes
     at the next piece."""
-    path = tmp_path / "docs.txt"
-    path.write_text("".join(f"{i}\n" for i in range(400)))
-    config = small_config()
-    config.data.sources = (dict(format="text", path=str(path), document="line"),)
+    config = line_documents_config(tmp_path, [str(i) for i in range(400)])
     config.data.max_segments = 3
     it = make_input(config, "train", batch_sharding)
     next(it)
@@ -242,10 +248,7 @@ def test_state_restores_between_documents(batch_sharding, tmp_path):
     # 7-byte documents framed by BOS/EOS make exactly one 8-token row each, so every state is
     # taken with nothing left over in the packer; that state must survive JSON too (grain
     # compares its slices with tuples).
-    path = tmp_path / "docs.txt"
-    path.write_text("".join(f"line{i:03d}\n" for i in range(200)))
-    config = small_config()
-    config.data.sources = (dict(format="text", path=str(path), document="line"),)
+    config = line_documents_config(tmp_path, [f"line{i:03d}" for i in range(200)])
     config.train.seq_len = 8
     it = make_input(config, "train", batch_sharding)
     next(it)

@@ -123,8 +123,10 @@ def test_a_device_memory_that_is_no_size_is_a_config_error(gib):
         validate(config, 8)
 
 
-def test_mesh_auto_trains_with_the_step_the_planner_compiled(tmp_path, monkeypatch):
-    """The train step is compiled once, by the planner: the trainer runs that executable."""
+@pytest.mark.parametrize("trials", [1, 2])
+def test_mesh_auto_trains_with_the_step_the_planner_compiled(tmp_path, trials):
+    """The train step is compiled by the planner only, once per candidate it times (none when
+    it trusts its ranking): the trainer runs the chosen one's executable."""
     compiled = []
 
     def count(event, duration, **kwargs):
@@ -133,7 +135,7 @@ def test_mesh_auto_trains_with_the_step_the_planner_compiled(tmp_path, monkeypat
             compiled.append(kwargs["fun_name"])
 
     config = small_config(data=8)
-    config.mesh.auto = True
+    config.mesh.update(auto=True, auto_trials=trials)
     config.train.steps = 2
     config.data.sources = (dict(format="synthetic"),)
     config.checkpoint.update(enabled=False, compilation_cache=False)
@@ -143,4 +145,4 @@ def test_mesh_auto_trains_with_the_step_the_planner_compiled(tmp_path, monkeypat
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert math.isfinite(metrics["loss"])
-    assert len(compiled) == 1, compiled
+    assert len(compiled) == trials, compiled
