@@ -1,11 +1,36 @@
 """Small configs and batches shared by the tests, and the loss and gradients on a mesh."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxscale.config import MESH_AXES, default_config
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resumable_cli_losses(workdir, steps: int, **flags) -> tuple[dict[int, float], str]:
+    """configs/tiny.py trained to `steps` through the CLI in float32 with `flags`, a constant
+    learning rate after one warmup step and a checkpoint every 2 steps, so that a run of 2 steps
+    resumed to 4 takes the same steps as a run of 4: (its losses by step, its stdout)."""
+    flags = {"train.steps": steps, "train.seq_len": 64, "train.log_every": 1,
+             "train.eval_every": 0, "precision.compute_dtype": "float32",
+             "optim.warmup_steps": 1, "optim.min_lr_ratio": 1.0, "checkpoint.every_steps": 2,
+             "checkpoint.compilation_cache": False, **flags}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py",
+         f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}, result.stdout
 
 
 def small_config(**mesh):

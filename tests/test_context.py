@@ -5,11 +5,6 @@ the keys and values over the context axis; a run restores across context degrees
 axis across two hosts trains like one host.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -18,9 +13,8 @@ from jaxscale.parallel.context import load_balanced, load_balanced_order
 from jaxscale.plan.collectives import replica_groups
 from jaxscale.plan.compiled import abstract_batch
 from jaxscale.step import summed_loss
-from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import (loss_and_gradients_on_mesh, mesh_trainer, random_batch,
+                           resumable_cli_losses, small_config)
 
 
 def context_config(**mesh):
@@ -120,22 +114,9 @@ def test_attention_all_gathers_keys_and_values_over_the_context_axis(tmp_path):
 
 
 def run_cli(workdir, steps, context):
-    flags = {"train.steps": steps, "train.seq_len": 64, "train.log_every": 1,
-             "train.eval_every": 0, "precision.compute_dtype": "float32",
-             "optim.warmup_steps": 1,
-             # A constant learning rate after warmup: a run of 2 steps takes the same steps as
-             # the first 2 of a run of 4, so the two can be joined by a checkpoint.
-             "optim.min_lr_ratio": 1.0, "checkpoint.every_steps": 2,
-             "checkpoint.compilation_cache": False, "mesh.context": context}
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py",
-         f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f]
-    assert f"'context': {context}" in result.stdout  # the start-up line's mesh
-    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+    losses, stdout = resumable_cli_losses(workdir, steps, **{"mesh.context": context})
+    assert f"'context': {context}" in stdout  # the start-up line's mesh
+    return losses
 
 
 @pytest.mark.slow

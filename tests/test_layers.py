@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.models import create_model
 from jaxscale.state import model_config
@@ -152,7 +153,7 @@ def test_save_dots_keeps_the_weight_matmuls_also_in_a_pipeline_stage(moe_every, 
             x = jax.tree.map(lambda a: jnp.stack([a, a]), x)
         else:
             state = jax.tree.map(lambda a: a[0], stacked)
-        jax.ad_checkpoint.print_saved_residuals(lambda s, x: jnp.sum(run(s, x)), state, x)
+        print_saved_residuals(lambda s, x: jnp.sum(run(s, x)), state, x)
         return capsys.readouterr().out.count("named 'weight_matmul'")
 
     for stages in (False, True):

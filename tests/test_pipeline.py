@@ -6,11 +6,6 @@ Every batch here is packed (two documents and padding per row: `random_batch`), 
 and positions go through the schedules with their microbatches.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -19,10 +14,8 @@ from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
-                           small_config)
+                           resumable_cli_losses, small_config)
 from tests.test_parity import assert_same_training, train
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pipeline_config(schedule="gpipe", repeats=1, microbatches=0, layers=8, remat="none",
@@ -135,22 +128,8 @@ def test_bubble_fractions():
 
 
 def run_cli(workdir, steps, pipeline, schedule="gpipe"):
-    flags = dict(
-        **{"train.steps": steps, "train.seq_len": 64, "train.log_every": 1, "train.eval_every": 0,
-           "precision.compute_dtype": "float32", "optim.warmup_steps": 1,
-           # A constant learning rate after warmup: a run of 2 steps takes the same steps as the
-           # first 2 of a run of 4, so the two can be joined by a checkpoint.
-           "optim.min_lr_ratio": 1.0, "checkpoint.every_steps": 2,
-           "checkpoint.compilation_cache": False, "mesh.pipeline": pipeline,
-           "pipeline.schedule": schedule})
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py",
-         f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f]
-    return {line["step"]: line["loss"] for line in lines if "loss" in line}, result.stdout
+    return resumable_cli_losses(workdir, steps, **{"mesh.pipeline": pipeline,
+                                                   "pipeline.schedule": schedule})
 
 
 @pytest.mark.slow
