@@ -11,7 +11,7 @@ from jaxscale.plan import report
 from jaxscale.plan.chips import GIB
 from jaxscale.plan.compiled import StepMemory
 from jaxscale.plan.measure import agreed, seconds_per_step
-from jaxscale.plan.planner import Plan, Row, make_plan
+from jaxscale.plan.planner import Row, make_plan
 from jaxscale.plan.targets import local_target
 
 
@@ -53,14 +53,13 @@ def planned_config(config: ml_collections.ConfigDict, devices
         raise ConfigError(f"mesh.auto: {report.no_fit(plan)}")
     timed = [r for r in plan.rows if r.executable is not None and plan.fits(r)][:trials]
     if len(timed) > 1:
-        plan.chosen = fastest_measured(plan, timed, config, devices, say)
+        plan.chosen = fastest_measured(timed, config, devices, say)
     chosen = plan.chosen
     say(report.chosen(plan))
     return chosen.candidate.apply(config), (chosen.executable, chosen.compiled)
 
 
-def fastest_measured(plan: Plan, rows: list[Row], config: ml_collections.ConfigDict, devices,
-                     say) -> Row:
+def fastest_measured(rows: list[Row], config: ml_collections.ConfigDict, devices, say) -> Row:
     """The row of `rows` (compiled, fitting) whose step runs fastest on `devices`."""
     seconds = []
     for row in rows:
