@@ -29,10 +29,11 @@ DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
 _HELP_FLAGS = ("--help", "-h", "-help", "--helpfull", "--helpshort")
 
 
-def fail(message: str) -> NoReturn:
-    """Ends the process the way every user mistake ends it: one line, exit status 2."""
+def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
+    """Ends the process the way every user mistake ends it: one line, exit status 2 (or
+    `exit_code`: 75 for a transient failure)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_EXIT_CODE)
+    sys.exit(exit_code)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,23 @@
-"""Errors a user can cause, and the exit statuses jaxscale's processes and launchers agree on.
+"""Errors, and the exit statuses jaxscale's processes and launchers agree on.
 
-The CLI prints a user error as one `error: ...` line and exits with status 2.
+    0    finished
+    2    USAGE_EXIT_CODE: the user must change something (config, flags, data, a damaged
+         checkpoint); a restart would fail the same way, so nothing retries it
+    42   RESTART_EXIT_CODE: preempted (SIGTERM) after saving; restart me at once
+    75   TRANSIENT_EXIT_CODE (sysexits' EX_TEMPFAIL): the infrastructure failed for now (storage
+         I/O, the coordinator, a peer process); retry with backoff, every checkpoint is intact
+    130  INTERRUPTED_EXIT_CODE: Ctrl-C after saving; not restarted
+    anything else: a crash (a bug); restarted within a crash budget
+
+Preemptions and transient failures do not use up the crash budget of `supervise`, the JobSet's
+`podFailurePolicy` or the Slurm script. The CLI prints a user error or a transient failure as one
+`error: ...` line.
 """
 
 import signal
 
 USAGE_EXIT_CODE = 2
+TRANSIENT_EXIT_CODE = 75
 
 
 class JaxscaleError(Exception):
@@ -14,6 +26,12 @@ class JaxscaleError(Exception):
 
 class ConfigError(JaxscaleError):
     """The config is invalid: the message names the key, the bad value and the fix."""
+
+
+class TransientError(Exception):
+    """The infrastructure failed for now (storage, the coordinator, a peer): nothing the user must
+    change, nothing damaged; the process exits 75 to be retried with backoff. Not a JaxscaleError:
+    a launcher must never treat it as the user's mistake."""
 
 # A run that stopped on purpose to be restarted (preemption, SIGTERM): it saved a checkpoint and
 # launchers (supervise, Slurm requeue, JobSet restart policy) should start it again.
@@ -32,6 +50,8 @@ def describe_exit(status: int) -> str:
             return f"was killed by signal {-status}"
     if status == RESTART_EXIT_CODE:
         return f"exited with status {status} (restart me)"
+    if status == TRANSIENT_EXIT_CODE:
+        return f"exited with status {status} (transient failure, retry)"
     if status == INTERRUPTED_EXIT_CODE:
         return f"exited with status {status} (interrupted)"
     return f"exited with status {status}"

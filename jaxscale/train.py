@@ -3,7 +3,9 @@
 Trains a config: restores the newest checkpoint in DIR (or starts fresh), trains to
 train.steps, logs metrics and saves checkpoints. Ctrl-C saves and stops (exit 130; run the same
 command again to resume); SIGTERM saves and exits 42 ("restart me"). A mistake the user can fix
-prints one `error: ...` line and exits with status 2, before anything is compiled or written.
+prints one `error: ...` line and exits with status 2, before anything is compiled or written; a
+transient infrastructure failure (storage, coordinator, a peer) prints one `error: ...` line and
+exits 75 ("retry with backoff"), every checkpoint left where it was.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import signal
 import sys
 
 from jaxscale.cli import fail, parse_train_flags
-from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError
+from jaxscale.errors import (INTERRUPTED_EXIT_CODE, TRANSIENT_EXIT_CODE, JaxscaleError,
+                             TransientError)
 
 def _stop_at_once(signum, frame) -> None:
     # Outside the training loop (start-up checks, imports, the final clean-up) nothing is left to
@@ -44,6 +47,9 @@ def main(argv: list[str]) -> None:
                 Trainer(config, workdir).run()
         except JaxscaleError as e:
             fail(str(e))
+        except TransientError as e:
+            fail(f"{e} (transient: exit {TRANSIENT_EXIT_CODE}, retry with backoff)",
+                 TRANSIENT_EXIT_CODE)
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
     finally:
