@@ -537,3 +537,26 @@ def test_mixtral_on_four_h100_nodes_splits_its_experts_where_fsdp_alone_does_not
     sends = [f for f in chosen.collectives if f.kind == "all-to-all"]
     assert [(f.axes, f.bytes, f.count) for f in sends] == [
         (("expert",), rows * 8 * capacity * 4096 * 2, 2 * passes * 32 * c.microbatches)]
+
+
+@pytest.mark.parametrize("raised, refused", [
+    (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"), True),
+    (jax.errors.JaxRuntimeError("INVALID_ARGUMENT: a program this backend cannot build"), True),
+    (jax.errors.JaxRuntimeError("INTERNAL: a crashed compiler"), False),
+    (KeyError("a bug in our own code"), False),
+])
+def test_only_xla_refusing_a_program_is_a_candidates_verdict(monkeypatch, raised, refused):
+    """The compiler running out of memory or rejecting the program is recorded as that candidate's
+    verdict; any other error (a bug, a broken compiler) propagates instead of silently dropping
+    candidates and changing the choice."""
+    def compile_fails(config, devices):
+        raise raised
+
+    monkeypatch.setattr("jaxscale.plan.planner.compile_train_step", compile_fails)
+    plan = functools.partial(make_plan, tiny(), parse_target("cpu:8"), top=1)
+    if not refused:
+        with pytest.raises(type(raised)):
+            plan()
+        return
+    rows = [r for r in plan().rows if r.error]
+    assert rows and all(r.error.startswith(str(raised).split(":")[0]) for r in rows)

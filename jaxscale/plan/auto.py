@@ -9,7 +9,7 @@ from jaxscale.device_memory import check_device_memory_gib, device_capacity
 from jaxscale.errors import ConfigError
 from jaxscale.plan import report
 from jaxscale.plan.chips import GIB
-from jaxscale.plan.compiled import StepMemory
+from jaxscale.plan.compiled import StepMemory, refused_by_xla
 from jaxscale.plan.measure import agreed, seconds_per_step
 from jaxscale.plan.planner import Row, make_plan
 from jaxscale.plan.targets import local_target
@@ -66,7 +66,9 @@ def fastest_measured(rows: list[Row], config: ml_collections.ConfigDict, devices
         try:
             seconds.append(seconds_per_step(row.candidate.apply(config), devices,
                                             row.executable))
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory at run time: not a choice
+        except jax.errors.JaxRuntimeError as e:  # out of memory at run time: not a choice
+            if not refused_by_xla(e):
+                raise
             say(f"timing {row.candidate.summary()} failed: {' '.join(str(e).split())[:200]}")
             seconds.append(float("inf"))
     seconds = agreed(seconds)

@@ -53,6 +53,19 @@ def compile_train_step(config: ml_collections.ConfigDict,
         return Trainer(config, workdir, devices=devices).compile_train_step()
 
 
+# The statuses with which XLA refuses a program for good: it does not fit the device's memory, or the
+# backend cannot build it (an invalid or unsupported program, an unknown topology). Any other
+# error is a bug or a broken machine, and must not read as "this layout does not fit".
+_REFUSALS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")
+
+
+def refused_by_xla(error: Exception) -> bool:
+    """Whether `error` is XLA refusing a program (out of memory, invalid, unsupported), which the
+    planner records as that candidate's verdict; every other error propagates."""
+    return (isinstance(error, jax.errors.JaxRuntimeError)
+            and str(error).lstrip().startswith(_REFUSALS))
+
+
 def step_memory(compiled: jax.stages.Compiled) -> StepMemory:
     m = compiled.memory_analysis()
     return StepMemory(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,

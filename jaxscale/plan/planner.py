@@ -28,7 +28,7 @@ from jaxscale.parallel.attention import auto_kernel, packed_layout_bound
 from jaxscale.plan import rank
 from jaxscale.plan.chips import Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
-from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step
+from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step, refused_by_xla
 from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
 from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
@@ -202,7 +202,9 @@ def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, l
     out = dataclasses.replace(row)
     try:
         compiled, out.compiled = compile_train_step(c_config, devices)
-    except Exception as e:  # noqa: BLE001 - e.g. the TPU compiler's "ran out of memory"
+    except jax.errors.JaxRuntimeError as e:
+        if not refused_by_xla(e):
+            raise
         out.error = " ".join(str(e).split())[:200] or type(e).__name__
         out.compile_seconds = time.perf_counter() - start
         log(f"  compiler refused it: {out.error}")

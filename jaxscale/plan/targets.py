@@ -23,6 +23,7 @@ import jax
 
 from jaxscale.errors import ConfigError
 from jaxscale.plan.chips import CHIPS, Chip, chip_for_device_kind
+from jaxscale.plan.compiled import refused_by_xla
 from jaxscale.tpu_host import quiet_libtpu
 
 # Chips per slice -> the slice's shape, for the shapes Cloud TPU offers. v4 and v5p slices are 3-D
@@ -133,7 +134,9 @@ def target_devices(target: Target) -> list:
         with quiet_libtpu():
             return list(topologies.get_topology_desc(target.topology, "tpu",
                                                      num_slices=target.granules).devices)
-    except Exception as e:  # noqa: BLE001 - e.g. a topology this libtpu does not know
+    except jax.errors.JaxRuntimeError as e:  # e.g. a topology this libtpu does not know
+        if not refused_by_xla(e):
+            raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"the TPU compiler cannot describe target {target.name!r} "
                           f"({first_line}); pick another slice size") from None
