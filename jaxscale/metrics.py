@@ -23,12 +23,14 @@ _BAR_WIDTH = 30
 _BAR_MIN_INTERVAL = 0.1
 
 
-def throughput(*, steps: int, seconds: float, tokens_per_step: int, flops_per_token: float,
+def throughput(*, steps: int, seconds: float, tokens: float, flops_per_token: float,
                num_devices: int, peak_flops_per_device: float | None) -> dict:
-    """Speed over `steps` steps that took `seconds`; `mfu` only when the peak is known."""
+    """Speed over `steps` steps that took `seconds` and trained on `tokens` loss-bearing tokens
+    (padding excluded: a packed batch's empty tail is work, not progress); `mfu` only when the
+    peak is known."""
     if steps <= 0 or seconds <= 0:
         raise ValueError(f"throughput needs steps > 0 and seconds > 0, got {steps=} {seconds=}")
-    tokens_per_sec = steps * tokens_per_step / seconds
+    tokens_per_sec = tokens / seconds
     flops_per_sec_per_device = tokens_per_sec / num_devices * flops_per_token
     result = {
         "step_time": seconds / steps,

@@ -50,8 +50,8 @@ class RunClock:
 
 @dataclasses.dataclass(frozen=True)
 class Speed:
-    """What turns step time into throughput: `jaxscale.metrics.throughput`'s constants."""
-    tokens_per_step: int
+    """What turns step time and tokens into throughput: `jaxscale.metrics.throughput`'s
+    constants."""
     flops_per_token: float
     num_devices: int
     peak_flops_per_device: float | None
@@ -80,6 +80,7 @@ class StepWindow:
         # Productive seconds of earlier processes of this run (from the checkpoint) and of the
         # windows this process has closed.
         self.productive = productive_seconds
+        self.tokens = 0.0  # loss-bearing tokens of the steps summarised so far, this start
         self.first_line = first_line  # reported on the first log line, with time_to_first_step
 
     @contextlib.contextmanager
@@ -131,12 +132,15 @@ class StepWindow:
                 summary[k] = mean.tolist() if mean.ndim else float(mean)
         summary["lr"] = float(fetched[-1]["lr"])
         summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
+        self.tokens += float(sum(m["tokens"] for m in fetched))
         if "loss_scale" in fetched[-1]:
             summary["loss_scale"] = float(fetched[-1]["loss_scale"])
         now = time.perf_counter()
         if self.timed_steps:
             seconds = now - self.start
-            summary.update(throughput(steps=self.timed_steps, seconds=seconds,
+            # The timed steps are the window's last ones (a run's first step is timed apart).
+            tokens = float(sum(m["tokens"] for m in fetched[-self.timed_steps:]))
+            summary.update(throughput(steps=self.timed_steps, seconds=seconds, tokens=tokens,
                                       **dataclasses.asdict(self.speed)))
             summary["data_wait_fraction"] = self.data_wait / seconds
             # What the host spent per step on its own work (data, dispatch, Python), not waiting

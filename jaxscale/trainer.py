@@ -190,7 +190,6 @@ class Trainer:
                               if d.process_index == jax.process_index()]
         t = config.train
         self.speed = Speed(
-            tokens_per_step=t.batch_size * t.seq_len,
             flops_per_token=self.model.config.flops_per_token(self.model.num_params, t.seq_len),
             num_devices=self.mesh.size,
             peak_flops_per_device=metrics_lib.peak_flops_per_device(devices_kind(self.mesh)))
@@ -478,8 +477,8 @@ class _Loop:
         t = self.t
         steps = t.steps - first_step
         minutes, seconds = divmod(time.perf_counter() - self.trainer.start_time, 60)
-        parts = [f"done: step {t.steps}, {steps} steps ({steps * t.batch_size * t.seq_len:,} "
-                 f"tokens) in {int(minutes)}m{seconds:04.1f}s"]
+        parts = [f"done: step {t.steps}, {steps} steps ({int(self.window.tokens):,} tokens) in "
+                 f"{int(minutes)}m{seconds:04.1f}s"]
         if "loss" in logged:
             parts.append(f"loss {logged['loss']:.4g}")
         if "eval_loss" in logged:

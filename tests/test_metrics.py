@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jaxscale import metrics
+from jaxscale import metrics, timing
 from jaxscale.progress import is_interactive
 
 
@@ -76,11 +76,10 @@ def test_peak_flops_of_cpus_and_unknown_devices_is_none(device_kind):
 
 
 def test_throughput_matches_the_closed_form():
-    steps, seconds, tokens_per_step, fpt, devices, peak = 10, 4.0, 2048, 1.5e9, 8, 2e14
-    result = metrics.throughput(steps=steps, seconds=seconds, tokens_per_step=tokens_per_step,
+    steps, seconds, total_tokens, fpt, devices, peak = 10, 4.0, 18_000, 1.5e9, 8, 2e14
+    result = metrics.throughput(steps=steps, seconds=seconds, tokens=total_tokens,
                                 flops_per_token=fpt, num_devices=devices,
                                 peak_flops_per_device=peak)
-    total_tokens = steps * tokens_per_step
     assert result["step_time"] == pytest.approx(seconds / steps)
     assert result["tokens_per_sec"] == pytest.approx(total_tokens / seconds)
     assert result["tokens_per_sec_per_device"] == pytest.approx(total_tokens / seconds / devices)
@@ -91,7 +90,7 @@ def test_throughput_matches_the_closed_form():
 
 
 def test_throughput_has_no_mfu_without_a_peak():
-    result = metrics.throughput(steps=1, seconds=1.0, tokens_per_step=1, flops_per_token=1.0,
+    result = metrics.throughput(steps=1, seconds=1.0, tokens=1, flops_per_token=1.0,
                                 num_devices=1, peak_flops_per_device=None)
     assert "mfu" not in result
     assert set(result) == {"step_time", "tokens_per_sec", "tokens_per_sec_per_device",
@@ -100,7 +99,7 @@ def test_throughput_has_no_mfu_without_a_peak():
 
 def test_throughput_rejects_zero_seconds():
     with pytest.raises(ValueError, match="seconds"):
-        metrics.throughput(steps=1, seconds=0.0, tokens_per_step=1, flops_per_token=1.0,
+        metrics.throughput(steps=1, seconds=0.0, tokens=1, flops_per_token=1.0,
                            num_devices=1, peak_flops_per_device=None)
 
 
@@ -222,3 +221,19 @@ def test_is_interactive():
     closed = io.StringIO()
     closed.close()
     assert not is_interactive(closed)
+
+
+def test_throughput_counts_the_loss_bearing_tokens_of_the_timed_steps_not_the_padding():
+    """Four steps of a 4 x 16 batch (64 slots each) whose rows are partly padding: the first step
+    is timed apart, so tokens/s times seconds per step is the mean real-token count of the other
+    three (30), not the 64 slots; the start's total counts all four."""
+    speed = timing.Speed(flops_per_token=6.0, num_devices=2, peak_flops_per_device=None)
+    window = timing.StepWindow(speed, timing.RunClock("unused", enabled=False), started_at=0.0)
+    for tokens in (10.0, 20.0, 30.0, 40.0):
+        window.add(dict(loss=np.float32(1.0), grad_norm=np.float32(1.0), lr=np.float32(0.1),
+                        skipped=np.int32(0), tokens=np.float32(tokens)))
+    summary = window.summary()
+    assert summary["tokens_per_sec"] * summary["step_time"] == pytest.approx(30.0)
+    assert summary["tflops_per_device"] * 1e12 == pytest.approx(
+        summary["tokens_per_sec"] / 2 * 6.0)
+    assert window.tokens == 100.0

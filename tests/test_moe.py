@@ -145,6 +145,43 @@ def test_dropped_fraction_and_priority_equal_a_hand_count():
     np.testing.assert_allclose(y[0, 3], want, rtol=1e-5, atol=1e-7)
 
 
+def test_padding_takes_no_slot_and_is_left_out_of_the_statistics():
+    """The hand-routed row of the test above with t0 and t1 padding: expert 0 now takes t2, t3
+    (first choices) and t4 (second); t5's second choice is the only drop, 1 of 8 real
+    assignments. Padding outputs zero, and the load counts the real assignments only."""
+    layer = moe_layer(d_model=4, experts=4, top_k=2, capacity_factor=1.0)
+    set_params(layer, router=np.eye(4))
+    x = hand_routed_tokens()
+    valid = jnp.asarray([[False, False, True, True, True, True]])
+    y, stats = layer(x, valid)
+    routing = route(jax.nn.softmax(x[0]), top_k=2, capacity=3, valid=valid[0])
+    kept = np.asarray(routing.slot < 3).reshape(2, 6)
+    np.testing.assert_array_equal(kept, [[0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    assert float(stats.dropped_fraction) == pytest.approx(1 / 8)
+    np.testing.assert_allclose(stats.expert_load, [4 / 8, 2 / 8, 2 / 8, 0])
+    np.testing.assert_array_equal(y[0, :2], 0.0)
+
+
+def test_what_padding_holds_changes_no_real_tokens_output_or_statistic():
+    """Real tokens' outputs and every router statistic are those of the real tokens alone: new
+    random values in the padding change nothing (routed like tokens, they would take slots)."""
+    layer = moe_layer(capacity_factor=1.0)
+    valid = jnp.asarray(RNG.random((2, 12)) < 0.6)
+    x = randn(2, 12, 16)
+    other = jnp.where(valid[..., None], x, randn(2, 12, 16, scale=5.0))
+    (y, stats), (y_other, stats_other) = layer(x, valid), layer(other, valid)
+    np.testing.assert_allclose(jnp.where(valid[..., None], y, 0),
+                               jnp.where(valid[..., None], y_other, 0), rtol=1e-6, atol=1e-7)
+    for a, b in zip(stats, stats_other):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # The closed forms over the real tokens: the z-loss's mean and the load's denominator.
+    logits = jnp.einsum("btd,de->bte", x, layer.router[...])
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    assert float(stats.z_loss) == pytest.approx(float(jnp.mean(jnp.square(lse[valid]))),
+                                                rel=1e-5)
+    assert float(jnp.sum(stats.expert_load)) == pytest.approx(1.0)
+
+
 def test_aux_loss_and_z_loss_equal_their_closed_forms():
     # Probabilities by hand; top-1, so each token's choice is its 0.7.
     probs = np.array([[0.7, 0.1, 0.1, 0.1], [0.7, 0.1, 0.1, 0.1],

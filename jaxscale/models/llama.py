@@ -118,12 +118,15 @@ class Block(nnx.Module):
     def with_stats(self, x, positions, segment_ids) -> tuple[jax.Array, RouterStats | None]:
         """(the block's output, its router's statistics; None for a dense block)."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        out, stats = self.feed_forward(self.mlp_norm(x))
+        # Padding (segment id 0) is no token to route: it would take real tokens' expert slots.
+        valid = None if segment_ids is None else segment_ids != 0
+        out, stats = self.feed_forward(self.mlp_norm(x), valid)
         return constrain(x + out, ("batch", "length", "embed")), stats
 
-    def feed_forward(self, x, dropless: bool = False) -> tuple[jax.Array, RouterStats | None]:
+    def feed_forward(self, x, valid=None, dropless: bool = False
+                     ) -> tuple[jax.Array, RouterStats | None]:
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, dropless)
+            return self.mlp(x, valid, dropless)
         return self.mlp(x), None
 
     def decode(self, x, cache: KVCache, layer, start) -> tuple[jax.Array, KVCache]:

@@ -22,7 +22,9 @@ Transformer, eq. 4) `experts * sum_e f_e * P_e`, with f_e expert e's share of th
 assignments (the f sum to 1) and P_e its mean router probability: 1 when both are even, more as
 routing concentrates (Hugging Face Mixtral's f sum to top_k, so its loss is top_k times this);
 the router z-loss (ST-MoE, eq. 5) `mean_t logsumexp(logits_t)^2`; the fraction of assignments
-dropped; every expert's f. Padding tokens are routed like the others (they take slots).
+dropped; every expert's f. Padding (tokens of segment id 0) is not routed: it takes no slot, gets
+a zero output (its residual path only) and is left out of every statistic, so a packed batch's
+empty tail neither crowds real tokens out of their experts nor moves the balancing loss.
 """
 
 from __future__ import annotations
@@ -86,10 +88,12 @@ class Routing(NamedTuple):
     slot: jax.Array  # int32 [assignments]: place in the expert's buffer; >= capacity: dropped
     source: jax.Array  # int32 [experts, capacity]: the token in each slot
     filled: jax.Array  # bool [experts, capacity]: whether a token is in the slot
+    real: jax.Array  # bool [assignments]: the assignment is a real token's (not padding's)
 
 
-def route(probs: jax.Array, top_k: int, capacity: int) -> Routing:
-    """float32 router probabilities [tokens, experts] of one row -> its `Routing`."""
+def route(probs: jax.Array, top_k: int, capacity: int, valid: jax.Array | None = None) -> Routing:
+    """float32 router probabilities [tokens, experts] of one row -> its `Routing`. `valid`
+    (bool [tokens]; default all) marks real tokens: padding's assignments take no slot."""
     tokens, experts = probs.shape
     weights, chosen = jax.lax.top_k(probs, top_k)  # [tokens, top_k]
     if top_k > 1:
@@ -97,19 +101,23 @@ def route(probs: jax.Array, top_k: int, capacity: int) -> Routing:
         # probability (Switch): renormalised, it would be 1 and give the router no gradient.
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     expert, weight = chosen.T.reshape(-1), weights.T.reshape(-1)  # choice-major: priority order
+    real = jnp.ones_like(expert, bool) if valid is None else jnp.tile(valid, top_k)
     # Grouped by expert; the stable sort keeps the priority order within each expert, so an
-    # assignment's rank in its group is its slot.
-    order = jnp.argsort(expert, stable=True)
-    counts = jnp.bincount(expert, length=experts)
+    # assignment's rank in its group is its slot. Padding queues behind every real assignment,
+    # under a void expert `experts` that has no slots.
+    group = jnp.where(real, expert, experts)
+    order = jnp.argsort(group, stable=True)
+    counts = jnp.bincount(group, length=experts + 1)
     starts = jnp.cumsum(counts) - counts
-    rank = jnp.arange(expert.shape[0]) - starts[expert[order]]
-    slot = jnp.zeros_like(expert).at[order].set(rank)
+    rank = jnp.arange(expert.shape[0]) - starts[group[order]]
+    slot = jnp.where(real, jnp.zeros_like(expert).at[order].set(rank), capacity)
+    counts, starts = counts[:experts], starts[:experts]
     place = jnp.arange(capacity)
     filled = place[None, :] < counts[:, None]
     # Slot c of expert e holds the (starts[e] + c)-th assignment in sorted order, when filled.
     sorted_index = jnp.minimum(starts[:, None] + place[None, :], expert.shape[0] - 1)
     source = order[sorted_index] % tokens
-    return Routing(expert, weight, slot, source, filled)
+    return Routing(expert, weight, slot, source, filled, real)
 
 
 def dispatch(x: jax.Array, routing: Routing) -> jax.Array:
@@ -129,17 +137,22 @@ def combine(expert_out: jax.Array, routing: Routing, top_k: int) -> jax.Array:
     return jnp.sum(weighted.reshape(top_k, -1, d), axis=0)
 
 
-def router_stats(logits: jax.Array, probs: jax.Array, routing: Routing) -> RouterStats:
-    """One layer's statistics over the whole batch: logits, probs [batch, tokens, experts];
-    `routing` batched over the rows."""
+def router_stats(logits: jax.Array, probs: jax.Array, routing: Routing,
+                 valid: jax.Array) -> RouterStats:
+    """One layer's statistics over the real tokens of the whole batch (`valid` bool
+    [batch, tokens]): logits, probs [batch, tokens, experts]; `routing` batched over the rows."""
     experts = logits.shape[-1]
-    assignments = routing.expert.size
-    load = jnp.bincount(routing.expert.reshape(-1), length=experts) / assignments
+    real = routing.real.reshape(-1)
+    assignments = jnp.maximum(jnp.sum(real), 1)
+    tokens = jnp.maximum(jnp.sum(valid), 1)
+    load = jnp.bincount(routing.expert.reshape(-1), weights=real.astype(jnp.float32),
+                        length=experts) / assignments
     # The load is a count (no gradient): the loss pushes on the mean probabilities, which move
     # the routing the same way, towards experts that get less than their share.
-    aux = experts * jnp.sum(load * jnp.mean(probs, axis=(0, 1)))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    dropped = (assignments - jnp.sum(routing.filled)) / assignments  # exactly 0 when none
+    mean_probs = jnp.sum(jnp.where(valid[..., None], probs, 0), axis=(0, 1)) / tokens
+    aux = experts * jnp.sum(load * mean_probs)
+    z = jnp.sum(jnp.where(valid, jnp.square(jax.nn.logsumexp(logits, axis=-1)), 0)) / tokens
+    dropped = (jnp.sum(real) - jnp.sum(routing.filled)) / assignments  # exactly 0 when none
     return RouterStats(aux, z, dropped.astype(jnp.float32), load.astype(jnp.float32))
 
 
@@ -158,21 +171,27 @@ class MoE(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, dropless: bool = False) -> tuple[jax.Array, RouterStats]:
-        """x [batch, tokens, d_model] in the compute dtype. `dropless` gives every expert a slot
-        for every token of the row, so nothing is dropped: decoding uses it (one new token per
-        row, or a prompt), where a dropped choice would make the output depend on the batch."""
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None,
+                 dropless: bool = False) -> tuple[jax.Array, RouterStats]:
+        """x [batch, tokens, d_model] in the compute dtype; `valid` (bool [batch, tokens], default
+        all) marks the real tokens, padding being neither routed nor counted. `dropless` gives
+        every expert a slot for every token of the row, so nothing is dropped: decoding uses it
+        (one new token per row, or a prompt), where a dropped choice would make the output depend
+        on the batch."""
         cfg = self.cfg
         capacity = x.shape[1] if dropless else cfg.capacity(x.shape[1])
+        if valid is None:
+            valid = jnp.ones(x.shape[:2], bool)
         logits = weight_matmul("btd,de->bte", x.astype(jnp.float32), self.router[...])
         probs = jax.nn.softmax(logits, axis=-1)
-        routing = jax.vmap(functools.partial(route, top_k=cfg.top_k, capacity=capacity))(probs)
+        routing = jax.vmap(functools.partial(route, top_k=cfg.top_k, capacity=capacity))(
+            probs, valid=valid)
         # Dispatch and combine stay with the rows; the experts run where their weights are
         # (with an expert mesh axis, an all-to-all each way: jaxscale/parallel/experts.py).
         buffers = to_experts(jax.vmap(dispatch)(x, routing), BUFFERS)
         expert_out = to_tokens(self.experts(buffers), BUFFERS)
         out = jax.vmap(functools.partial(combine, top_k=cfg.top_k))(expert_out, routing)
-        return out.astype(x.dtype), router_stats(logits, probs, routing)
+        return out.astype(x.dtype), router_stats(logits, probs, routing, valid)
 
     def experts(self, buffers: jax.Array) -> jax.Array:
         """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model] (in the
