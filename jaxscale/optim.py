@@ -18,11 +18,32 @@ _BFLOAT16_RESOLUTION = 2.0 ** -8
 
 
 def learning_rate_schedule(optim: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to `optim.lr`, then cosine decay to `lr * min_lr_ratio` at the end."""
-    warmup = min(optim.warmup_steps, total_steps - 1)
+    """The rate of step 0, 1, ..., total_steps - 1: linear warmup from 0 to `optim.lr` over the
+    first `warmup_steps` steps, then cosine decay that reaches `lr * min_lr_ratio` at the run's
+    last step, total_steps - 1 (when warmup leaves it no step to decay over, the last step gets
+    the peak)."""
+    last = total_steps - 1
+    warmup = min(optim.warmup_steps, last)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=optim.lr * optim.min_lr_ratio)
+        decay_steps=max(last, warmup + 1), end_value=optim.lr * optim.min_lr_ratio)
+
+
+def _is_schedule_state(x) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
+def schedule_at(opt_state, step: jax.Array):
+    """`opt_state` (of `make_optimizer`'s chain) with the schedule's count set to `step`, so the
+    next update applies `schedule(step)`.
+
+    The train step calls it with its own step, which every step advances, skipped ones included:
+    a skipped step drops one update but not the schedule's progress (optax's count would stop
+    with the other optimizer state), so the rate of step s is schedule(s) and the last step's is
+    the schedule's end whatever was skipped. Adam's own count still counts the updates applied,
+    as its bias correction needs."""
+    return jax.tree.map(lambda x: x._replace(count=step) if _is_schedule_state(x) else x,
+                        opt_state, is_leaf=_is_schedule_state)
 
 
 def decay_mask(logical_specs):

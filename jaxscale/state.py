@@ -19,7 +19,7 @@ from jaxscale.parallel.sharding import Rules, logical_to_mesh, split_further, tr
 
 
 class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer steps taken, skipped ones included
+    step: jax.Array  # int32 scalar: steps taken, skipped ones included; the schedule's position
     params: Any  # nested dict of float32 arrays (the master copy)
     opt_state: Any
     loss_scale: jax.Array  # float32 scalar; stays 1 unless compute is float16

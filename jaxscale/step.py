@@ -19,6 +19,7 @@ from flax import nnx
 from jaxscale.loss import summed_cross_entropy
 from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.moe import RouterStats
+from jaxscale.optim import schedule_at
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
 from jaxscale.state import TrainState, uses_dynamic_loss_scale
 
@@ -164,14 +165,16 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        # The rate is schedule(state.step), whatever optax's count says (see `schedule_at`).
+        opt_state = schedule_at(state.opt_state, state.step)
+        updates, new_opt_state = tx.update(grads, opt_state, state.params)
         if grad_shardings is not None:  # applied on the shard; the new parameters are gathered
             updates = jax.lax.with_sharding_constraint(updates, grad_shardings)
         new_params = optax.apply_updates(state.params, updates)
         # A non-finite step changes nothing but the counters: the update is dropped whole.
         keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         params = keep_new(new_params, state.params)
-        opt_state = keep_new(new_opt_state, state.opt_state)
+        opt_state = keep_new(new_opt_state, opt_state)
 
         loss_scale, good_steps = state.loss_scale, state.good_steps
         if dynamic_scale:
@@ -181,8 +184,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
                                    jnp.maximum(loss_scale / 2, 1.0))
             good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
 
+        # The rate this step's update applied: 0 when it was dropped.
         metrics = dict(loss=loss, grad_norm=grad_norm, tokens=tokens,
-                       lr=schedule(state.step),
+                       lr=jnp.where(finite, schedule(state.step), 0.0),
                        skipped=(~finite).astype(jnp.int32), **router)
         if dynamic_scale:
             metrics["loss_scale"] = loss_scale

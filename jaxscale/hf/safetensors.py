@@ -1,19 +1,27 @@
 """The safetensors format, read through numpy.memmap and written tensor by tensor.
 
-A file is an 8-byte little-endian header length, a JSON header ({name: {dtype, shape,
-data_offsets}}, plus optional "__metadata__") and the raw little-endian bytes of every tensor.
-Our own ~100 lines rather than the `safetensors` package: its numpy API has no bfloat16 (numpy has
-none; ml_dtypes, which JAX already needs, does), and a memmap slice reads only the bytes a
-device's shard needs.
+A file is an 8-byte little-endian header length N, N bytes of JSON header ({name: {dtype, shape,
+data_offsets}}, plus optional "__metadata__": {str: str}) and the data section: the raw
+little-endian bytes of every tensor, `data_offsets` [begin, end) counted from its start. As the
+format's specification requires, the tensors' ranges cover the data section exactly, without
+overlaps or holes, so no byte is read as two tensors (nor the header as weights).
+
+Our own reader rather than the `safetensors` package (0.8 checked): `safe_open(framework="numpy")`
+cannot return a bfloat16 tensor (numpy has no bfloat16; ml_dtypes, which JAX already needs, does),
+and its "flax" framework returns each slice as a JAX array on the default device, where
+`jax.make_array_from_callback` wants a host array per shard. A memmap slice reads only the bytes
+a device's shard needs, and `read_header` checks what the format's specification asks (as the
+package's own reader does), with messages naming the file, the tensor and the fix.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import struct
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -26,6 +34,7 @@ DTYPES = {
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
+_FIX = "re-download it or save it again with save_pretrained(safe_serialization=True)"
 
 
 class TensorInfo(NamedTuple):
@@ -35,37 +44,105 @@ class TensorInfo(NamedTuple):
     offset: int  # from the start of the file
 
 
-def read_header(path: str) -> dict[str, TensorInfo]:
-    """{tensor name: where and what it is}; JaxscaleError naming the file when it is not a
-    safetensors file (or holds a dtype jaxscale does not load)."""
+def _damaged(path: str, what: str) -> JaxscaleError:
+    return JaxscaleError(f"{path} is not a valid safetensors file: {what}; {_FIX}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a name given twice would let two readers see two different tensors."""
+    repeated = sorted(name for name, n in collections.Counter(k for k, _ in pairs).items()
+                      if n > 1)
+    if repeated:
+        raise ValueError(f"the header names {repeated[0]!r} twice")
+    return dict(pairs)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON's true would pass as 1
+
+
+def _read_json(path: str) -> tuple[dict, int, int]:
+    """(the header, where the data section starts, its size in bytes); JaxscaleError when the
+    file has no well-formed header that fits it."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _damaged(path, f"{size} bytes, fewer than the 8 of the header length")
+            (length,) = struct.unpack("<Q", prefix)
             if not 0 < length <= min(_MAX_HEADER, size - 8):
-                raise ValueError(f"header length {length} does not fit the file's {size} bytes")
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error) as e:
-        raise JaxscaleError(f"{path} is not a readable safetensors file ({e}); re-download it "
-                            "or save it again with save_pretrained(safe_serialization=True)"
+                raise _damaged(path, f"its header length {length} does not fit the file's {size} "
+                                     f"bytes (at most {min(_MAX_HEADER, size - 8)})")
+            text = f.read(length)
+    except OSError as e:
+        raise JaxscaleError(f"{path} cannot be read ({e}); check the file and its permissions"
                             ) from None
-    start = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise JaxscaleError(f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}; "
-                                f"jaxscale loads {sorted(DTYPES)}")
-        shape = tuple(entry["shape"])
-        begin, end = entry["data_offsets"]
-        if end - begin != math.prod(shape) * dtype.itemsize or start + end > size:
-            raise JaxscaleError(f"{path}: tensor {name!r} {list(shape)} does not fit its byte "
-                                f"range {begin}..{end} (file of {size} bytes); the file is "
-                                "truncated or damaged: re-download it")
-        tensors[name] = TensorInfo(path, dtype, shape, start + begin)
-    return tensors
+    try:
+        header = json.loads(text, object_pairs_hook=_unique_keys)
+    except ValueError as e:  # bad JSON, bad UTF-8 or a repeated name
+        raise _damaged(path, f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, f"its header is a JSON {type(header).__name__}, not an object")
+    metadata = header.get("__metadata__", {})
+    if not (isinstance(metadata, dict)
+            and all(isinstance(v, str) for v in metadata.values())):
+        raise _damaged(path, f"its __metadata__ {json.dumps(metadata)[:80]} is not an object of "
+                             "strings")
+    return header, 8 + length, size - 8 - length
+
+
+def _check_entry(path: str, name: str, entry: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry; JaxscaleError naming what is wrong."""
+    where = f"tensor {name!r}"
+    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
+        raise _damaged(path, f"{where} is {json.dumps(entry)[:80]}, not an object with dtype, "
+                             "shape and data_offsets")
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise JaxscaleError(f"{path}: {where} has dtype {entry['dtype']!r}; jaxscale loads "
+                            f"{sorted(DTYPES)}: save the weights in one of those")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)):
+        raise _damaged(path, f"{where} has shape {shape!r}, not a list of sizes >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and 0 <= offsets[0] <= offsets[1]):
+        raise _damaged(path, f"{where} has data_offsets {offsets!r}, not [begin, end] with "
+                             "0 <= begin <= end")
+    begin, end = offsets
+    needed = math.prod(shape) * dtype.itemsize
+    if end - begin != needed:
+        raise _damaged(path, f"{where} {entry['dtype']} {shape} needs {needed} bytes but its "
+                             f"data_offsets [{begin}, {end}] hold {end - begin}")
+    return dtype, tuple(shape), begin, end
+
+
+def read_header(path: str) -> dict[str, TensorInfo]:
+    """{tensor name: where and what it is}, from the header alone, once every tensor's range is
+    proven to lie in the data section, sized by its dtype and shape, the ranges tiling the section
+    without overlaps or holes. JaxscaleError naming the file (and the tensor) otherwise, or when a
+    tensor has a dtype jaxscale does not load."""
+    header, start, data_size = _read_json(path)
+    entries = {name: _check_entry(path, name, entry) for name, entry in header.items()
+               if name != "__metadata__"}
+    # Sorted by (begin, end): an empty tensor sorts before a tensor that starts where it does.
+    covered, previous = 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda e: e[1][2:]):
+        if begin < covered:
+            raise _damaged(path, f"tensor {name!r} at bytes [{begin}, {end}) overlaps tensor "
+                                 f"{previous!r}, which ends at {covered}")
+        if begin > covered:
+            raise _damaged(path, f"bytes [{covered}, {begin}) of the data section, before tensor "
+                                 f"{name!r}, belong to no tensor (the format allows no holes)")
+        if end > data_size:
+            raise _damaged(path, f"tensor {name!r} ends at byte {end} of a data section of "
+                                 f"{data_size} bytes (the file is truncated)")
+        covered, previous = end, name
+    if covered != data_size:
+        raise _damaged(path, f"its data section has {data_size} bytes but its tensors cover "
+                             f"{covered} (bytes after the last tensor belong to none)")
+    return {name: TensorInfo(path, dtype, shape, start + begin)
+            for name, (dtype, shape, begin, _) in entries.items()}
 
 
 def read_slice(info: TensorInfo, view: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:

@@ -87,16 +87,38 @@ def layout(cfg: LlamaConfig) -> list[Tensor]:
 
 # -- loading ---------------------------------------------------------------------------------
 
+def read_weight_map(index_file: str) -> dict[str, str]:
+    """The index's {tensor name: file name}; JaxscaleError when it is not an index whose file
+    names stay inside its folder.
+
+    Names are checked as written (relative, no `..` climbing out), not through symlinks: a
+    Hugging Face cache snapshot links every file to a blob outside the folder, and whoever can put
+    a symlink in the folder could as well put its bytes there."""
+    try:
+        with open(index_file, encoding="utf-8") as f:
+            index = json.load(f)
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise JaxscaleError(f"{index_file} is not a safetensors index (not JSON: {e}); "
+                            "re-download it") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(file, str) for file in weight_map.values())):
+        raise JaxscaleError(f"{index_file} is not a safetensors index: it needs a weight_map "
+                            "object of {tensor name: file name}; re-download it")
+    for name, file in weight_map.items():
+        normal = os.path.normpath(file)
+        if os.path.isabs(file) or normal == os.pardir or normal.startswith(os.pardir + os.sep):
+            raise JaxscaleError(f"{index_file} puts tensor {name!r} in {file!r}, outside its "
+                                "folder; an index names files inside its own folder: "
+                                "re-download it")
+    return weight_map
+
+
 def tensor_index(path: str) -> dict[str, safetensors.TensorInfo]:
     """Every tensor in the folder's safetensors file(s), from their headers only."""
     index_file = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_file):
-        try:
-            with open(index_file, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise JaxscaleError(f"{index_file} is not a safetensors index ({type(e).__name__}: "
-                                f"{e}); re-download it") from None
+        weight_map = read_weight_map(index_file)
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
         weight_map, files = None, [SINGLE_FILE]
@@ -109,12 +131,18 @@ def tensor_index(path: str) -> dict[str, safetensors.TensorInfo]:
         if not os.path.isfile(file):
             raise JaxscaleError(f"{index_file} names the shard {name!r}, which is missing from "
                                 f"{path!r}; download every shard the index lists")
-        tensors.update(safetensors.read_header(file))
+        for tensor, info in safetensors.read_header(file).items():
+            if tensor in tensors:  # which one is meant? transformers takes either
+                raise JaxscaleError(f"tensor {tensor!r} is in both {tensors[tensor].path} and "
+                                    f"{file}; a folder holds each tensor once: re-download it")
+            tensors[tensor] = info
     if weight_map is not None:
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise JaxscaleError(f"{index_file} puts {missing[0]!r} in {weight_map[missing[0]]!r}, "
-                                "which does not hold it; re-download that shard")
+        misplaced = sorted(t for t, name in weight_map.items()
+                           if t not in tensors or tensors[t].path != os.path.join(path, name))
+        if misplaced:
+            raise JaxscaleError(f"{index_file} puts {misplaced[0]!r} in "
+                                f"{weight_map[misplaced[0]]!r}, which does not hold it; "
+                                "re-download that shard")
     return tensors
 
 
