@@ -80,7 +80,7 @@ class StepWindow:
         # Productive seconds of earlier processes of this run (from the checkpoint) and of the
         # windows this process has closed.
         self.productive = productive_seconds
-        self.tokens = 0.0  # loss-bearing tokens of the steps summarised so far, this start
+        self.tokens = 0.0  # loss-bearing tokens of the applied steps summarised so far, this start
         self.first_line = first_line  # reported on the first log line, with time_to_first_step
 
     @contextlib.contextmanager
@@ -132,14 +132,16 @@ class StepWindow:
                 summary[k] = mean.tolist() if mean.ndim else float(mean)
         summary["lr"] = float(fetched[-1]["lr"])
         summary["skipped_steps"] = int(sum(m["skipped"] for m in fetched))
-        self.tokens += float(sum(m["tokens"] for m in fetched))
+        # Tokens count where the model learnt from them: a skipped step's update was dropped.
+        self.tokens += float(sum(m["tokens"] for m in fetched if not m["skipped"]))
         if "loss_scale" in fetched[-1]:
             summary["loss_scale"] = float(fetched[-1]["loss_scale"])
         now = time.perf_counter()
         if self.timed_steps:
             seconds = now - self.start
             # The timed steps are the window's last ones (a run's first step is timed apart).
-            tokens = float(sum(m["tokens"] for m in fetched[-self.timed_steps:]))
+            tokens = float(sum(m["tokens"] for m in fetched[-self.timed_steps:]
+                               if not m["skipped"]))
             summary.update(throughput(steps=self.timed_steps, seconds=seconds, tokens=tokens,
                                       **dataclasses.asdict(self.speed)))
             summary["data_wait_fraction"] = self.data_wait / seconds

@@ -237,3 +237,10 @@ def test_throughput_counts_the_loss_bearing_tokens_of_the_timed_steps_not_the_pa
     assert summary["tflops_per_device"] * 1e12 == pytest.approx(
         summary["tokens_per_sec"] / 2 * 6.0)
     assert window.tokens == 100.0
+    # A skipped step (its update dropped; a poisoned loss mask makes its count NaN) adds nothing.
+    for tokens, skipped in ((50.0, 0), (float("nan"), 1)):
+        window.add(dict(loss=np.float32(1.0), grad_norm=np.float32(1.0), lr=np.float32(0.1),
+                        skipped=np.int32(skipped), tokens=np.float32(tokens)))
+    summary = window.summary()
+    assert summary["tokens_per_sec"] * summary["step_time"] == pytest.approx(25.0)
+    assert window.tokens == 150.0
