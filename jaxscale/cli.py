@@ -4,13 +4,16 @@ config (`jaxscale.train`, `jaxscale.data.prepare`, the launchers' pre-checks).
     config, values = parse_config_flags(sys.argv, prog="python -m jaxscale.train", about=__doc__,
                                         options=[Option("workdir", "runs/default", "Folder ...")])
 
-A mistake the user can fix (a bad flag, a config file that does not load, a bad override) ends the
-process with one `error: <what, the bad value, the fix>` line and exit status 2, before JAX is
-imported or anything is written. `--help` prints every flag with a sentence and exits 0.
+A mistake the user can fix (a bad flag, a config file that does not load, a bad override, a key
+or number not of the schema) ends the process with one `error: <what, the bad value, the fix>`
+line and exit status 2, before JAX is imported or anything is written. `--help` prints every flag
+with a sentence and exits 0. The argparse entry points type their flags with `number_flag` and
+`folder_flag`, so that their numbers and folders are checked the same way.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import os
@@ -22,6 +25,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from jaxscale.config import Number, check_schema
 from jaxscale.errors import USAGE_EXIT_CODE, ConfigError, JaxscaleError
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,11 +42,39 @@ def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A plain flag next to --config: `--NAME=VALUE`, a string (or an int when `default` is)."""
+    """A plain flag next to --config: `--NAME=VALUE`, a string (or an int when `default` is, of
+    `kind` when given)."""
     name: str
     default: str | int | None
     help: str
     metavar: str = "VALUE"
+    kind: Number | None = None
+
+
+def number_flag(kind: Number):
+    """An argparse `type`: the flag's text as a number of `kind` (jaxscale.config.Number), or
+    argparse's error naming the value and what the flag takes."""
+    def parse(text: str):
+        try:
+            value = int(text) if kind.whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if kind.whole else 'a number'}; pass one "
+                f"{kind.allowed()}") from None
+        problem = kind.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text} {problem}")
+        return value
+    return parse
+
+
+def folder_flag(text: str) -> str:
+    """An argparse `type`: a folder that exists (a run's workdir, a model folder)."""
+    if os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; this flag takes a folder")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"folder {text!r} does not exist; check the path")
+    return text
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
@@ -53,13 +85,22 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     path, arg = spec, None
     if not os.path.isfile(spec) and ":" in spec:
         path, arg = spec.split(":", 1)
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".py"))
+        holds = f" (it holds {', '.join(found[:4])}{', ...' if found[4:] else ''})" if found else ""
+        raise ConfigError(f"config file {path!r} is a folder; pass a Python file with "
+                          f"get_config(), e.g. --config={os.path.join(path, 'NAME.py')}{holds}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist; pass --config=configs/NAME.py "
                           "(a Python file with get_config())")
-    spec = importlib.util.spec_from_file_location("jaxscale_user_config", path)
-    module = importlib.util.module_from_spec(spec)
+    if not path.endswith(".py"):
+        raise ConfigError(f"config file {path!r} is not a Python file (.py); --config takes a "
+                          "Python file whose get_config() returns the config (JSON and YAML "
+                          "are not read), e.g. --config=configs/tiny.py")
+    module_spec = importlib.util.spec_from_file_location("jaxscale_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
     try:
-        spec.loader.exec_module(module)
+        module_spec.loader.exec_module(module)
     except SyntaxError as e:
         raise ConfigError(f"config file {path!r} line {e.lineno}: syntax error ({e.msg}); fix "
                           "the Python in that line") from None
@@ -194,4 +235,13 @@ def parse_config_flags(argv: list[str], *, prog: str, about: str, options: list[
     if len(rest) > 1:
         fail(f"unexpected arguments {rest[1:]}; flags look like --config.KEY=VALUE"
              + "".join(f" --{o.name}={o.metavar}" for o in options))
-    return config, {name: holder.value for name, holder in holders.items()}
+    values = {name: holder.value for name, holder in holders.items()}
+    for o in options:
+        problem = o.kind and o.kind.problem(values[o.name])
+        if problem:
+            fail(f"--{o.name}={values[o.name]} {problem}")
+    try:
+        check_schema(config)
+    except ConfigError as e:
+        fail(str(e))
+    return config, values

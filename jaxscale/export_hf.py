@@ -14,10 +14,11 @@ import os
 import shutil
 import sys
 
-from jaxscale.cli import fail
+from jaxscale.cli import fail, folder_flag, number_flag
+from jaxscale.config import whole
 from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError
-from jaxscale.launch.cli import ArgumentParser, nonnegative
+from jaxscale.launch.cli import ArgumentParser
 from jaxscale.workdir import check_writable, read_config
 
 DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX
@@ -27,11 +28,11 @@ def make_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m jaxscale.export_hf",
                             description="Export a run's parameters as a Hugging Face Llama "
                                         "folder.")
-    parser.add_argument("--workdir", required=True, help="The run's workdir (its config.json "
-                        "and checkpoints).")
+    parser.add_argument("--workdir", required=True, type=folder_flag,
+                        help="The run's workdir (its config.json and checkpoints).")
     parser.add_argument("--out", required=True, help="The folder to write; it must not exist "
                         "or be empty.")
-    parser.add_argument("--step", type=nonnegative, default=None,
+    parser.add_argument("--step", type=number_flag(whole("[0, inf)")), default=None,
                         help="The checkpoint's step (default: the newest).")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="The files' dtype (default bfloat16, as Llama ships; float32 "

@@ -13,35 +13,20 @@ tokenizer's EOS when the run framed documents with one. A mistake the user can f
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
-from jaxscale.cli import fail
+from jaxscale.cli import fail, folder_flag, number_flag
+from jaxscale.config import NUMBERS, real, whole
 from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.launch.cli import ArgumentParser, nonnegative, nonnegative_float, positive
+from jaxscale.launch.cli import ArgumentParser
 
 PROG = "python -m jaxscale.sample"
-
-
-def top_p_value(text: str) -> float:
-    """argparse type: a probability mass in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass one in (0, 1]") from None
-    if not 0 < value <= 1:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]; 1 keeps every token")
-    return value
-
-
-def finite_temperature(text: str) -> float:
-    """argparse type: a temperature >= 0 (0: greedy), not infinite."""
-    value = nonnegative_float(text)
-    if math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text} must be finite; 0 is greedy, 1 the model's own "
-                                         "distribution")
-    return value
+# The kinds of the numeric flags (jaxscale.config.Number), as the config's keys have theirs.
+MAX_NEW_TOKENS = whole("[1, inf)")
+TEMPERATURE = real("[0, inf)", {0: "greedy", 1: "the model's own distribution"})
+TOP_P = real("(0, 1]", {1: "keeps every token"})
+SEED = NUMBERS["train.seed"]  # the same seeds as training's
 
 
 def make_parser() -> ArgumentParser:
@@ -49,20 +34,20 @@ def make_parser() -> ArgumentParser:
                             epilog=f"example: {PROG} --workdir=runs/default "
                                    "--prompt='def fib(n):' --temperature=0.7")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workdir", metavar="DIR",
+    source.add_argument("--workdir", metavar="DIR", type=folder_flag,
                         help="A run's workdir: its config.json and newest checkpoint.")
-    source.add_argument("--hf", metavar="FOLDER",
+    source.add_argument("--hf", metavar="FOLDER", type=folder_flag,
                         help="A Hugging Face Llama folder (config.json, safetensors, "
                              "tokenizer.json).")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="The text to continue.")
-    parser.add_argument("--max_new_tokens", type=positive, default=100, metavar="N",
-                        help="How many tokens to generate (default 100).")
-    parser.add_argument("--temperature", type=finite_temperature, default=0.8, metavar="T",
+    parser.add_argument("--max_new_tokens", type=number_flag(MAX_NEW_TOKENS), default=100,
+                        metavar="N", help="How many tokens to generate (default 100).")
+    parser.add_argument("--temperature", type=number_flag(TEMPERATURE), default=0.8, metavar="T",
                         help="Softmax temperature; 0 is greedy (default 0.8).")
-    parser.add_argument("--top_p", type=top_p_value, default=0.95, metavar="P",
+    parser.add_argument("--top_p", type=number_flag(TOP_P), default=0.95, metavar="P",
                         help="Nucleus sampling: sample among the most likely tokens that together "
                              "have this probability; 1 keeps all (default 0.95).")
-    parser.add_argument("--seed", type=nonnegative, default=0, metavar="S",
+    parser.add_argument("--seed", type=number_flag(SEED), default=0, metavar="S",
                         help="Random seed: the same seed gives the same text (default 0).")
     return parser
 

@@ -7,7 +7,9 @@ with a checkpoint) stays byte-for-byte as it was.
 Each case runs in a folder of its own, which holds its input files, an empty `fresh/` workdir and
 a copy of a real run's workdir, `existing/`; after the run the whole folder must be unchanged
 (every file's relative path, size and sha256, every folder; Python's own `__pycache__` aside).
-Cases whose `workdirs` are ("fresh", "existing") run once against each.
+Cases whose `workdirs` are ("fresh", "existing") run once against each. Besides the examples, every
+path an entry point takes is given each wrong input of its kind (PATH_KINDS: a folder where a
+file belongs, a file where a folder belongs, a file of another format, a missing one).
 
 The entry points run in this process (`module.main(...)`, as their `__main__` block calls it,
 with `SystemExit` caught and stderr read with capfd); the cases marked `cli` run as real
@@ -141,7 +143,6 @@ CASES = [
     train("a word where a boolean belongs is named", "--config.checkpoint.enabled=maybe",
           names=["maybe"]),
     train("an unexpected positional argument is named", "extra", names=["extra"]),
-    train("a missing config file is named", "--config=nope.py", names=["nope.py"]),
     train("mesh sizes that do not multiply to the device count are refused",
           "--config.mesh.data=3", names=["mesh", "3"]),
     train("two mesh axes of -1 are refused", "--config.mesh.fsdp=-1", names=["fsdp", "-1"]),
@@ -261,9 +262,6 @@ CASES = [
     train("an unknown key set in a config file is named", "--config=newkey.py",
           files={"newkey.py": config_file("c.train.stepz = 3")}, names=["stepz"]),
     # --- data sources and tokenizers ------------------------------------------------------------
-    train("a missing data path is named", "--config=c.py",
-          files={"c.py": sources_file("dict(format='jsonl', path='missing.jsonl')")},
-          names=["missing.jsonl"]),
     train("an empty data folder is named", "--config=c.py",
           files={"c.py": sources_file("dict(format='text', path='corpus')"), "corpus": None},
           names=["corpus"]),
@@ -293,10 +291,6 @@ CASES = [
           "--config.data.sources=jsonl", names=["jsonl"]),
     train("an unknown format in command-line sources is named",
           "--config.data.sources=(dict(format='csv', path='a.csv'),)", names=["csv"]),
-    train("a missing tokenizer file is named", "--config.data.tokenizer=tok/missing.model",
-          names=["tok/missing.model"]),
-    train("a tokenizer file of an unknown kind is named", "--config.data.tokenizer=vocab.bin",
-          files={"vocab.bin": b"\x00\x01\x02"}, names=["vocab.bin"]),
     train("a garbage tokenizer.json is named", "--config.data.tokenizer=tok/tokenizer.json",
           files={"tok/tokenizer.json": "<html>not json</html>\n"}, names=["tok/tokenizer.json"]),
     train("a tokenizer.json that is JSON but no tokenizer is named",
@@ -315,10 +309,6 @@ CASES = [
                  "docs.jsonl": GOOD_JSONL, "eval.jsonl": ""},
           names=["eval.jsonl"]),
     # --- checkpoints ----------------------------------------------------------------------------
-    train("restoring from a missing path is refused",
-          "--config.checkpoint.restore_from={tmp}/nowhere", names=["nowhere"], workdirs=FRESH),
-    train("restoring from a file is refused", "--config.checkpoint.restore_from=notes.txt",
-          files=NOTES, names=["notes.txt"], workdirs=FRESH),
     train("restoring from a folder without a checkpoint is refused",
           "--config.checkpoint.restore_from=notckpt", files={"notckpt/readme.txt": "hello\n"},
           names=["notckpt"], workdirs=FRESH),
@@ -337,15 +327,12 @@ CASES = [
           names=[D_MODEL_32], workdirs=EXISTING),
     train("resuming a workdir with another batch size names it", "--config.train.batch_size=16",
           names=["batch_size", "16"], workdirs=EXISTING),
-    train("a checkpoint dir under a file is named", "--config.checkpoint.dir=notes.txt/ckpt",
-          files=NOTES, names=["notes.txt"]),
-    train("a compilation cache dir under a file is named",
-          "--config.checkpoint.compilation_cache=True",
-          "--config.checkpoint.compilation_cache_dir=notes.txt/cache", files=NOTES,
-          names=["notes.txt"], workdirs=FRESH),
     # --- Hugging Face folders ----------------------------------------------------------------
     train("configs/hf.py without a folder names the FILE:ARG form",
           f"--config={REPO}/configs/hf.py", names=["configs/hf.py:/path/to/model"], workdirs=FRESH),
+    train("configs/hf.py given a file for its folder names the flag as given",
+          f"--config={REPO}/configs/hf.py:notes.txt", files=NOTES,
+          names=["configs/hf.py:notes.txt"], workdirs=FRESH),
     train("an unknown RoPE scaling type is named", "--config.model.rope_scaling.type=yarn",
           names=["rope_scaling.type", "yarn"], workdirs=FRESH),
     train("RoPE frequency factors out of order are refused",
@@ -366,10 +353,6 @@ CASES = [
     # --- workdirs -------------------------------------------------------------------------------
     train("a URL workdir is refused", "--workdir=gs://bucket/run", names=["gs://bucket/run"],
           workdirs=()),
-    train("a workdir under a file is named", "--workdir=notes.txt/run", files=NOTES,
-          names=["notes.txt"], workdirs=()),
-    train("a workdir that is a file is named", "--workdir=notes.txt", files=NOTES,
-          names=["notes.txt"], workdirs=()),
     train("an empty workdir flag is refused", "--workdir=", names=["workdir"], workdirs=()),
     # --- jaxscale.launch.local ------------------------------------------------------------------
     launcher(LOCAL, "launch.local refuses zero processes", "--processes=0", "--",
@@ -433,8 +416,6 @@ CASES = [
              "pass", names=["restarts"]),
     # --- jaxscale.data.prepare ------------------------------------------------------------------
     launcher(PREPARE, "prepare needs --out", "--config={cfg}", names=["--out"]),
-    launcher(PREPARE, "prepare names an out that is a file", "--config={cfg}", "--out=notes.txt",
-             files=NOTES, names=["notes.txt"]),
     launcher(PREPARE, "prepare refuses zero workers", "--config={cfg}", "--out=tokens",
              "--workers=0", names=["workers", "0"]),
     launcher(PREPARE, "prepare names an unknown flag", "--config={cfg}", "--outt=tokens",
@@ -472,7 +453,7 @@ CASES = [
              names=["--workdir", "--hf"]),
     launcher(SAMPLE, "sample refuses both a workdir and a Hugging Face folder",
              "--workdir={workdir}", "--hf=model", "--prompt=def", names=["--hf", "--workdir"],
-             workdirs=EXISTING),
+             files={"model": None}, workdirs=EXISTING),
     launcher(SAMPLE, "sample names a workdir that is no run", "--workdir=notrun", "--prompt=def",
              files={"notrun/notes.txt": "hello\n"}, names=["notrun", "config.json"]),
     launcher(SAMPLE, "sample names a workdir without a checkpoint", "--workdir=started",
@@ -517,6 +498,61 @@ CASES = [
              "--processes=2", "--config.train.steps=3", names=["--config.train.steps=3", " -- "],
              cli=True),
 ]
+
+
+# --- every path by its kind -----------------------------------------------------------------------
+# Each path an entry point takes (a flag, or a config key that names a file or folder) has a kind,
+# and each kind its wrong inputs: (what it is, the path given, the files that make it so). Every
+# path is given every wrong input of its kind; the error line must name the path given.
+PLAN = "jaxscale.plan.__main__"  # a package: its command line is in __main__
+NOT_TEXT = HF_TIED["model/model.safetensors"]  # binary: no format that reads text reads it
+PATH_KINDS = {
+    "config file": [
+        ("a folder", "cfgs", {"cfgs/small.py": config_file()}),
+        ("a JSON file", "c.json", {"c.json": '{"train": {"steps": 4}}\n'}),
+        ("a YAML file", "c.yaml", {"c.yaml": "train:\n  steps: 4\n"}),
+        ("Python in a .txt file", "c.txt", {"c.txt": config_file()}),
+        ("a missing file", "nope.py", {}),
+    ],
+    "folder to write": [("a file", "notes.txt", NOTES),
+                        ("a folder under a file", "notes.txt/sub", NOTES)],
+    "folder to read": [("a file", "notes.txt", NOTES), ("a missing folder", "nowhere", {})],
+    "tokenizer file": [("a folder", "tok", {"tok/tokenizer.json": HF_TIED["model/tokenizer.json"]}),
+                       ("a missing file", "tok/missing.model", {}),
+                       ("a file of another format", "vocab.bin", {"vocab.bin": b"\x00\x01\x02"})],
+    **{f"{kind} data file": [
+        ("a folder", "docs", {"docs/docs.jsonl": GOOD_JSONL}),
+        ("a missing file", "missing.jsonl", {}),
+        ("a file of another format", *(("docs.bin", {"docs.bin": NOT_TEXT}) if kind == "jsonl"
+                                       else ("docs.jsonl", {"docs.jsonl": GOOD_JSONL}))),
+    ] for kind in ("jsonl", "parquet", "array_record", "tokens")},
+}
+# (entry point, the path's argument with {path}, its kind, the other arguments, workdirs)
+TRAIN_ARGS = ("--config={cfg}", "--workdir={workdir}")
+PATHS = [
+    ("jaxscale.train", "--config={path}", "config file", ("--workdir={workdir}",), BOTH),
+    (PREPARE, "--config={path}", "config file", ("--out=tokens",), ()),
+    (PLAN, "--config={path}", "config file", (), ()),
+    ("jaxscale.train", "--workdir={path}", "folder to write", ("--config={cfg}",), ()),
+    ("jaxscale.train", "--config.checkpoint.dir={path}", "folder to write", TRAIN_ARGS, BOTH),
+    ("jaxscale.train", "--config.checkpoint.compilation_cache_dir={path}", "folder to write",
+     (*TRAIN_ARGS, "--config.checkpoint.compilation_cache=True"), FRESH),
+    (PREPARE, "--out={path}", "folder to write", ("--config={cfg}",), ()),
+    (EXPORT, "--out={path}", "folder to write", ("--workdir={workdir}",), EXISTING),
+    (SAMPLE, "--workdir={path}", "folder to read", ("--prompt=def",), ()),
+    (SAMPLE, "--hf={path}", "folder to read", ("--prompt=def",), ()),
+    (EXPORT, "--workdir={path}", "folder to read", ("--out=exported",), ()),
+    ("jaxscale.train", "--config.checkpoint.restore_from={path}", "folder to read", TRAIN_ARGS,
+     FRESH),
+    ("jaxscale.train", "--config.data.tokenizer={path}", "tokenizer file", TRAIN_ARGS, FRESH),
+    *[("jaxscale.train", f"--config.data.sources=(dict(format='{kind}', path='{{path}}'),)",
+       f"{kind} data file", TRAIN_ARGS, FRESH)
+      for kind in ("jsonl", "parquet", "array_record", "tokens")],
+]
+CASES += [Case(f"{module} {argument.split('=')[0]} ({kind}) given {what}", module,
+               (argument.replace("{path}", path), *others), (path,), files, workdirs)
+          for module, argument, kind, others, workdirs in PATHS
+          for what, path, files in PATH_KINDS[kind]]
 
 
 # --- the existing workdir ----------------------------------------------------------------------
@@ -716,6 +752,7 @@ def test_a_bad_input_is_one_error_line_and_writes_nothing(case, tmp_path, capfd,
 def test_the_table_covers_every_entry_point_and_enough_cases():
     assert len({c.id for c in CASES}) == len(CASES) >= 45
     assert {c.module for c in CASES} == {"jaxscale.train", LOCAL, FIT, GKE, CHECK, SUPERVISE,
-                                         PREPARE, EXPORT, SAMPLE}
+                                         PREPARE, EXPORT, SAMPLE, PLAN}
+    assert {kind for _, _, kind, _, _ in PATHS} == set(PATH_KINDS)
     assert any(c.cli for c in CASES)
     assert {"fresh", "existing"} <= {kind for c in CASES for kind in c.workdirs}

@@ -15,6 +15,7 @@ import sys
 import time
 
 from jaxscale.cli import Option, fail, parse_config_flags
+from jaxscale.config import whole
 from jaxscale.errors import JaxscaleError
 from jaxscale.progress import StatusLine
 
@@ -186,11 +187,10 @@ def main(argv: list[str]) -> None:
         argv, prog="python -m jaxscale.data.prepare", about=__doc__,
         config_help="the config whose data.sources and data.tokenizer to prepare",
         options=[Option("out", "", "folder for the token files (required)", "DIR"),
-                 Option("workers", os.cpu_count() or 1, "processes tokenizing in parallel", "N")])
+                 Option("workers", os.cpu_count() or 1, "processes tokenizing in parallel", "N",
+                        kind=whole("[1, inf)"))])
     if not values["out"]:
         fail("--out=DIR is required: the folder to write the token files to")
-    if values["workers"] < 1:
-        fail(f"--workers={values['workers']} must be >= 1")
     try:
         prepared = prepare(config, values["out"], values["workers"])
     except JaxscaleError as e:

@@ -20,14 +20,31 @@ import re
 import sys
 
 from jaxscale.cli import Option, fail, parse_config_flags
+from jaxscale.config import real, whole
 
 OPTIONS = [
     Option("target", "local", "what to plan for: local, cpu:8, v5p-64, v5e-16, v5p:2x2x1, h100:16, "
            "h100:2x8", "TARGET"),
-    Option("top", 3, "how many candidates to compile (more when none of them fits)", "K"),
+    Option("top", 3, "how many candidates to compile (more when none of them fits)", "K",
+           kind=whole("[1, inf)")),
     Option("hbm_gib", "", "memory per device to plan for, in GiB (default: the chip's; CPUs "
            "have none unless given)", "GIB"),
 ]
+HBM_GIB = real("(0, inf)")  # --hbm_gib, once read as a number ("" leaves it to the chip)
+
+
+def _hbm_gib(text: str) -> float | None:
+    """--hbm_gib as GiB, None when not given; exits with `error:` when it is no size."""
+    if not text:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        fail(f"--hbm_gib={text!r} is not a number of GiB, e.g. --hbm_gib=16")
+    problem = HBM_GIB.problem(gib)
+    if problem:
+        fail(f"--hbm_gib={text} {problem}")
+    return gib
 
 
 def _prepare_jax(argv: list[str]) -> None:
@@ -48,6 +65,7 @@ def main(argv: list[str]) -> None:
     argv = [a for a in argv if a != "--json"]
     config, options = parse_config_flags(argv, prog="python -m jaxscale.plan", about=__doc__,
                                          options=OPTIONS)
+    gib = _hbm_gib(options["hbm_gib"])
     _prepare_jax(argv)
     import json  # noqa: PLC0415 - after the flags: --help and flag errors stay fast
 
@@ -57,17 +75,10 @@ def main(argv: list[str]) -> None:
     from jaxscale.plan.planner import make_plan
     from jaxscale.plan.targets import parse_target
 
-    if options["top"] < 1:
-        fail(f"--top={options['top']} must be >= 1")
-    try:
-        capacity = int(float(options["hbm_gib"]) * GIB) if options["hbm_gib"] else None
-    except ValueError:
-        fail(f"--hbm_gib={options['hbm_gib']!r} is not a number of GiB, e.g. --hbm_gib=16")
-    if capacity is not None and capacity <= 0:
-        fail(f"--hbm_gib={options['hbm_gib']} must be > 0")
     try:
         target = parse_target(options["target"])
-        plan = make_plan(config, target, top=options["top"], capacity=capacity,
+        plan = make_plan(config, target, top=options["top"],
+                         capacity=None if gib is None else int(gib * GIB),
                          log=lambda line: print(line, file=sys.stderr, flush=True))
     except JaxscaleError as e:
         fail(str(e))
