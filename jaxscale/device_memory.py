@@ -8,8 +8,6 @@ it is the one that runs out first.
 
 from __future__ import annotations
 
-import math
-
 from jaxscale.errors import ConfigError
 from jaxscale.plan.compiled import GIB, StepMemory
 
@@ -31,12 +29,6 @@ def memory_metrics(devices) -> dict[str, float]:
         if values:
             metrics[name] = max(values) / GIB
     return metrics
-
-
-def check_device_memory_gib(gib: float) -> None:
-    if not 0 <= gib < math.inf:
-        raise ConfigError(f"performance.device_memory_gib={gib!r} must be a number of GiB >= 0 "
-                          "(0: the capacity the device's backend reports; CPUs report none)")
 
 
 def device_capacity(devices, gib: float) -> tuple[int, str] | None:

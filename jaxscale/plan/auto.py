@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from jaxscale.device_memory import check_device_memory_gib, device_capacity
+from jaxscale.config import check_schema
+from jaxscale.device_memory import device_capacity
 from jaxscale.errors import ConfigError
 from jaxscale.plan import report
 from jaxscale.plan.chips import GIB
@@ -30,14 +31,8 @@ def planned_config(config: ml_collections.ConfigDict, devices
         if jax.process_index() == 0:
             print(line, flush=True)
 
+    check_schema(config)  # the numbers read below, before the planner's validate reads them
     gib, trials = config.mesh.auto_memory_gib, config.mesh.auto_trials
-    if gib < 0:
-        raise ConfigError(f"mesh.auto_memory_gib={gib} must be >= 0 (0: the capacity the run's "
-                          "memory check uses)")
-    if trials < 1:
-        raise ConfigError(f"mesh.auto_trials={trials} must be >= 1 (1: train with the planner's "
-                          "first choice, untimed)")
-    check_device_memory_gib(config.performance.device_memory_gib)
     # Without mesh.auto_memory_gib, plan for the capacity the run's memory check will hold the
     # step to (performance.device_memory_gib, else the allocator's limit), else the chip's.
     local = [d for d in devices if d.process_index == jax.process_index()]
