@@ -210,8 +210,12 @@ def test_bad_parquet_fails_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(sources=(dict(format="stdlib", weight=-1),)), "weight=-1 must be a number > 0"),
-    (dict(sources=(dict(format="stdlib", weight=0),)), "weight=0 must be a number > 0"),
+    (dict(sources=(dict(format="stdlib", weight=-1),)), "weight=-1 must be > 0"),
+    (dict(sources=(dict(format="stdlib", weight=0),)), "weight=0 must be > 0"),
+    (dict(sources=(dict(format="stdlib", weight=float("inf")),)),
+     "weight=inf must be a finite number > 0"),
+    (dict(sources=(dict(format="stdlib", eval_fraction=float("nan")),)),
+     "eval_fraction=nan must be a finite number in (0, 1)"),
     (dict(sources=()), "non-empty tuple"),
     (dict(sources=(dict(format="csv", path="x"),)), "format='csv' is unknown"),
     (dict(sources=(dict(format="jsonl"),)), "needs 'path'"),

@@ -22,6 +22,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from jaxscale.config import real
 from jaxscale.data import formats, token_files
 from jaxscale.errors import ConfigError, JaxscaleError
 
@@ -170,15 +171,12 @@ def _source_spec(i: int, entry) -> dict:
     for key, default in allowed.items():
         if default is None and not spec[key]:
             raise ConfigError(f"{where} ({kind}) needs {key!r}: a file path or glob")
-    weight = spec["weight"]
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise ConfigError(f"{where}.weight={weight!r} must be a number > 0 (weights are relative "
-                          "shares of documents)")
-    fraction = spec["eval_fraction"]
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-            or not 0 < fraction < 1:
-        raise ConfigError(f"{where}.eval_fraction={fraction!r} must be a number in (0, 1): the "
-                          "share of its documents held out for eval")
+    for key, number, meaning in (("weight", real("(0, inf)"), "weights are relative shares of "
+                                  "documents"),
+                                 ("eval_fraction", real("(0, 1)"), "the share of its documents "
+                                  "held out for eval")):
+        if problem := number.problem(spec[key]):
+            raise ConfigError(f"{where}.{key}={spec[key]!r} {problem} ({meaning})")
     for key in ("path", "eval_path", "text_field", "document"):
         if key in spec and not isinstance(spec[key], str):
             raise ConfigError(f"{where}.{key}={spec[key]!r} must be a string")

@@ -8,8 +8,8 @@ import argparse
 import signal
 import sys
 
-from jaxscale.cli import fail, parse_train_flags
-from jaxscale.config import validate
+from jaxscale.cli import fail, number_flag, parse_train_flags
+from jaxscale.config import real, validate, whole
 from jaxscale.errors import JaxscaleError
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -43,31 +43,11 @@ class StopRequest:
         return wanted
 
 
-def _number(text: str, kind: type, lowest: float):
-    try:
-        value = kind(text)
-    except ValueError:
-        what = "a whole number" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}; pass one >= {lowest:g}"
-                                         ) from None
-    if not value >= lowest:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} must be >= {lowest:g}")
-    return value
-
-
-def positive(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    return _number(text, int, 1)
-
-
-def nonnegative(text: str) -> int:
-    """argparse type: a whole number >= 0."""
-    return _number(text, int, 0)
-
-
-def nonnegative_float(text: str) -> float:
-    """argparse type: a number of seconds (or other amount) >= 0."""
-    return _number(text, float, 0)
+# argparse types of the launchers' number flags: the same kinds, and messages, as the config's
+# numbers (a NaN or an infinite wait is refused like a negative one).
+positive = number_flag(whole("[1, inf)"))
+nonnegative = number_flag(whole("[0, inf)"))
+nonnegative_float = number_flag(real("[0, inf)"))
 
 
 def parse_launcher_args(parser: argparse.ArgumentParser, argv: list[str], passed_to: str):
