@@ -9,8 +9,9 @@
     130  INTERRUPTED_EXIT_CODE: Ctrl-C after saving; not restarted
     anything else: a crash (a bug); restarted within a crash budget
 
-Preemptions and transient failures do not use up the crash budget of `supervise`, the JobSet's
-`podFailurePolicy` or the Slurm script. The CLI prints a user error or a transient failure as one
+Preemptions and transient failures never use up a crash budget: `supervise`, `launch.local`,
+the JobSet's `podFailurePolicy` and the Slurm script act on these statuses alike (the table in
+docs/launch.md). The CLI prints a user error or a transient failure as one
 `error: ...` line.
 """
 
@@ -61,6 +62,13 @@ def interrupted(status: int) -> bool:
     """Whether a child's `Popen.returncode` means it stopped for a Ctrl-C: it exited 130, or it was
     killed by SIGINT (a program that does not catch it)."""
     return status in (INTERRUPTED_EXIT_CODE, -signal.SIGINT)
+
+
+def is_crash(status: int) -> bool:
+    """Whether a child's `Popen.returncode` is a crash, the only kind of ending that uses up a
+    crash budget: anything but 0, 2, 42, 75 and an interrupt, signals included."""
+    return (status not in (0, USAGE_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE)
+            and not interrupted(status))
 
 
 def shell_exit_status(status: int) -> int:

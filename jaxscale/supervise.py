@@ -2,16 +2,24 @@
 
 Restarts a run on one machine until it finishes. The command's exit status decides:
 
-    0                       finished                       exit 0
-    2 (USAGE_EXIT_CODE)     a mistake to fix (config,      exit 2: a restart would fail the
-                            too many bad steps)            same way
-    130 (Ctrl-C)            interrupted, checkpoint saved  exit 130: the user asked it to stop
-    42 (RESTART_EXIT_CODE)  preempted, checkpoint saved    restart at once
-    anything else, signals  crashed or killed              restart after a backoff that
-                                                           doubles with each crash in a row
+    0                         finished                      exit 0
+    2 (USAGE_EXIT_CODE)       a mistake to fix (config,     exit 2: a restart would fail the
+                              too many bad steps)           same way
+    130 (Ctrl-C)              interrupted, checkpoint saved exit 130: the user asked it to stop
+    42 (RESTART_EXIT_CODE)    preempted, checkpoint saved   restart at once; not counted
+    75 (TRANSIENT_EXIT_CODE)  storage, the coordinator or   restart after a backoff; not counted
+                              a peer failed for now
+    anything else, signals    crashed or killed             restart after a backoff, at most
+                                                            --max_restarts times
 
-After `--max_restarts` restarts it gives up and exits with the run's last status. Each restart is
-logged on stderr.
+Only crashes count against `--max_restarts`: a spot run survives any number of preemptions, and a
+storage outage any length of time. The backoff starts at `--backoff_seconds` and doubles with each
+crash or transient failure in a row, up to `--max_backoff_seconds`; a run that lived
+HEALTHY_RUN_SECONDS starts the count afresh. Transient failures are retried without a bound, as
+Kubernetes retries a CrashLoopBackOff: status 75 promises every checkpoint intact, so waiting costs
+no progress, and no bound could tell a long outage from an endless one (GKE's podFailurePolicy
+cannot bound them either, and the launchers must agree). After `--max_restarts` crashes it gives
+up and exits with the run's last status. Each restart is logged on stderr.
 
 Signals. The run has its own process group, so a Ctrl-C in the terminal reaches supervise only;
 supervise passes the first SIGINT or SIGTERM it gets on to the run's process group, once, and from
@@ -33,14 +41,17 @@ import sys
 import time
 
 from jaxscale.cli import fail
-from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, USAGE_EXIT_CODE,
-                             describe_exit, interrupted, shell_exit_status)
+from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE,
+                             USAGE_EXIT_CODE, describe_exit, interrupted, shell_exit_status)
 from jaxscale.launch.cli import ArgumentParser, StopRequest, nonnegative, nonnegative_float
 
 # A run that lived this long before crashing was healthy: the next crash starts a fresh backoff.
 HEALTHY_RUN_SECONDS = 600.0
 # The wait before a restart checks this often whether supervise was told to stop.
 STOP_POLL_SECONDS = 0.05
+# The backoff stops doubling here: far past any --max_backoff_seconds, and 2.0 ** n overflows a
+# float past n = 1023, which an endless storage outage would reach in a few days.
+MAX_DOUBLINGS = 60
 
 
 def log(message: str) -> None:
@@ -94,7 +105,7 @@ class Supervisor:
     def run(self) -> int:
         """Runs the command until it finishes, fails for good, is stopped, or runs out of
         restarts; returns the exit status for this process."""
-        restarts, crashes_in_a_row, status = 0, 0, None
+        crashes, transients, preemptions, failures_in_a_row, status = 0, 0, 0, 0, None
         while True:
             if self.stop.signal is not None:  # told to stop before a (re)start: nothing to save
                 name = signal.Signals(self.stop.signal).name
@@ -112,36 +123,47 @@ class Supervisor:
             if (status in (0, USAGE_EXIT_CODE) or interrupted(status)
                     or self.stop.signal is not None):
                 return shell_exit_status(status)
-            if restarts == self.max_restarts:
+            if status == RESTART_EXIT_CODE:
+                preemptions += 1
+                log(f"run {describe_exit(status)}; restarting it at once (preemption "
+                    f"{preemptions}; not counted against --max_restarts)")
+                continue
+            healthy = time.monotonic() - began >= HEALTHY_RUN_SECONDS
+            failures_in_a_row = 1 if healthy else failures_in_a_row + 1
+            delay = min(self.backoff_seconds * 2.0 ** min(failures_in_a_row - 1, MAX_DOUBLINGS),
+                        self.max_backoff_seconds)
+            if status == TRANSIENT_EXIT_CODE:
+                transients += 1
+                log(f"run {describe_exit(status)}; restarting it in {delay:g}s (transient failure "
+                    f"{transients}; not counted against --max_restarts)")
+            elif crashes == self.max_restarts:
                 log(f"run {describe_exit(status)}; no restarts left (--max_restarts="
                     f"{self.max_restarts}), giving up")
                 return shell_exit_status(status)
-            restarts += 1
-            delay = 0.0
-            if status != RESTART_EXIT_CODE:
-                healthy = time.monotonic() - began >= HEALTHY_RUN_SECONDS
-                crashes_in_a_row = 1 if healthy else crashes_in_a_row + 1
-                delay = min(self.backoff_seconds * 2 ** (crashes_in_a_row - 1),
-                            self.max_backoff_seconds)
-            log(f"run {describe_exit(status)}; restart {restarts}/{self.max_restarts} "
-                f"in {delay:g}s")
+            else:
+                crashes += 1
+                log(f"run {describe_exit(status)}; restart {crashes}/{self.max_restarts} "
+                    f"in {delay:g}s")
             self._wait_before_restart(delay)
 
 
 def make_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m jaxscale.supervise",
-        description="Restart a jaxscale run that was preempted (status 42) or crashed; stop on "
-                    "success (0), a usage error (2) or Ctrl-C (130).",
+        description="Restart a jaxscale run that was preempted (status 42), failed for now "
+                    "(75) or crashed; stop on success (0), a usage error (2) or Ctrl-C (130).",
         epilog="example: python -m jaxscale.supervise --max_restarts=20 -- "
                "python -m jaxscale.train --workdir=runs/a")
     parser.add_argument("--max_restarts", type=nonnegative, default=10,
-                        help="Give up after this many restarts (default 10).")
+                        help="Give up after this many crashes (default 10); preemptions (42) and "
+                             "transient failures (75) do not count.")
     parser.add_argument("--backoff_seconds", type=nonnegative_float, default=5.0,
-                        help="Wait this long before restarting after a crash; the wait doubles "
-                             "with each crash in a row (default 5).")
+                        help="Wait this long before restarting after a crash or a transient "
+                             "failure; the wait doubles with each one in a row (default 5).")
     parser.add_argument("--max_backoff_seconds", type=nonnegative_float, default=300.0,
-                        help="Never wait longer than this between restarts (default 300).")
+                        help="Never wait longer than this between restarts (default 300); "
+                             "transient failures are retried this often for as long as they "
+                             "last.")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="The run's command line, after --.")
     return parser

@@ -1,4 +1,6 @@
-"""The GKE JobSet renderer: manifests that validate, map jaxscale's contract, and refuse bad input.
+"""The GKE JobSet renderer and its image: manifests that validate, map jaxscale's contract, run
+hardened, and refuse bad input; a Dockerfile whose user and versions match. What the JobSet does
+with each exit status is in tests/test_faults_launch.py.
 
 Validation, without a cluster: the JobSet-level fields against the JobSet v1alpha2 CRD schema
 (vendored excerpt, tests/fixtures/jobset-v1alpha2-schema.yaml) with unknown fields rejected as the
@@ -9,6 +11,7 @@ type is coerced, so either shows up as a difference). Not checked: CEL rules, ad
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +21,7 @@ import yaml
 from kubernetes import client
 
 from jaxscale.distributed import ClusterSpec, detect
-from jaxscale.errors import RESTART_EXIT_CODE, USAGE_EXIT_CODE
+from jaxscale.launch.gke import RUN_AS, Shape, parse_args, render as render_jobset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = os.path.join(REPO, "tests", "fixtures", "jobset-v1alpha2-schema.yaml")
@@ -28,6 +31,8 @@ GPU_ARGS = ["--config=configs/tiny.py", "--nodes=2", "--gpus_per_node=8", "--ima
 TPU_ARGS = ["--config=configs/tiny.py", "--tpu_accelerator=tpu-v5p-slice", "--tpu_topology=2x2x2",
             "--slices=2", "--image=img:1", "--pvc=shared", "--name=tiny",
             "--config.mesh.dcn.data=2"]
+DOCKERFILE = os.path.join(REPO, "launch", "Dockerfile")
+RESULTS = os.path.join(REPO, "benchmarks", "RESULTS.md")
 
 
 def render(args):
@@ -44,7 +49,8 @@ def gpu_jobset():
 
 @pytest.fixture(scope="module")
 def tpu_jobset():
-    return render([*TPU_ARGS, "--config.train.steps=7"])
+    return render([*TPU_ARGS, "--service_account=trainer", "--cpu=10", "--memory_gib=64",
+                   "--shm_gib=8", "--config.train.steps=7"])
 
 
 def closed(schema):
@@ -111,31 +117,83 @@ def test_gpu_jobset_is_a_gang_of_indexed_pods(gpu_jobset):
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert container["command"] == ["python", "-m", "jaxscale.train", "--config=configs/tiny.py",
-                                    "--workdir=/checkpoints/tiny"]
+    assert pod["terminationGracePeriodSeconds"] == 300
+    assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
 
 
-def test_checkpoints_live_on_the_mounted_bucket(gpu_jobset):
+def test_checkpoints_go_to_the_bucket_through_orbax_and_the_workdir_through_fuse(gpu_jobset):
     job, pod = job_and_pod(gpu_jobset)
-    volume = next(v for v in pod["volumes"] if v["name"] == "checkpoints")
+    assert pod["containers"][0]["command"] == [
+        "python", "-m", "jaxscale.train", "--config=configs/tiny.py", "--workdir=/workdir/tiny",
+        "--config.checkpoint.dir=gs://ckpts/tiny/checkpoints"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "workdir")
     assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
     assert volume["csi"]["volumeAttributes"]["bucketName"] == "ckpts"
+    options = volume["csi"]["volumeAttributes"]["mountOptions"].split(",")
+    assert {"implicit-dirs", f"uid={RUN_AS}", f"gid={RUN_AS}"} <= set(options)
     assert job["template"]["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    assert mounts["checkpoints"] == "/checkpoints"
+    assert mounts["workdir"] == "/workdir"
 
 
-def test_restart_policy_follows_the_exit_status(gpu_jobset):
-    job, pod = job_and_pod(gpu_jobset)
-    rules = job["podFailurePolicy"]["rules"]
-    by_code = {r["onExitCodes"]["values"][0]: r["action"] for r in rules if "onExitCodes" in r}
-    assert by_code == {RESTART_EXIT_CODE: "Ignore", USAGE_EXIT_CODE: "FailJob"}
-    assert pod["restartPolicy"] == "Never" and job["backoffLimit"] == 0
-    policy = gpu_jobset["spec"]["failurePolicy"]
-    assert policy["maxRestarts"] == 10
-    assert policy["rules"] == [{"name": "FailOnUsageError", "action": "FailJobSet",
-                                "onJobFailureReasons": ["PodFailurePolicy"]}]
-    assert pod["terminationGracePeriodSeconds"] == 300
+def test_a_checkpoint_dir_of_the_users_own_is_kept():
+    args, overrides = parse_args([*GPU_ARGS, "--config.checkpoint.dir=gs://other/run"])
+    command = render_jobset(args, Shape(args), overrides)["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert [a for a in command if a.startswith("--config.checkpoint.dir=")] == [
+        "--config.checkpoint.dir=gs://other/run"]
+
+
+def test_pods_run_as_the_images_non_root_user_without_privileges(gpu_jobset):
+    _, pod = job_and_pod(gpu_jobset)
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+        "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}}
+    container = pod["containers"][0]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True}
+    # The root filesystem is read-only: HOME and /tmp are a volume of the pod's own.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HOME"] == "/tmp"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/tmp"]] == {"name": "tmp", "emptyDir": {}}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def test_no_service_account_token_unless_a_service_account_is_named(gpu_jobset, tpu_jobset):
+    _, pod = job_and_pod(gpu_jobset)
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    _, pod = job_and_pod(tpu_jobset)
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["serviceAccountName"] == "trainer"
+
+
+def test_pods_request_cpu_and_memory_for_kueue(gpu_jobset, tpu_jobset):
+    _, pod = job_and_pod(gpu_jobset)  # the defaults: 8 CPUs and 40 GiB per GPU
+    assert pod["containers"][0]["resources"]["requests"] == {"cpu": "64", "memory": "320Gi"}
+    _, pod = job_and_pod(tpu_jobset)  # given
+    assert pod["containers"][0]["resources"]["requests"] == {"cpu": "10", "memory": "64Gi"}
+    dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["sizeLimit"] == "8Gi"
+    shape = Shape(parse_args(TPU_ARGS)[0])  # the defaults: 24 CPUs and 32 GiB per TPU chip
+    assert (shape.cpu, shape.memory_gib) == (96, 128)
+
+
+def test_the_image_runs_as_the_manifests_user_with_the_benchmarked_versions():
+    with open(DOCKERFILE) as f:
+        dockerfile = f.read()
+    assert re.search(r"^USER (\d+):(\d+)$", dockerfile, re.M).groups() == (str(RUN_AS),) * 2
+    assert f"useradd --uid {RUN_AS} --gid {RUN_AS}" in dockerfile
+    with open(RESULTS) as f:  # the versions the H100 figures were measured with
+        jax, cuda, flax = re.search(r"jax (\S+) and jaxlib \S+ \(CUDA (\d+) plugin\), flax (\S+),",
+                                    f.read()).groups()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.M))
+    assert args == {"JAX_EXTRA": f"cuda{cuda}", "JAX_VERSION": jax, "FLAX_VERSION": flax}
+    install = re.search(r"^RUN pip install (.*?)&&", dockerfile, re.M | re.S).group(1)
+    assert {'"jax[${JAX_EXTRA}]==${JAX_VERSION}"', '"jaxlib==${JAX_VERSION}"',
+            '"flax==${FLAX_VERSION}"'} <= set(install.split())
 
 
 def test_tpu_jobset_has_one_job_per_slice(tpu_jobset):
@@ -149,8 +207,11 @@ def test_tpu_jobset_has_one_job_per_slice(tpu_jobset):
         "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
     assert pod["containers"][0]["command"][-2:] == ["--config.mesh.dcn.data=2",
                                                     "--config.train.steps=7"]
-    assert pod["volumes"] == [{"name": "checkpoints",
-                               "persistentVolumeClaim": {"claimName": "shared"}}]
+    assert pod["volumes"][0] == {"name": "workdir",
+                                 "persistentVolumeClaim": {"claimName": "shared"}}
+    assert "--workdir=/workdir/tiny" in pod["containers"][0]["command"]
+    assert not any(a.startswith("--config.checkpoint.dir=")  # beside the workdir on the volume
+                   for a in pod["containers"][0]["command"])
 
 
 def test_pods_detect_the_gke_mode_and_agree_on_the_coordinator(gpu_jobset):
@@ -187,6 +248,10 @@ def test_kueue_setup_defines_the_default_queue_and_priority_classes():
     ([*TPU_ARGS, "--tpu_topology=2x2x3", "--chips_per_node=8"], "not a multiple"),
     ([*GPU_ARGS, "--bogus=1"], "unrecognized arguments: --bogus=1"),
     ([*GPU_ARGS, "--max_restarts=-1"], "argument --max_restarts: -1 must be >= 0"),
+    ([*GPU_ARGS, "--bucket=gs://ckpts"], "--bucket='gs://ckpts' must be a bucket name"),
+    ([*GPU_ARGS, "--shm_gib=320"], "--shm_gib=320 must be less than the pod's memory request "
+                                   "(320 GiB)"),
+    ([*GPU_ARGS, "--cpu=0"], "argument --cpu: 0 must be >= 1"),
 ])
 def test_bad_input_is_one_error_line_and_no_manifest(args, message):
     result = subprocess.run([*RENDER, *args], cwd=REPO, capture_output=True, text=True,

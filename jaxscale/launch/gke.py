@@ -11,14 +11,23 @@ The output is JSON, which is YAML too. One pod per node (GPU) or TPU host, each 
 checked against the cluster shape (devices, hosts, slices) before anything is printed.
 
 How the manifest maps jaxscale's contract onto Kubernetes:
-- Gang scheduling: the Kueue queue label makes Kueue admit the JobSet's pods together or not at all.
+- Gang scheduling: the Kueue queue label makes Kueue admit the JobSet's pods together or not at all;
+  every pod requests CPU and memory (--cpu, --memory_gib) so that Kueue's quotas count them.
 - Coordinator: JobSet's DNS hostnames (`<name>-<job>-0-0.<name>`); jaxscale.distributed's `gke`
   mode derives it and the process id from the env below.
-- Exit status 42 ("restart me", after a checkpoint on preemption): the pod is replaced in place
-  without counting as a failure (every process exits 42 at the same agreed step).
-  Exit status 2 (a usage error): the JobSet fails at once; restarting cannot fix it.
-  Any other failure: the whole JobSet restarts from its last checkpoint, at most --max_restarts.
+- Exit statuses, as every launcher reads them (docs/launch.md): 42 ("restart me", after a
+  checkpoint on preemption) and 75 (a transient failure of storage, the coordinator or a peer):
+  the pod is replaced in place without counting as a failure. 2 (a usage error) and 130
+  (interrupted): the JobSet fails at once; restarting cannot fix it. Any other failure: the whole
+  JobSet restarts from its last checkpoint, at most --max_restarts times.
 - SIGTERM on preemption gets `--grace_period_s` to save a checkpoint before SIGKILL.
+- Checkpoints on a bucket (--bucket) go to gs://BUCKET/NAME/checkpoints through Orbax's own GCS
+  path, which commits a checkpoint with a marker file; GCS FUSE, which cannot rename a folder
+  atomically, carries only the workdir (metrics, TensorBoard, the compilation cache).
+- Hardening: a non-root user (RUN_AS, the image's USER), no privilege escalation, no
+  capabilities, the runtime's default seccomp profile, a read-only root filesystem with a
+  writable /tmp (HOME), no service-account token unless --service_account names one, and a
+  bounded /dev/shm (--shm_gib).
 """
 
 from __future__ import annotations
@@ -29,13 +38,24 @@ import re
 import sys
 
 from jaxscale.distributed import GKE_COORDINATOR_PORT
-from jaxscale.errors import RESTART_EXIT_CODE, USAGE_EXIT_CODE
+from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE,
+                             USAGE_EXIT_CODE)
 from jaxscale.cli import fail
 from jaxscale.launch.cli import ArgumentParser, check_train_args, nonnegative, positive
 
 CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"
-CHECKPOINT_MOUNT = "/checkpoints"
+WORKDIR_MOUNT = "/workdir"
+# The uid and gid the pods run as: launch/Dockerfile's USER (tests check that the two agree).
+RUN_AS = 1000
+# Requests per GPU or TPU chip where --cpu and --memory_gib are not given: less than the smallest
+# host of each kind leaves after Kubernetes' reservations and its daemons (8 GPUs: g2-standard-96
+# and a2-highgpu-8g have 96 vCPUs and 384 GB or more; 4 TPU chips: a v5e host has 112 vCPUs and
+# 192 GB), so that the pod fits every such node; A3 has 208 vCPUs and 1,872 GB.
+DEFAULT_REQUESTS = {"nvidia.com/gpu": (8, 40), "google.com/tpu": (24, 32)}  # (cpu, GiB) each
+# gcsfuse refuses to rename a folder unless it has at most this many entries (0 by default):
+# a restart from step 0 moves an earlier start's TensorBoard folder aside (jaxscale.workdir).
+FUSE_RENAME_DIR_LIMIT = 1000
 # NCCL over the node's primary NIC. A3's extra GPU NICs (GPUDirect-TCPX/TCPXO) need GKE
 # multi-networking and a receive-datapath sidecar this renderer does not add; see docs/launch.md.
 A3_NCCL_ENV = {
@@ -71,20 +91,34 @@ def make_parser() -> ArgumentParser:
     parser.add_argument("--slices", type=positive, default=1,
                         help="TPU slices, for multi-slice (default 1).")
     storage = parser.add_mutually_exclusive_group(required=True)
-    storage.add_argument("--bucket", help="GCS bucket for the workdir, mounted with GCS FUSE.")
-    storage.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) for the workdir.")
+    storage.add_argument("--bucket",
+                         help="GCS bucket name: checkpoints go to gs://BUCKET/NAME/checkpoints "
+                              "through Orbax's GCS path; the workdir is the bucket mounted with "
+                              "GCS FUSE.")
+    storage.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) for the workdir and "
+                                       "its checkpoints, writable by uid/gid "
+                                       f"{RUN_AS}.")
     parser.add_argument("--workdir", help=f"Workdir inside the pod (default "
-                                          f"{CHECKPOINT_MOUNT}/NAME on the bucket or volume).")
+                                          f"{WORKDIR_MOUNT}/NAME on the bucket or volume).")
     parser.add_argument("--service_account",
-                        help="Kubernetes service account, e.g. for Workload Identity access to "
-                             "the bucket.")
+                        help="Kubernetes service account the pods run as, with its token mounted, "
+                             "e.g. for Workload Identity access to the bucket; without it the "
+                             "pods get no token.")
+    parser.add_argument("--cpu", type=positive,
+                        help="CPU cores each pod requests (default 8 per GPU, 24 per TPU chip).")
+    parser.add_argument("--memory_gib", type=positive,
+                        help="GiB of memory each pod requests (default 40 per GPU, 32 per TPU "
+                             "chip).")
+    parser.add_argument("--shm_gib", type=positive, default=32,
+                        help="Size limit of the memory-backed /dev/shm, in GiB; it counts against "
+                             "the pod's memory (default 32).")
     parser.add_argument("--queue", default="jaxscale",
                         help="Kueue LocalQueue to submit to (default jaxscale).")
     parser.add_argument("--priority_class", default="jaxscale-normal",
                         help="PriorityClass of the pods (default jaxscale-normal).")
     parser.add_argument("--max_restarts", type=nonnegative, default=10,
-                        help="JobSet restarts after failures; preemptions (exit 42) don't count "
-                             "(default 10).")
+                        help="JobSet restarts after crashes; preemptions (exit 42) and transient "
+                             "failures (75) don't count (default 10).")
     parser.add_argument("--grace_period_s", type=positive, default=300,
                         help="Seconds from SIGTERM to SIGKILL, the time to save a checkpoint on "
                              "preemption (default 300).")
@@ -106,6 +140,10 @@ def check_args(args) -> None:
         # Pod hostnames <name>-workers-<job>-<pod> must stay within 63 characters.
         fail(f"--name={args.name!r} must be lowercase letters, digits and '-', start with a "
              "letter, and be at most 40 characters")
+    if args.bucket is not None and not re.fullmatch(r"[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9]",
+                                                     args.bucket):
+        fail(f"--bucket={args.bucket!r} must be a bucket name such as my-bucket: lowercase "
+             "letters, digits, '-', '_' and '.', without gs://")
     if args.tpu_accelerator:
         if args.nodes is not None:
             fail("--nodes is for GPUs; on TPUs the hosts follow from --tpu_topology and "
@@ -142,13 +180,21 @@ class Shape:
             self.granules = args.nodes  # DCN factors span hosts
             self.node_selector = {"cloud.google.com/gke-accelerator": args.gpu_type}
         self.devices = self.replicas * self.pods * self.devices_per_pod
+        cpu_each, gib_each = DEFAULT_REQUESTS[self.resource]
+        self.cpu = args.cpu or cpu_each * self.devices_per_pod
+        self.memory_gib = args.memory_gib or gib_each * self.devices_per_pod
 
 
 def render(args, shape: Shape, overrides: list[str]) -> dict:
     """The JobSet, as a dict ready for JSON."""
-    workdir = args.workdir or f"{CHECKPOINT_MOUNT}/{args.name}"
-    train = ["python", "-m", "jaxscale.train", f"--config={args.config}", f"--workdir={workdir}",
-             *overrides]
+    workdir = args.workdir or f"{WORKDIR_MOUNT}/{args.name}"
+    train = ["python", "-m", "jaxscale.train", f"--config={args.config}", f"--workdir={workdir}"]
+    if args.bucket and not any(o.startswith("--config.checkpoint.dir=") for o in overrides):
+        # Orbax writes gs:// itself (TensorStore for arrays, gcsfs for the rest) and commits each
+        # checkpoint with a commit_success.txt marker: no folder rename, which FUSE cannot do
+        # atomically. With the default workdir, beside its files, as <workdir>/checkpoints.
+        train.append(f"--config.checkpoint.dir=gs://{args.bucket}/{args.name}/checkpoints")
+    train += overrides
     env = {
         # What jaxscale.distributed's gke mode reads (JOB_COMPLETION_INDEX comes from Kubernetes).
         "JOBSET_NAME": args.name,
@@ -156,6 +202,8 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         "REPLICATED_JOB_REPLICAS": str(shape.replicas),
         "PROCESSES_IN_JOB": str(shape.pods),
         "JAX_COORDINATOR_PORT": str(GKE_COORDINATOR_PORT),
+        # The root filesystem is read-only: JAX, XLA and CUDA keep their caches under HOME.
+        "HOME": "/tmp",
         **({} if args.tpu_accelerator else A3_NCCL_ENV),
     }
     container = {
@@ -167,20 +215,47 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
                 "fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}}],
         "ports": [{"containerPort": GKE_COORDINATOR_PORT, "name": "coordinator"},
                   {"containerPort": GKE_COORDINATOR_PORT + 1, "name": "rendezvous"}],
-        "resources": {"limits": {shape.resource: str(shape.devices_per_pod)}},
-        "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}],
+        # CPU and memory: requests only. Kueue's quotas and the scheduler count them, and they
+        # keep the pod out of the BestEffort class that is evicted first; a CPU limit would
+        # throttle the input pipeline and a memory limit would OOM-kill a save's peak.
+        "resources": {"requests": {"cpu": str(shape.cpu), "memory": f"{shape.memory_gib}Gi"},
+                      "limits": {shape.resource: str(shape.devices_per_pod)}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+        },
+        "volumeMounts": [
+            {"name": "workdir", "mountPath": WORKDIR_MOUNT},
+            # NCCL and the data loader's workers share memory through /dev/shm, which is 64 MiB
+            # in a container by default.
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     }
-    volumes = [checkpoint_volume(args)]
-    if not args.tpu_accelerator:
-        # NCCL and the data loader share memory between processes through /dev/shm, which is
-        # 64 MiB in a container by default.
-        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    volumes = [
+        workdir_volume(args),
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{args.shm_gib}Gi"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
     pod_spec = {
         "restartPolicy": "Never",  # the Job replaces failed pods; required by podFailurePolicy
         "terminationGracePeriodSeconds": args.grace_period_s,
         "priorityClassName": args.priority_class,
         "nodeSelector": shape.node_selector,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,  # a volume that honours it is writable by the run
+            # Only when the volume's root is not the group's yet: not a walk over every
+            # checkpoint file at each pod start.
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # No Kubernetes API token in the pods unless a service account is asked for (Workload
+        # Identity reads the bucket as that account).
+        "automountServiceAccountToken": bool(args.service_account),
         "containers": [container],
         "volumes": volumes,
     }
@@ -192,11 +267,16 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         "completions": shape.pods,
         "parallelism": shape.pods,
         "backoffLimit": 0,  # a gang cannot go on without a member: any failure fails the Job
+        # The first rule that matches decides; a failure no rule matches counts against
+        # backoffLimit, which fails the Job and restarts the JobSet (counted in maxRestarts).
+        # Kubernetes wants the values sorted.
         "podFailurePolicy": {"rules": [
-            {"action": "Ignore", "onExitCodes": {
-                "containerName": CONTAINER, "operator": "In", "values": [RESTART_EXIT_CODE]}},
             {"action": "FailJob", "onExitCodes": {
-                "containerName": CONTAINER, "operator": "In", "values": [USAGE_EXIT_CODE]}},
+                "containerName": CONTAINER, "operator": "In",
+                "values": [USAGE_EXIT_CODE, INTERRUPTED_EXIT_CODE]}},
+            {"action": "Ignore", "onExitCodes": {
+                "containerName": CONTAINER, "operator": "In",
+                "values": [RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE]}},
             # Evicted or preempted by Kubernetes (node drain, spot reclaim): not our failure.
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget",
                                                       "status": "True"}]},
@@ -217,8 +297,8 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
             "failurePolicy": {
                 "maxRestarts": args.max_restarts,
                 "rules": [{
-                    # Only exit status 2 fails a Job through its pod failure policy.
-                    "name": "FailOnUsageError", "action": "FailJobSet",
+                    # Only the FailJob rule above (2, 130) fails a Job by its pod failure policy.
+                    "name": "FailOnUsageErrorOrInterrupt", "action": "FailJobSet",
                     "onJobFailureReasons": ["PodFailurePolicy"]}],
             },
             "replicatedJobs": [{
@@ -230,18 +310,25 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
     }
 
 
-def checkpoint_volume(args) -> dict:
+def workdir_volume(args) -> dict:
     if args.bucket:
-        return {"name": "checkpoints", "csi": {
+        # uid/gid: the files belong to the pod's user, who may then write them.
+        options = (f"implicit-dirs,uid={RUN_AS},gid={RUN_AS},"
+                   f"rename-dir-limit={FUSE_RENAME_DIR_LIMIT}")
+        return {"name": "workdir", "csi": {
             "driver": "gcsfuse.csi.storage.gke.io",
-            "volumeAttributes": {"bucketName": args.bucket, "mountOptions": "implicit-dirs"}}}
-    return {"name": "checkpoints", "persistentVolumeClaim": {"claimName": args.pvc}}
+            "volumeAttributes": {"bucketName": args.bucket, "mountOptions": options}}}
+    return {"name": "workdir", "persistentVolumeClaim": {"claimName": args.pvc}}
 
 
 def main(argv: list[str]) -> None:
     args, overrides = parse_args(argv)
     check_args(args)
     shape = Shape(args)
+    if args.shm_gib >= shape.memory_gib:
+        fail(f"--shm_gib={args.shm_gib} must be less than the pod's memory request "
+             f"({shape.memory_gib} GiB): /dev/shm is memory the pod uses; pass a smaller "
+             "--shm_gib or a larger --memory_gib")
     check_train_args([f"--config={args.config}", *overrides], shape.devices, shape.granules)
     json.dump(render(args, shape, overrides), sys.stdout, indent=2)
     print()

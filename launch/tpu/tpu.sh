@@ -208,7 +208,8 @@ start_training() {
   local quoted
   quoted="$(printf '%q ' "${TRAIN_ARGS[@]}")"
   # nohup: the run outlives this terminal; `logs` reattaches to it. supervise restarts the run on
-  # its worker after a maintenance event (exit 42) or a crash; the workers then meet again.
+  # its worker after a maintenance event (exit 42), a transient failure (75) or a crash; the
+  # workers then meet again.
   on_all_workers "cd ~/$REMOTE_DIR && nohup .venv/bin/python -m jaxscale.supervise -- \
 .venv/bin/python -m jaxscale.train $quoted > ~/$LOG_FILE 2>&1 < /dev/null & \
 echo started on \$(hostname)"
