@@ -10,22 +10,33 @@
 - slurm: an srun step (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_PROCID, ...);
 - single: none of these.
 
-`initialize` then meets every peer at a small TCP rendezvous next to the coordinator (its port + 1)
-before calling `jax.distributed.initialize`: JAX's own start-up, when a peer never arrives, aborts
-the process after its timeout without saying who is missing; the rendezvous
-(jaxscale/rendezvous.py) names them.
+`initialize` then meets every peer at a small TCP rendezvous on the coordinator's own port
+(jaxscale/rendezvous.py), before `jax.distributed.initialize` binds that port: JAX's start-up, when
+a peer never arrives, aborts every process after its timeout without saying who is missing.
+
+Once running, JAX's processes share fate: when one dies (or the coordinator goes away, or a peer
+restarts), JAX's distributed runtime aborts every other one from C++ (SIGABRT, which no Python
+code can catch) within the heartbeat timeout. `guard` says what that is, a transient failure: a
+multi-process `jaxscale.train` runs the trainer as its child, and exits 75 (start every process
+again; they resume from the last checkpoint) when JAX aborted the child so.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import math
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.rendezvous import rendezvous
+from jaxscale.tpu_host import is_tpu_vm
 
 DEFAULT_INIT_TIMEOUT_S = 300
 # Seconds without a heartbeat after which JAX declares a process dead and stops the others: the
@@ -189,7 +200,7 @@ def _gke(environ: Mapping[str, str]) -> ClusterSpec:
 def _slurm(environ: Mapping[str, str]) -> ClusterSpec:
     _require(environ, ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
              "this is a Slurm step (SLURM_STEP_NODELIST)", "start the processes with srun")
-    # Every process derives the same port from the job id; +1 (the rendezvous) stays <= 65535.
+    # Every process derives the same port from the job id.
     port = environ.get("JAX_COORDINATOR_PORT", 61440 + _int(environ, "SLURM_JOB_ID") % 4095)
     nodes = _int(environ, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in environ else 1
     tasks = _int(environ, "SLURM_NTASKS")
@@ -214,32 +225,36 @@ def first_slurm_host(nodelist: str) -> str:
 _joined: ClusterSpec | None = None
 
 
-def initialize(timeout_s: int | None = None,
-               heartbeat_timeout_s: int | None = None) -> ClusterSpec:
+def detect_here() -> ClusterSpec:
+    """The cluster this process runs in: `detect` on its environment and its hardware."""
+    return detect(os.environ, on_cloud_tpu_vm=is_tpu_vm())
+
+
+def initialize(timeout_s: float | None = None,
+               heartbeat_timeout_s: float | None = None) -> ClusterSpec:
     """Joins this process to the run's other processes and returns how; call it before any JAX
     device use. Idempotent; process 0 of a multi-process run prints the mode.
 
     `timeout_s` bounds the wait for every peer to arrive (default 300 s); `heartbeat_timeout_s` is
-    how long a silent peer is tolerated before every process stops (default 100 s). Raises
-    JaxscaleError naming the processes that did not arrive.
+    how long a silent peer is tolerated before every process stops (default 100 s); JAX counts
+    both in whole seconds. Raises TransientError naming the processes that did not arrive or the
+    coordinator that could not be reached, JaxscaleError when the environment is wrong.
     """
     global _joined
     if _joined is not None:
         return _joined
-    spec = detect(os.environ, on_cloud_tpu_vm=_on_cloud_tpu_vm())
+    spec = detect_here()
     if spec.mode == "single":  # nothing to join, nothing worth a line of output
         _joined = spec
         return spec
     import jax
 
-    timeout_s = timeout_s or DEFAULT_INIT_TIMEOUT_S
     # Cross-process collectives between CPU devices need gloo; it must be chosen before the CPU
     # backend starts, and changes nothing for accelerators.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s or DEFAULT_INIT_TIMEOUT_S)
     if spec.coordinator_address is not None:
         rendezvous(spec, deadline)
-    remaining = max(1, int(deadline - time.monotonic()))
     jax.distributed.initialize(
         coordinator_address=spec.coordinator_address,
         num_processes=spec.num_processes,
@@ -248,8 +263,8 @@ def initialize(timeout_s: int | None = None,
         # Our detection is the single source of truth; JAX's would e.g. give a one-process-per-node
         # Slurm job a single GPU per node. Only a Cloud TPU VM is left to JAX (metadata server).
         cluster_detection_method=None if spec.coordinator_address is None else "deactivate",
-        initialization_timeout=remaining,
-        heartbeat_timeout_seconds=heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S)
+        initialization_timeout=max(1, math.ceil(deadline - time.monotonic())),
+        heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S))
     _joined = spec
     # Not jax.process_index(): that would start the backend before the trainer configures it. On a
     # Cloud TPU VM the id is JAX's to find, so every worker announces.
@@ -258,10 +273,77 @@ def initialize(timeout_s: int | None = None,
     return spec
 
 
-def _on_cloud_tpu_vm() -> bool:
-    # JAX's own test (TPU chips on the PCI bus); private, so a layout change reads as "no TPU".
+# --- the guard: a lost peer is a transient failure -----------------------------------------------
+
+# What JAX's distributed runtime client logs just before it aborts the process (SIGABRT) when the
+# coordination service reports a fatal error: a peer stopped sending heartbeats, the coordinator
+# went away, a peer restarted. The same words in jax 0.10.2 and in JAX's sources of 2026 (its
+# docs/fault_tolerance.rst quotes them). JAX leaves Python no way to act instead:
+# `jax.distributed.initialize` takes no callback, and a Python `missed_heartbeat_callback` handed
+# to jaxlib's (private) client ends in `std::bad_cast` on jaxlib 0.10.2.
+JAX_FATAL_LINE = b"Terminating process because the JAX distributed service detected fatal errors"
+# In the guarded child's environment: it runs the work, not another guard.
+GUARDED_ENV = "JAXSCALE_GUARDED"
+
+
+def needs_guard(spec: ClusterSpec) -> bool:
+    """Whether this process should run its work under `guard`: it joins other processes, and it is
+    not the guarded child already."""
+    return spec.mode != "single" and GUARDED_ENV not in os.environ
+
+
+def guard(command: list[str], spec: ClusterSpec) -> int:
+    """Runs `command` (this process's own work) as a child and returns its exit status; a child
+    killed by a signal kills this process with the same signal. Raises TransientError when JAX
+    aborted the child because the run lost a process: JAX's abort report (its fatal line, the
+    status, a C++ stack trace) becomes that one error.
+
+    The child stays in this process group, so a Ctrl-C (a terminal's, or a launcher's killpg)
+    reaches it directly; a SIGTERM sent to this process alone (Kubernetes signals a container's
+    first process) is passed on. On Linux the kernel kills the child when this process dies: a
+    `kill -9` of this process leaves no trainer running on its own.
+    """
+    child = subprocess.Popen(command, env={**os.environ, GUARDED_ENV: "1"},
+                             stderr=subprocess.PIPE,
+                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM,
+                                              lambda signum, frame: child.send_signal(signum)),
+                signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: None)}
+    report: list[bytes] = []  # JAX's fatal line and everything after it
     try:
-        from jax._src import hardware_utils
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-    except (ImportError, AttributeError, OSError):
-        return False
+        for line in child.stderr:
+            if report or JAX_FATAL_LINE in line:
+                report.append(line)
+            else:
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if report:
+        who = "this process" if spec.process_id is None else f"process {spec.process_id}"
+        raise TransientError(
+            f"{who} stopped: JAX's distributed service reported {_status(report)}; the run lost "
+            "a process or its coordinator: start every process again to resume from the last "
+            "checkpoint")
+    if status < 0:
+        if -status != signal.SIGKILL:  # SIGKILL's action cannot be set; it is the default
+            signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    return status
+
+
+def _die_with_parent() -> None:
+    # prctl(PR_SET_PDEATHSIG, SIGKILL), run in the child between fork and exec.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def _status(report: list[bytes]) -> str:
+    """The status in JAX's abort report, on one line: from "absl::Status:" to the blank line that
+    comes before the stack trace."""
+    text = b"".join(report).decode(errors="replace")
+    status = text.split("absl::Status:", 1)[-1].split("\n\n", 1)[0]
+    status = status.split("*** Check failure stack trace", 1)[0]
+    # Drop the error payloads ("[type.googleapis.com/tensorflow.CoordinationServiceError='']").
+    return " ".join(re.sub(r"\[type\.googleapis\.com/[^=\]]*='[^']*'\]", "", status).split())

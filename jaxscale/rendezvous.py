@@ -1,122 +1,198 @@
-"""A rendezvous before `jax.distributed.initialize`: every process reports to process 0 over TCP
-(the coordinator port + 1), so that a peer that never arrives is named in an error instead of JAX
-aborting after its timeout without saying who is missing.
+"""A rendezvous before `jax.distributed.initialize`: every process reports to process 0 over TCP,
+so that a peer that never arrives is named instead of JAX aborting every process after its timeout.
+
+Why not JAX alone: when a process never starts, JAX's start-up (jax 0.10.2) aborts the others
+with "Terminating process because the JAX distributed service detected fatal errors ...
+DEADLINE_EXCEEDED: Deadline Exceeded ... RPC: /xla.coordination.CoordinationService/RegisterTask",
+which names neither the missing process nor the coordinator, on process 0 and on its peers alike.
+
+The rendezvous uses the coordinator's own port, before JAX's service binds it: process 0 listens
+where JAX's coordinator will (JAX_COORDINATOR_BIND_ADDRESS, else every interface, as JAX binds),
+answers once all have reported, and closes the port for JAX to take. No port beyond JAX's own is
+opened, and this one carries nothing but process ids (JAX's coordinator, like it, is
+unauthenticated: "gRPC insecure server credentials are used"). Connections are served together
+(select), and one that says nothing within `HELLO_TIMEOUT_S` is dropped, so a port scanner or a
+health check cannot hold up the run.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import select
 import socket
 import time
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, TransientError
 
-def rendezvous_address(coordinator_address: str) -> tuple[str, int]:
-    host, port = coordinator_address.rsplit(":", 1)
-    return host.strip("[]"), int(port) + 1
+HELLO = "jaxscale-rendezvous"  # the first word a peer sends: tells our peers from anything else
+HELLO_TIMEOUT_S = 10.0
+MAX_LINE = 256
+# A peer waits this long past its own deadline for process 0's verdict, which names who is
+# missing: process 0 may have started (and so give up) a little later.
+ANSWER_GRACE_S = 5.0
 
 
 def rendezvous(spec, deadline: float) -> None:
-    """Returns once all `spec.num_processes` processes have reported in, or raises naming who did
-    not by `deadline` (a time.monotonic() value). `spec` is a distributed.ClusterSpec."""
-    host, port = rendezvous_address(spec.coordinator_address)
+    """Returns once all `spec.num_processes` processes have reported in. Raises TransientError
+    naming who did not by `deadline` (a time.monotonic() value), or the coordinator when it
+    cannot be reached; JaxscaleError when the processes disagree (counts, ids). `spec` is a
+    distributed.ClusterSpec."""
     if spec.process_id == 0:
-        _gather(spec.num_processes, port, deadline)
+        bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS",
+                              "[::]:" + spec.coordinator_address.rsplit(":", 1)[1])
+        _gather(spec.num_processes, bind, deadline)
     else:
-        _report(spec, host, port, deadline)
+        _report(spec, deadline)
 
 
-def _gather(num_processes: int, port: int, deadline: float) -> None:
-    server = _listen(port)
+def _split(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _gather(num_processes: int, bind: str, deadline: float) -> None:
+    server = _listen(bind)
+    hellos: dict[socket.socket, tuple[bytes, float]] = {}  # not yet identified: (read, drop at)
     peers: dict[int, socket.socket] = {}
     try:
         while len(peers) < num_processes - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 missing = sorted(set(range(1, num_processes)) - set(peers))
                 _send_all(peers.values(), f"missing {','.join(map(str, missing))}")
-                raise JaxscaleError(
+                raise TransientError(
                     f"process 0 waited for the other {num_processes - 1} processes until the "
-                    f"timeout, but process(es) {missing} never arrived at rendezvous port {port}; "
-                    "check that they were started, and that they can reach this host")
-            if not select.select([server], [], [], min(left, 1.0))[0]:
-                continue
-            conn, _ = server.accept()
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                peer_id, peer_count = map(int, _read_line(conn).split())
-            except (ValueError, OSError):
-                conn.close()  # not one of ours (a port scanner, a health check)
-                continue
-            problem = None
-            if peer_count != num_processes:
-                problem = (f"process {peer_id} expects {peer_count} processes but process 0 "
-                           f"expects {num_processes}; start every process with the same count")
-            elif peer_id in peers or not 0 < peer_id < num_processes:
-                problem = (f"two processes claim id {peer_id}, or it is outside 1.."
-                           f"{num_processes - 1}; give every process its own id")
-            if problem:
-                _send_all([conn, *peers.values()], f"error {problem}")
-                raise JaxscaleError(problem)
-            peers[peer_id] = conn
+                    f"timeout, but process(es) {missing} never arrived at the coordinator port "
+                    f"{_split(bind)[1]}; check that they were started, and that they can reach "
+                    "this host")
+            for conn, (_, drop_at) in list(hellos.items()):
+                if now >= drop_at:  # silent: not one of ours, or stuck
+                    del hellos[conn]
+                    conn.close()
+            ready, _, _ = select.select([server, *hellos, *peers.values()], [], [],
+                                        min(deadline - now, 1.0))
+            for sock in ready:
+                if sock is server:
+                    conn, _ = server.accept()
+                    conn.setblocking(False)
+                    hellos[conn] = (b"", now + HELLO_TIMEOUT_S)
+                elif sock in hellos:
+                    _read_hello(sock, hellos, peers, num_processes)
+                else:  # a peer that reported says nothing more: it closed (stopped, restarted)
+                    for gone in [i for i, conn in peers.items() if conn is sock]:
+                        del peers[gone]
+                    sock.close()
         _send_all(peers.values(), "ok")
     finally:
-        for conn in peers.values():
+        for conn in [*hellos, *peers.values()]:
             conn.close()
         server.close()
 
 
-def _listen(port: int) -> socket.socket:
-    try:  # peers may resolve the coordinator's name to IPv4 or IPv6
-        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-    except (OSError, ValueError):
-        pass
+def _read_hello(conn: socket.socket, hellos: dict, peers: dict[int, socket.socket],
+                num_processes: int) -> None:
+    """Reads what `conn` sent; once it is a whole line, moves it to `peers` (or drops it)."""
+    received, drop_at = hellos.pop(conn)
     try:
-        return socket.create_server(("", port))
+        chunk = conn.recv(MAX_LINE)
+    except OSError:
+        chunk = b""
+    received += chunk
+    if chunk and b"\n" not in received and len(received) < MAX_LINE:
+        hellos[conn] = (received, drop_at)
+        return
+    words = received.decode(errors="replace").split()
+    if len(words) != 3 or words[0] != HELLO or not (words[1].isdigit() and words[2].isdigit()):
+        conn.close()  # not one of ours: a port scanner, a health check
+        return
+    peer_id, peer_count = int(words[1]), int(words[2])
+    if peer_id in peers and _closed(peers[peer_id]):  # an earlier start of it that stopped
+        peers.pop(peer_id).close()
+    problem = None
+    if peer_count != num_processes:
+        problem = (f"process {peer_id} expects {peer_count} processes but process 0 expects "
+                   f"{num_processes}; start every process with the same count")
+    elif peer_id in peers or not 0 < peer_id < num_processes:
+        problem = (f"two processes claim id {peer_id}, or it is outside 1..{num_processes - 1}; "
+                   "give every process its own id")
+    if problem:
+        _send_all([conn, *peers.values()], f"error {problem}")
+        conn.close()
+        raise JaxscaleError(problem)
+    peers[peer_id] = conn
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the other end closed `conn` (a non-blocking connection), read without consuming."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:  # open, nothing sent
+        return False
+    except ConnectionError:  # reset
+        return True
+
+
+def _listen(bind: str) -> socket.socket:
+    host, port = _split(bind)
+    try:
+        if host in ("", "::"):  # every interface, IPv4 and IPv6, as JAX's coordinator binds
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family)
     except OSError as e:
-        raise JaxscaleError(
-            f"process 0 cannot listen on rendezvous port {port} (the coordinator port + 1): "
-            f"{e.strerror}; set JAX_COORDINATOR_PORT (or the coordinator address) to a free "
-            "port") from None
+        if e.errno == errno.EADDRINUSE:  # most often an earlier start of this run, still stopping
+            raise TransientError(
+                f"process 0 cannot listen on the coordinator port {port}: another process holds "
+                "it; if it is not an earlier start of this run, set JAX_COORDINATOR_PORT to a "
+                "free port") from None
+        raise JaxscaleError(f"process 0 cannot listen on the coordinator address {bind}: "
+                            f"{e.strerror or e}; set JAX_COORDINATOR_BIND_ADDRESS or "
+                            "JAX_COORDINATOR_PORT") from None
 
 
-def _report(spec, host: str, port: int, deadline: float) -> None:
-    where = f"{host}:{port}"
+def _report(spec, deadline: float) -> None:
+    host, port = _split(spec.coordinator_address)
+    where = spec.coordinator_address
     while True:
         try:
-            conn = socket.create_connection((host, port),
-                                            timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            conn = socket.create_connection(
+                (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             break
         except OSError:  # refused (not listening yet), unknown host (DNS not ready), timeout
             if time.monotonic() >= deadline:
-                raise JaxscaleError(
+                raise TransientError(
                     f"process {spec.process_id} of {spec.num_processes} could not reach process 0 "
-                    f"(the coordinator) at rendezvous {where} before the timeout; check that "
-                    "process 0 was started and that this host can resolve and reach it") from None
+                    f"(the coordinator) at {where} before the timeout; check that process 0 was "
+                    "started and that this host can resolve and reach it") from None
             time.sleep(0.2)
     with conn:
-        conn.settimeout(max(0.1, deadline - time.monotonic()) + 5.0)  # process 0 answers first
+        conn.settimeout(max(0.1, deadline - time.monotonic()) + ANSWER_GRACE_S)
         try:
-            conn.sendall(f"{spec.process_id} {spec.num_processes}\n".encode())
+            conn.sendall(f"{HELLO} {spec.process_id} {spec.num_processes}\n".encode())
             answer = _read_line(conn)
         except OSError:
             answer = ""
     if answer == "ok":
         return
     if answer.startswith("missing "):
-        raise JaxscaleError(
+        raise TransientError(
             f"process 0 gave up waiting: process(es) [{answer.split(' ', 1)[1]}] of "
             f"{spec.num_processes} never arrived; check that they were started")
     if answer.startswith("error "):
         raise JaxscaleError(answer.split(" ", 1)[1])
-    raise JaxscaleError(f"process {spec.process_id} reached process 0 at {where} but got no "
-                        "answer before the timeout")
+    # No answer: process 0 stopped, or JAX's service holds the port already (this process started
+    # after the others had met: a restart of one process while the others run).
+    raise TransientError(
+        f"process {spec.process_id} reached {where} but process 0 gave no rendezvous answer "
+        "before the timeout; if the other processes are already running, stop them all and "
+        "start every process again")
 
 
 def _read_line(conn: socket.socket) -> str:
     data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(1024)
+    while not data.endswith(b"\n") and len(data) < MAX_LINE:
+        chunk = conn.recv(MAX_LINE)
         if not chunk:
             break
         data += chunk
@@ -126,6 +202,8 @@ def _read_line(conn: socket.socket) -> str:
 def _send_all(conns, message: str) -> None:
     for conn in conns:
         try:
+            conn.setblocking(True)
+            conn.settimeout(1.0)  # a peer that does not read must not hold up the others
             conn.sendall(f"{message}\n".encode())
         except OSError:
             pass  # that peer is gone; the others still hear the news

@@ -5,7 +5,9 @@ train.steps, logs metrics and saves checkpoints. Ctrl-C saves and stops (exit 13
 command again to resume); SIGTERM saves and exits 42 ("restart me"). A mistake the user can fix
 prints one `error: ...` line and exits with status 2, before anything is compiled or written; a
 transient infrastructure failure (storage, coordinator, a peer) prints one `error: ...` line and
-exits 75 ("retry with backoff"), every checkpoint left where it was.
+exits 75 ("retry with backoff"), every checkpoint left where it was. One of several processes
+runs the trainer as its child (jaxscale.distributed.guard): when JAX stops it because the run lost
+a process (a crash, `kill -9`, a lost host) it exits 75 too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from jaxscale.cli import fail, parse_train_flags
 from jaxscale.errors import (INTERRUPTED_EXIT_CODE, TRANSIENT_EXIT_CODE, JaxscaleError,
@@ -26,12 +29,31 @@ def _stop_at_once(signum, frame) -> None:
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
+def fail_with(error: JaxscaleError | TransientError) -> NoReturn:
+    """One `error: ...` line, and the exit status that says what to do next (2 or 75)."""
+    if isinstance(error, TransientError):
+        fail(f"{error} (transient: exit {TRANSIENT_EXIT_CODE}, retry with backoff)",
+             TRANSIENT_EXIT_CODE)
+    fail(str(error))
+
+
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, _stop_at_once)
     try:
         config, workdir = parse_train_flags(argv, about=__doc__)
-        # Import JAX only now, so that --help and flag errors stay fast.
-        from jaxscale import distributed, xla_flags
+        from jaxscale import distributed
+
+        try:
+            spec = distributed.detect_here()
+            if distributed.needs_guard(spec):
+                # One of several processes: the trainer runs as this process's child, and this
+                # one exits 75 when JAX aborts the child because the run lost a process.
+                sys.exit(distributed.guard([sys.executable, "-m", "jaxscale.train", *argv[1:]],
+                                           spec))
+        except (JaxscaleError, TransientError) as e:
+            fail_with(e)
+        # Import JAX only now, so that --help, flag errors and the guard stay fast.
+        from jaxscale import xla_flags
         from jaxscale.tpu_host import quiet_libtpu
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.trainer import Trainer
@@ -45,11 +67,8 @@ def main(argv: list[str]) -> None:
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu():
                 Trainer(config, workdir).run()
-        except JaxscaleError as e:
-            fail(str(e))
-        except TransientError as e:
-            fail(f"{e} (transient: exit {TRANSIENT_EXIT_CODE}, retry with backoff)",
-                 TRANSIENT_EXIT_CODE)
+        except (JaxscaleError, TransientError) as e:
+            fail_with(e)
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
     finally:

@@ -33,6 +33,7 @@ import time
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -44,7 +45,8 @@ from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.config import validate
 from jaxscale.data import Input, check_splits, make_input
 from jaxscale.device_memory import check_fits, device_capacity, memory_line, memory_metrics
-from jaxscale.errors import ConfigError
+from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
+                             TransientError)
 from jaxscale.optim import make_optimizer
 from jaxscale.parallel.attention import check_implementation
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
@@ -59,6 +61,10 @@ from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
 from jaxscale.timing import RunClock, Speed, StepWindow, compare_hosts
 from jaxscale.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                               set_aside_earlier_start)
+
+
+# Room for a failing start-up check's message in the agreement; a longer one is cut.
+_AGREED_MESSAGE_BYTES = 4096
 
 
 def compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> str | None:
@@ -113,6 +119,46 @@ class CompilationCache:
     def _remove_staging(self) -> None:
         shutil.rmtree(self._staging, ignore_errors=True)
         self._staging = None
+
+
+@contextlib.contextmanager
+def agreed_checks():
+    """Runs a block of start-up checks, then makes its verdict every process's: when a check fails
+    on some processes (one host's disk, data or memory), all of them raise the error of the first
+    (lowest id) of those, of its kind (JaxscaleError: exit 2, TransientError: exit 75), after one
+    allgather. Without it the others would go on into the next collective and wait there until
+    the heartbeat timeout. The block must hold no collective: a process whose check failed skips
+    the rest of it."""
+    failure = None
+    try:
+        yield
+    except (JaxscaleError, TransientError) as e:
+        failure = e
+    if jax.process_count() == 1:
+        if failure is not None:
+            raise failure
+    elif (agreed := _first_failure(failure)) is not None:
+        raise agreed from failure
+
+
+def _first_failure(failure: JaxscaleError | TransientError | None) -> Exception | None:
+    """The error every process raises: the first failing process's, the same line on each (with
+    that process's id when not every process failed); None when all passed."""
+    kind = (0 if failure is None else
+            TRANSIENT_EXIT_CODE if isinstance(failure, TransientError) else USAGE_EXIT_CODE)
+    message = str(failure or "").encode()[:_AGREED_MESSAGE_BYTES]
+    mine = np.zeros(3 + _AGREED_MESSAGE_BYTES, np.uint8)  # kind, message length (2 bytes), message
+    mine[:3] = kind, len(message) // 256, len(message) % 256
+    mine[3:3 + len(message)] = np.frombuffer(message, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(mine))  # in process order
+    failed = [process for process, row in enumerate(rows) if row[0]]
+    if not failed:
+        return None
+    row = rows[failed[0]]
+    text = row[3:3 + 256 * int(row[1]) + int(row[2])].tobytes().decode(errors="replace")
+    if len(failed) < len(rows):
+        text = f"process {failed[0]} of {len(rows)}: {text}"
+    return (TransientError if row[0] == TRANSIENT_EXIT_CODE else JaxscaleError)(text)
 
 
 def devices_kind(mesh) -> str:
@@ -223,47 +269,57 @@ class Trainer:
         The start is checked whole before anything is written: the data, the eval split, the
         checkpoint folder, whether the checkpoint to resume from fits this config, and whether
         the compiled train step fits the devices' memory. Only then are the workdir's files, the
-        compilation cache and the checkpoint manager opened.
+        compilation cache and the checkpoint manager opened. Every process reaches the same
+        verdict (`agreed_checks`): a check that fails on one host stops them all, with its error.
         """
         config, t = self.config, self.config.train
         with contextlib.ExitStack() as stack:
-            train_input = stack.enter_context(
-                contextlib.closing(make_input(config, "train", self.batch_sharding)))
-            held_out = None
-            if t.eval_every:
-                check_splits(config, ("eval",))
-                held_out = stack.enter_context(
-                    contextlib.closing(HeldOut(config, self.batch_sharding)))
-            checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
-            checkpoints.check_writable()
-            if cache_dir := compilation_cache_dir(config, self.workdir):
-                check_writable(cache_dir, "checkpoint.compilation_cache_dir",
-                               "pass --config.checkpoint.compilation_cache_dir=<a folder you can "
-                               "write>, or --config.checkpoint.compilation_cache=False")
-            own, restored = self.restore(checkpoints, train_input)
-            if own is not None and own.meta["step"] >= t.steps:
-                self.say(f"the run in {self.workdir} is already complete at step "
-                         f"{own.meta['step']} (train.steps={t.steps}); to train it further, pass "
-                         f"--config.train.steps=<more than {own.meta['step']}>")
-                return latest_metrics(self.workdir)
-            if own is None and restored is not None and restored.train is not None \
-                    and restored.meta["step"] >= t.steps:
-                raise ConfigError(
-                    f"checkpoint.restore_from={config.checkpoint.restore_from!r} is at step "
-                    f"{restored.meta['step']}, not before train.steps={t.steps}; raise "
-                    "train.steps, or start from its parameters only with "
-                    "checkpoint.restore_params_only=True")
+            with agreed_checks():  # each process's own checks: no collective in this block
+                train_input = stack.enter_context(
+                    contextlib.closing(make_input(config, "train", self.batch_sharding)))
+                held_out = None
+                if t.eval_every:
+                    check_splits(config, ("eval",))
+                    held_out = stack.enter_context(
+                        contextlib.closing(HeldOut(config, self.batch_sharding)))
+                checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
+                checkpoints.check_writable()
+                if cache_dir := compilation_cache_dir(config, self.workdir):
+                    check_writable(cache_dir, "checkpoint.compilation_cache_dir",
+                                   "pass --config.checkpoint.compilation_cache_dir=<a folder you "
+                                   "can write>, or --config.checkpoint.compilation_cache=False")
+            # The restore is collective (every process reads its shards); nothing after it here
+            # is, so a process whose check fails skips the rest and goes to the agreement.
+            with agreed_checks():
+                own, restored = self.restore(checkpoints, train_input)
+                if own is not None and own.meta["step"] >= t.steps:
+                    self.say(f"the run in {self.workdir} is already complete at step "
+                             f"{own.meta['step']} (train.steps={t.steps}); to train it further, "
+                             f"pass --config.train.steps=<more than {own.meta['step']}>")
+                    return latest_metrics(self.workdir)  # once every process agrees
+                if own is None and restored is not None and restored.train is not None \
+                        and restored.meta["step"] >= t.steps:
+                    raise ConfigError(
+                        f"checkpoint.restore_from={config.checkpoint.restore_from!r} is at step "
+                        f"{restored.meta['step']}, not before train.steps={t.steps}; raise "
+                        "train.steps, or start from its parameters only with "
+                        "checkpoint.restore_params_only=True")
 
-            self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
-                     f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
-                     f"device(s), {jax.process_count()} process(es)")
-            if pipeline := config_pipeline(config, self.mesh.shape["pipeline"]):
-                self.say(pipeline.summary())
-            cache = stack.enter_context(contextlib.closing(CompilationCache(cache_dir)))
-            train_step, memory = self.compile_train_step()
-            capacity = device_capacity(self.local_devices, config.performance.device_memory_gib)
-            self.say(memory_line(memory, capacity))
-            check_fits(memory, capacity)
+                self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
+                         f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
+                         f"device(s), {jax.process_count()} process(es)")
+                if pipeline := config_pipeline(config, self.mesh.shape["pipeline"]):
+                    self.say(pipeline.summary())
+                cache = stack.enter_context(contextlib.closing(CompilationCache(cache_dir)))
+                train_step, memory = self.compile_train_step()
+                capacity = device_capacity(self.local_devices,
+                                           config.performance.device_memory_gib)
+                # Tests make one process's devices too small with
+                # JAXSCALE_TEST_FAIL_CHECK=<process>: its check_fits fails, the others' pass.
+                if os.environ.get("JAXSCALE_TEST_FAIL_CHECK") == str(jax.process_index()):
+                    capacity = (1, "JAXSCALE_TEST_FAIL_CHECK")
+                self.say(memory_line(memory, capacity))
+                check_fits(memory, capacity)
 
             # Every check has passed: from here on the run writes.
             if self.is_primary:

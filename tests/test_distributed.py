@@ -1,14 +1,19 @@
-"""Cluster detection from (fake) environments, and the rendezvous that names missing processes."""
+"""Cluster detection from (fake) environments and a fake sysfs, the rendezvous that names missing
+processes, and the guard that turns JAX's abort on a lost peer into exit status 75."""
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from jaxscale import distributed
+from jaxscale import distributed, rendezvous, tpu_host
 from jaxscale.distributed import ClusterSpec, detect, first_slurm_host
-from jaxscale.rendezvous import rendezvous
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.local import free_port_pair
 
 SLURM = {  # process 2 of a 4-node, one-process-per-node srun step
@@ -124,9 +129,53 @@ def test_initialize_without_a_cluster_is_single_and_idempotent(monkeypatch):
                 "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(distributed, "_joined", None)
-    monkeypatch.setattr(distributed, "_on_cloud_tpu_vm", lambda: False)
+    monkeypatch.setattr(distributed, "is_tpu_vm", lambda: False)
     assert distributed.initialize().mode == "single"
     assert distributed.initialize() is distributed.initialize()
+
+
+# --- TPU chips on the PCI bus ----------------------------------------------------------------
+
+
+def fake_pci_bus(root, devices: dict[str, tuple[str, str]]) -> str:
+    """A sysfs PCI device folder: slot -> (vendor, device), as the kernel writes them."""
+    for slot, (vendor, device) in devices.items():
+        os.makedirs(root / slot)
+        (root / slot / "vendor").write_text(f"{vendor}\n")
+        (root / slot / "device").write_text(f"{device}\n")
+    return str(root)
+
+
+def test_tpu_chips_are_counted_and_other_google_devices_are_not(tmp_path):
+    bus = fake_pci_bus(tmp_path, {
+        "0000:00:04.0": ("0x1ae0", "0x005e"), "0000:00:05.0": ("0x1ae0", "0x005e"),  # TPU v4
+        "0000:00:06.0": ("0x1ae0", "0x0042"),  # Google's gVNIC network card, on every GCE VM
+        "0000:00:07.0": ("0x8086", "0x005e"),  # another vendor's device with a TPU's number
+    })
+    assert tpu_host.tpu_chips(bus) == 2
+
+
+def test_no_pci_bus_in_sysfs_means_no_tpu(tmp_path):
+    assert tpu_host.tpu_chips(str(tmp_path / "absent")) == 0
+
+
+def test_an_unreadable_pci_device_fails_loudly(tmp_path):
+    bus = fake_pci_bus(tmp_path, {"0000:00:04.0": ("0x1ae0", "0x0062")})
+    os.remove(os.path.join(bus, "0000:00:04.0", "device"))
+    with pytest.raises(FileNotFoundError):
+        tpu_host.tpu_chips(bus)
+
+
+def test_every_tpu_that_jax_knows_is_known_here():
+    # jax._src is private, which is why tpu_host copies the list: this test, not a user's run,
+    # fails when JAX moves it or adds a TPU generation.
+    from jax._src import hardware_utils
+
+    assert set(hardware_utils._TPU_PCI_DEVICE_IDS) <= tpu_host.TPU_PCI_DEVICE_IDS
+    assert hardware_utils._GOOGLE_PCI_VENDOR_ID == tpu_host.GOOGLE_PCI_VENDOR_ID
+
+
+# --- the rendezvous ----------------------------------------------------------------------------
 
 
 def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
@@ -136,12 +185,12 @@ def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
 
     def one(process_id):
         count = num_processes if process_id == 0 else claimed_count or num_processes
-        spec = ClusterSpec("explicit", f"localhost:{port - 1}", count, process_id)
+        spec = ClusterSpec("explicit", f"localhost:{port}", count, process_id)
         try:
-            rendezvous(spec, time.monotonic() + timeout_s)
+            rendezvous.rendezvous(spec, time.monotonic() + timeout_s)
             results[process_id] = None
-        except JaxscaleError as e:
-            results[process_id] = str(e)
+        except (JaxscaleError, TransientError) as e:
+            results[process_id] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in ids]
     for t in threads:
@@ -152,27 +201,185 @@ def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
 
 
 def test_rendezvous_when_everyone_arrives():
-    port = free_port_pair() + 1
+    port = free_port_pair()
     assert _run_processes(3, [0, 1, 2], 10, port) == {0: None, 1: None, 2: None}
 
 
 def test_rendezvous_names_the_missing_process_instead_of_hanging():
-    port = free_port_pair() + 1
+    port = free_port_pair()
     start = time.monotonic()
     results = _run_processes(4, [0, 1, 3], 1.5, port)
     assert time.monotonic() - start < 10
-    assert "process(es) [2] never arrived" in results[0]
-    assert "[2] of 4 never arrived" in results[1] and "[2] of 4 never arrived" in results[3]
+    assert all(isinstance(results[i], TransientError) for i in (0, 1, 3)), results
+    assert "process(es) [2] never arrived" in str(results[0])
+    for peer in (1, 3):
+        assert "[2] of 4 never arrived" in str(results[peer])
 
 
 def test_rendezvous_names_an_absent_coordinator():
-    port = free_port_pair() + 1
-    results = _run_processes(2, [1], 1.0, port)
-    assert "could not reach process 0 (the coordinator)" in results[1]
+    port = free_port_pair()
+    error = _run_processes(2, [1], 1.0, port)[1]
+    assert isinstance(error, TransientError)
+    assert f"could not reach process 0 (the coordinator) at localhost:{port}" in str(error)
 
 
 def test_rendezvous_rejects_processes_that_disagree_on_the_count():
-    port = free_port_pair() + 1
+    port = free_port_pair()
     results = _run_processes(2, [0, 1], 5, port, claimed_count=3)
-    assert "process 1 expects 3 processes but process 0 expects 2" in results[0]
-    assert "expects 3 processes" in results[1]
+    assert isinstance(results[0], JaxscaleError) and isinstance(results[1], JaxscaleError)
+    assert "process 1 expects 3 processes but process 0 expects 2" in str(results[0])
+    assert "expects 3 processes" in str(results[1])
+
+
+def _connect_when_listening(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("localhost", port), timeout=1)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "the rendezvous never listened"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stranger_says", [b"", b"GET / HTTP/1.1\r\n\r\n"])
+def test_a_silent_or_foreign_connection_holds_up_nobody(stranger_says):
+    """A health check or port scanner connects first; the processes still meet at once, long
+    before the stranger's connection would time out."""
+    port = free_port_pair()
+    results = {}
+    coordinator = threading.Thread(
+        target=lambda: results.update(_run_processes(2, [0], 20, port)))
+    coordinator.start()
+    with _connect_when_listening(port) as stranger:
+        stranger.sendall(stranger_says)
+        start = time.monotonic()
+        results.update(_run_processes(2, [1], 20, port))
+        coordinator.join()
+        assert time.monotonic() - start < rendezvous.HELLO_TIMEOUT_S / 2
+    assert results == {0: None, 1: None}
+
+
+def test_a_peer_that_left_and_came_back_is_welcome():
+    """Process 1 reported, stopped (its connection closed) and was started again while process 0
+    waited for process 2: its new report is not taken for a second process claiming its id."""
+    port = free_port_pair()
+    results = {}
+    coordinator = threading.Thread(
+        target=lambda: results.update(_run_processes(3, [0], 20, port)))
+    coordinator.start()
+    with _connect_when_listening(port) as first_start:
+        first_start.sendall(f"{rendezvous.HELLO} 1 3\n".encode())
+    results.update(_run_processes(3, [1, 2], 20, port))
+    coordinator.join()
+    assert results == {0: None, 1: None, 2: None}
+
+
+def test_process_0_listens_where_jax_binds_its_coordinator(monkeypatch):
+    port = free_port_pair()
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", f"127.0.0.1:{port}")
+    assert _run_processes(2, [0, 1], 10, port) == {0: None, 1: None}
+    with rendezvous._listen(f"127.0.0.1:{port}") as server:
+        assert server.getsockname() == ("127.0.0.1", port)
+    with rendezvous._listen(f"[::]:{port}") as server:  # JAX's default: every interface
+        assert server.family == socket.AF_INET6 and server.getsockname()[0] == "::"
+
+
+def test_a_coordinator_port_in_use_is_transient():
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(TransientError, match=f"cannot listen on the coordinator port {port}"):
+            rendezvous._listen(f"[::]:{port}")
+
+
+# --- the guard ---------------------------------------------------------------------------------
+
+EXPLICIT_1 = ClusterSpec("explicit", "127.0.0.1:1234", 2, 1)
+# What jaxlib 0.10.2 writes when the coordination service finds a peer dead, then aborts.
+JAX_ABORT = r"""E1124 08:20:34.749765   10373 coordination_service_agent.cc:289] Polled an error from coordination service (this can be an error from this or another task).
+F1124 08:20:34.749906   10373 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details. Disable Python buffering, i.e. `python -u`, to be sure to see all the previous output. absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+0
+The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further.
+
+RPC: /xla.coordination.CoordinationService/PollForError [type.googleapis.com/tensorflow.CoordinationServiceError='']
+*** Check failure stack trace: ***
+    @     0x7f177fa40634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+"""
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_jax_aborting_the_child_for_a_lost_peer_is_transient(capfd):
+    child = _python(f"import os, sys; sys.stderr.write({JAX_ABORT!r}); sys.stderr.flush(); "
+                    "os.abort()")
+    with pytest.raises(TransientError) as raised:
+        distributed.guard(child, EXPLICIT_1)
+    assert str(raised.value) == (
+        "process 1 stopped: JAX's distributed service reported UNAVAILABLE: The following tasks "
+        "are unhealthy (stopped sending heartbeats): 0 The tasks have crashed. Check the task "
+        "logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug "
+        "further.; the run lost a process or its coordinator: start every process again to "
+        "resume from the last checkpoint")
+    stderr = capfd.readouterr().err
+    assert "Polled an error from coordination service" in stderr  # what came before is shown
+    assert "Terminating process" not in stderr and "SendToLog" not in stderr
+
+
+def test_the_guard_exits_as_its_child_does():
+    assert distributed.guard(_python("import sys; sys.exit(42)"), EXPLICIT_1) == 42
+
+
+GUARD = ("import sys; from jaxscale import distributed\n"
+         "spec = distributed.ClusterSpec('explicit', '127.0.0.1:1234', 2, 1)\n"
+         "sys.exit(distributed.guard(sys.argv[1:], spec))")
+
+
+def _guarded(child_code: str) -> subprocess.Popen:
+    """A guard process running `child_code`, whose first line of output (stdout) is waited for."""
+    guard = subprocess.Popen([*_python(GUARD), *_python(child_code)], stdout=subprocess.PIPE,
+                             text=True)
+    guard.first_line = guard.stdout.readline()
+    return guard
+
+
+def test_a_sigterm_to_the_guard_reaches_the_child_once():
+    guard = _guarded("import signal, sys, time\n"
+                     "signal.signal(signal.SIGTERM, lambda *_: (print('TERM'), sys.exit(42)))\n"
+                     "print('ready', flush=True); time.sleep(60)")
+    guard.send_signal(signal.SIGTERM)
+    assert guard.communicate(timeout=30)[0] == "TERM\n"
+    assert guard.returncode == 42
+
+
+def test_a_child_killed_by_a_signal_kills_the_guard_with_it():
+    guard = _guarded("import os, signal; print('ready', flush=True); "
+                     "os.kill(os.getpid(), signal.SIGKILL)")
+    assert guard.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_kill_9_of_the_guard_takes_the_child_with_it():
+    guard = _guarded("import os, time; print(os.getpid(), flush=True); time.sleep(60)")
+    child = int(guard.first_line)
+    guard.kill()
+    guard.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the child outlived its guard"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_only_processes_that_join_others_are_guarded(monkeypatch):
+    monkeypatch.delenv(distributed.GUARDED_ENV, raising=False)
+    assert not distributed.needs_guard(ClusterSpec("single", None, 1, 0))
+    assert distributed.needs_guard(EXPLICIT_1)
+    monkeypatch.setenv(distributed.GUARDED_ENV, "1")  # the guarded child itself
+    assert not distributed.needs_guard(EXPLICIT_1)

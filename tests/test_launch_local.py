@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jaxscale.errors import RESTART_EXIT_CODE
+from jaxscale.errors import RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE
 from jaxscale.launch.local import Launcher, free_port_pair, process_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,11 +87,11 @@ def test_kill_9_without_a_launcher_ends_the_survivor_within_the_heartbeat_timeou
     procs[victim].wait()
 
 
-def test_a_process_that_never_arrives_is_named():
+def test_a_process_that_never_arrives_is_named_and_the_start_is_retried():
     env = process_env(dict(os.environ), 0, 2, 1, free_port_pair())
     result = subprocess.run([*CHECK, "--init_timeout_s=2"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
+    assert result.returncode == TRANSIENT_EXIT_CODE  # a peer that never came: infrastructure
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: process 0 waited for the other 1 processes until the timeout, but process(es) "
         "[1] never arrived")
@@ -131,6 +131,46 @@ def test_launcher_stops_the_others_when_one_fails(capsys):
     err = capsys.readouterr().err
     assert "process 1 exited with status 3; stopping the others" in err
     assert "error: process 1 exited with status 3; all 2 processes have stopped" in err
+
+
+def _exit_after(seconds: float, status: int) -> list[str]:
+    return _python(f"import sys, time; time.sleep({seconds}); sys.exit({status})")
+
+
+def test_processes_that_all_exit_75_make_the_run_75_after_waiting_for_each_other(capsys):
+    launcher = Launcher([_exit_after(0, TRANSIENT_EXIT_CODE), _exit_after(1, TRANSIENT_EXIT_CODE)],
+                        [dict(os.environ)] * 2, grace_s=30)
+    assert launcher.wait() == TRANSIENT_EXIT_CODE  # process 1 was not stopped: it had 30 s
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["launch.local: process 0 exited with status 75 (transient "
+                                "failure, retry); waiting up to 30 s for the others"]
+
+
+# Each row: (seconds before it exits, its status) per process; the launcher's status; the process
+# the error line names. A later, more decisive status wins over an earlier one.
+@pytest.mark.parametrize("processes, verdict, named", [
+    ([(0, 75), (0.5, 1)], 1, 1),  # a crash is why the others saw a transient failure
+    ([(0, 75), (0.5, 42)], 75, 0),  # transient over preempted
+    ([(0, 75), (0.5, 2)], 2, 1),  # a usage error is never retried
+    ([(0, 42), (0.5, -signal.SIGKILL)], 128 + signal.SIGKILL, 1),  # a signal is a crash
+])
+def test_the_run_ends_with_the_most_decisive_status_of_its_processes(
+        capsys, processes, verdict, named):
+    commands = [_python(f"import os, signal, time; time.sleep({delay}); os.kill(os.getpid(), "
+                        f"{-status})") if status < 0 else _exit_after(delay, status)
+                for delay, status in processes]
+    launcher = Launcher(commands, [dict(os.environ)] * 2, grace_s=30)
+    assert launcher.wait() == verdict
+    assert f"error: process {named} " in capsys.readouterr().err
+
+
+def test_a_process_the_launcher_killed_has_no_say_in_the_verdict(capsys):
+    # Process 1 never reaches the others' verdict: killed after the grace period, its SIGKILL
+    # is the launcher's doing, not a crash of the run.
+    launcher = Launcher([_exit_after(0, TRANSIENT_EXIT_CODE), _exit_after(60, 0)],
+                        [dict(os.environ)] * 2, grace_s=0.5)
+    assert launcher.wait() == TRANSIENT_EXIT_CODE
+    assert "processes still running after 0.5 s; killing them" in capsys.readouterr().err
 
 
 GLOO_LINE = ("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks "

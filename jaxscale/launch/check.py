@@ -16,8 +16,9 @@ import time
 
 from jaxscale import distributed
 from jaxscale.cli import fail
-from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError
+from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser, nonnegative_float, positive
+from jaxscale.train import fail_with
 
 
 def make_parser() -> ArgumentParser:
@@ -49,8 +50,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     try:
         distributed.initialize(args.init_timeout_s, args.heartbeat_timeout_s)
-    except JaxscaleError as e:
-        fail(str(e))
+    except (JaxscaleError, TransientError) as e:  # a peer that never came: 75, as in training
+        fail_with(e)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -9,9 +9,17 @@ JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jaxscale.distribut
 and use gloo for cross-process collectives. Each output line is prefixed with its process id;
 gloo's `[Gloo] Rank N is connected to M peer ranks` lines are hidden unless `--verbose`.
 
-If a process fails, the others are stopped (SIGTERM, then SIGKILL after --grace_s) and the launcher
-exits with that process's status; if every process exits with RESTART_EXIT_CODE (a coordinated
-preemption), so does the launcher.
+If a process crashes or exits 2, the others are stopped (SIGTERM, then SIGKILL after --grace_s).
+A process that exits 42 (preempted) or 75 (transient failure) reports a verdict every process
+reaches: the others get --grace_s to reach it too before they are killed.
+
+The launcher's exit status is the run's verdict, read from the processes that ended on their own
+(not those it stopped): the most decisive status any of them gave, in this order: 2 (a usage error:
+nothing may retry it), a crash (any other status or a signal: it uses up a crash budget), 130
+(interrupted), 75 (transient), 42 (preempted), 0; among equals, the first to end. So a process
+that crashed while the others exited 75 because their peer was gone makes the run a crash, as the
+crashed pod does on GKE: the 75s are what the survivors saw, the crash is why, and a crash that
+repeats must use up `jaxscale.supervise`'s --max_restarts rather than be retried forever.
 
 Signals: the processes run in sessions of their own, so a Ctrl-C in the terminal reaches the
 launcher only. The first SIGTERM or SIGINT it gets is passed on to every process, once (a SIGTERM:
@@ -34,8 +42,9 @@ import sys
 import threading
 import time
 
-from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, describe_exit,
-                             interrupted, shell_exit_status)
+from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE,
+                             USAGE_EXIT_CODE, describe_exit, interrupted, is_crash,
+                             shell_exit_status)
 from jaxscale.launch.cli import (ArgumentParser, StopRequest, check_train_args, nonnegative,
                                  nonnegative_float, parse_launcher_args, positive)
 
@@ -120,6 +129,18 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
     }
 
 
+def decisiveness(status: int) -> int:
+    """How much a process's status says about the run: the verdict is the most decisive one (the
+    module docstring gives the order and why)."""
+    if status == USAGE_EXIT_CODE:
+        return 5
+    if is_crash(status):
+        return 4
+    if interrupted(status):
+        return 3
+    return {TRANSIENT_EXIT_CODE: 2, RESTART_EXIT_CODE: 1}.get(status, 0)
+
+
 # The gloo lines every process prints once its collectives are connected; shown with --verbose.
 GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
@@ -138,6 +159,8 @@ class Launcher:
         self.stop = StopRequest()
         self.procs: list[subprocess.Popen] = []
         self.delivered: list[set[int]] = []  # signals already sent to each process
+        self.ended: list[int] = []  # the processes that have exited, in the order seen
+        self.stopped: set[int] = set()  # the processes the launcher signalled on its own
         self.pumps: list[threading.Thread] = []
         for cmd, env in zip(commands, envs):
             self.delivered.append(set())
@@ -183,12 +206,17 @@ class Launcher:
             except ProcessLookupError:
                 pass  # it exited since; wait() collects its status
 
-    def signal_all(self, signum: int) -> None:
-        for p in self.procs:
-            self._send(p, signum)
+    def stop_the_others(self, signum: int) -> None:
+        """Sends `signum` to every process still running; what they then exit with is the
+        launcher's doing, not a verdict of theirs."""
+        for i, p in enumerate(self.procs):
+            if p.returncode is None:
+                self.stopped.add(i)
+                self._send(p, signum)
 
     def running(self) -> bool:
         statuses = [p.poll() for p in self.procs]  # poll each one; any() would stop at the first
+        self.ended += [i for i, s in enumerate(statuses) if s is not None and i not in self.ended]
         return None in statuses
 
     def _expected(self, code: int) -> bool:
@@ -208,14 +236,14 @@ class Launcher:
             if failure is None and (failure := self.first_failure()) is not None:
                 i, code = failure
                 kill_at = time.monotonic() + self.grace_s
-                if code == RESTART_EXIT_CODE:
-                    # A coordinated preemption: the others are saving the same step and exit on
-                    # their own; they get the grace period to do it.
+                if code in (RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE):
+                    # A verdict every process reaches (a coordinated preemption saving the same
+                    # step; a failure they all saw): the others get the grace period to reach it.
                     self.say(f"process {i} {describe_exit(code)}; waiting up to "
                              f"{self.grace_s:g} s for the others")
                 else:
                     self.say(f"process {i} {describe_exit(code)}; stopping the others")
-                    self.signal_all(signal.SIGTERM)
+                    self.stop_the_others(signal.SIGTERM)
             elif kill_at == float("inf") and any(
                     p.returncode is not None and interrupted(p.returncode) for p in self.procs):
                 # After a Ctrl-C the processes stop at the same step; one has: the others get the
@@ -223,7 +251,7 @@ class Launcher:
                 kill_at = time.monotonic() + self.grace_s
             elif time.monotonic() > kill_at and not self.stop.killed:
                 self.say(f"processes still running after {self.grace_s:g} s; killing them")
-                self.signal_all(signal.SIGKILL)
+                self.stop_the_others(signal.SIGKILL)
                 kill_at = float("nan")  # never again (nan compares false)
             time.sleep(POLL_S)
         for t in self.pumps:
@@ -233,16 +261,18 @@ class Launcher:
             self.say(f"second Ctrl-C: killed all {len(codes)} processes at once, without saving; "
                      "run the same command again to resume from the last checkpoint")
             return INTERRUPTED_EXIT_CODE
-        if all(c == RESTART_EXIT_CODE for c in codes):
-            return RESTART_EXIT_CODE
-        failure = failure or self.first_failure()  # the last process to exit may be the only one
-        if failure is None and any(interrupted(c) for c in codes):
+        # Never empty: the launcher stops processes only after one has ended on its own.
+        own = [i for i in self.ended if i not in self.stopped]
+        i = max(own, key=lambda i: decisiveness(codes[i]))  # the first of the most decisive
+        code = codes[i]
+        if code == 0:
+            return 0
+        if self._expected(code):
             self.say(f"interrupted (Ctrl-C); all {len(codes)} processes have stopped; run the "
                      "same command again to resume")
             return INTERRUPTED_EXIT_CODE
-        if failure is None:
-            return 0
-        i, code = failure
+        if code in (RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE) and all(codes[j] == code for j in own):
+            return code  # the verdict they all reached; each process has said why
         print(f"error: process {i} {describe_exit(code)}; all {len(codes)} processes have "
               "stopped", file=sys.stderr)
         return shell_exit_status(code)
