@@ -26,7 +26,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxscale.config import Number, check_schema
-from jaxscale.errors import USAGE_EXIT_CODE, ConfigError, JaxscaleError
+from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
+                             TransientError)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
@@ -38,6 +39,15 @@ def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
     `exit_code`: 75 for a transient failure)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(exit_code)
+
+
+def fail_with(error: JaxscaleError | TransientError) -> NoReturn:
+    """One `error: ...` line, and the exit status that says what to do next: 2 for the user's
+    mistake, 75 for a transient failure of the infrastructure."""
+    if isinstance(error, TransientError):
+        fail(f"{error} (transient: exit {TRANSIENT_EXIT_CODE}, retry with backoff)",
+             TRANSIENT_EXIT_CODE)
+    fail(str(error))
 
 
 @dataclasses.dataclass(frozen=True)

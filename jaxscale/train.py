@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import NoReturn
 
-from jaxscale.cli import fail, parse_train_flags
-from jaxscale.errors import (INTERRUPTED_EXIT_CODE, TRANSIENT_EXIT_CODE, JaxscaleError,
-                             TransientError)
+from jaxscale.cli import fail_with, parse_train_flags
+from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
+
 
 def _stop_at_once(signum, frame) -> None:
     # Outside the training loop (start-up checks, imports, the final clean-up) nothing is left to
@@ -27,14 +26,6 @@ def _stop_at_once(signum, frame) -> None:
     print("\ninterrupted: stopped at once, outside the training loop (nothing more to save)",
           file=sys.stderr, flush=True)
     os._exit(INTERRUPTED_EXIT_CODE)
-
-
-def fail_with(error: JaxscaleError | TransientError) -> NoReturn:
-    """One `error: ...` line, and the exit status that says what to do next (2 or 75)."""
-    if isinstance(error, TransientError):
-        fail(f"{error} (transient: exit {TRANSIENT_EXIT_CODE}, retry with backoff)",
-             TRANSIENT_EXIT_CODE)
-    fail(str(error))
 
 
 def main(argv: list[str]) -> None:

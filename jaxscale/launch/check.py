@@ -15,10 +15,9 @@ import sys
 import time
 
 from jaxscale import distributed
-from jaxscale.cli import fail
+from jaxscale.cli import fail, fail_with
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser, nonnegative_float, positive
-from jaxscale.train import fail_with
 
 
 def make_parser() -> ArgumentParser:
