@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -87,13 +88,21 @@ class CompilationCache:
     step's compile, which comes before the run may write: until `open()`, JAX's cache is a
     temporary folder that reads the programs in `cache_dir` (through links) and takes the new
     ones; `open()`, once the run writes, moves the new ones into `cache_dir`. A start that stops
-    before writing leaves `cache_dir` as it was, or not made."""
+    before writing leaves `cache_dir` as it was, or not made.
+
+    The temporary folder's path is the same at every start of the run (per process): JAX writes
+    the cache folder into the compile options (XLA's autotune cache lives under it), so the
+    programs' cache keys contain it, and a random path would make every restart recompile."""
 
     def __init__(self, cache_dir: str | None):
         self.cache_dir = cache_dir
         self._staging = None
         if cache_dir:
-            self._staging = tempfile.mkdtemp(prefix="jaxscale_compilation_cache_")
+            run = hashlib.sha256(os.path.abspath(cache_dir).encode()).hexdigest()[:16]
+            self._staging = os.path.join(tempfile.gettempdir(), "jaxscale_compilation_cache",
+                                         f"{run}-{jax.process_index()}")
+            shutil.rmtree(self._staging, ignore_errors=True)  # left by a start that crashed
+            os.makedirs(self._staging)
             if os.path.isdir(cache_dir):  # a restart reads the programs compiled before
                 for name in os.listdir(cache_dir):
                     os.symlink(os.path.abspath(os.path.join(cache_dir, name)),

@@ -10,7 +10,7 @@ import pytest
 
 from jaxscale.trainer import Trainer
 from jaxscale.workdir import latest_metrics
-from tests.helpers import small_config
+from tests.helpers import resumable_cli_losses, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,3 +99,17 @@ def test_a_fresh_start_over_metrics_without_a_checkpoint_sets_them_aside(tmp_pat
 def test_a_torn_metrics_line_does_not_hide_the_others(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 3.5}\n{"step": 4, "lo')
     assert latest_metrics(str(tmp_path)) == {"step": 2, "loss": 3.5}
+
+
+@pytest.mark.slow
+def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
+    """A second start of the same program compiles no train step: its cache key is the first
+    start's (the cache's staging folder, which JAX writes into the compile options, has one
+    path). Two workdirs share the cache, so both starts compile the very same program."""
+    cache = tmp_path / "cache"
+    flags = {"checkpoint.compilation_cache": True, "checkpoint.compilation_cache_dir": cache}
+    resumable_cli_losses(tmp_path / "first", 2, **flags)
+    train_steps = {name for name in os.listdir(cache) if "train_step" in name}
+    assert train_steps  # the first start wrote its program
+    resumable_cli_losses(tmp_path / "second", 2, **flags)
+    assert {name for name in os.listdir(cache) if "train_step" in name} == train_steps
