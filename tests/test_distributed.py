@@ -14,7 +14,7 @@ import pytest
 from jaxscale import distributed, rendezvous, tpu_host
 from jaxscale.distributed import ClusterSpec, detect, first_slurm_host
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.launch.local import free_port_pair
+from jaxscale.launch.local import free_port
 
 SLURM = {  # process 2 of a 4-node, one-process-per-node srun step
     "SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "gpu[003-006]", "SLURM_STEP_NUM_NODES": "4",
@@ -201,12 +201,12 @@ def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
 
 
 def test_rendezvous_when_everyone_arrives():
-    port = free_port_pair()
+    port = free_port()
     assert _run_processes(3, [0, 1, 2], 10, port) == {0: None, 1: None, 2: None}
 
 
 def test_rendezvous_names_the_missing_process_instead_of_hanging():
-    port = free_port_pair()
+    port = free_port()
     start = time.monotonic()
     results = _run_processes(4, [0, 1, 3], 1.5, port)
     assert time.monotonic() - start < 10
@@ -217,14 +217,14 @@ def test_rendezvous_names_the_missing_process_instead_of_hanging():
 
 
 def test_rendezvous_names_an_absent_coordinator():
-    port = free_port_pair()
+    port = free_port()
     error = _run_processes(2, [1], 1.0, port)[1]
     assert isinstance(error, TransientError)
     assert f"could not reach process 0 (the coordinator) at localhost:{port}" in str(error)
 
 
 def test_rendezvous_rejects_processes_that_disagree_on_the_count():
-    port = free_port_pair()
+    port = free_port()
     results = _run_processes(2, [0, 1], 5, port, claimed_count=3)
     assert isinstance(results[0], JaxscaleError) and isinstance(results[1], JaxscaleError)
     assert "process 1 expects 3 processes but process 0 expects 2" in str(results[0])
@@ -245,7 +245,7 @@ def _connect_when_listening(port: int) -> socket.socket:
 def test_a_silent_or_foreign_connection_holds_up_nobody(stranger_says):
     """A health check or port scanner connects first; the processes still meet at once, long
     before the stranger's connection would time out."""
-    port = free_port_pair()
+    port = free_port()
     results = {}
     coordinator = threading.Thread(
         target=lambda: results.update(_run_processes(2, [0], 20, port)))
@@ -262,7 +262,7 @@ def test_a_silent_or_foreign_connection_holds_up_nobody(stranger_says):
 def test_a_peer_that_left_and_came_back_is_welcome():
     """Process 1 reported, stopped (its connection closed) and was started again while process 0
     waited for process 2: its new report is not taken for a second process claiming its id."""
-    port = free_port_pair()
+    port = free_port()
     results = {}
     coordinator = threading.Thread(
         target=lambda: results.update(_run_processes(3, [0], 20, port)))
@@ -275,7 +275,7 @@ def test_a_peer_that_left_and_came_back_is_welcome():
 
 
 def test_process_0_listens_where_jax_binds_its_coordinator(monkeypatch):
-    port = free_port_pair()
+    port = free_port()
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", f"127.0.0.1:{port}")
     assert _run_processes(2, [0, 1], 10, port) == {0: None, 1: None}
     with rendezvous._listen(f"127.0.0.1:{port}") as server:

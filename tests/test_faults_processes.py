@@ -13,7 +13,7 @@ import time
 import pytest
 
 from jaxscale.errors import TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE
-from jaxscale.launch.local import free_port_pair, process_env
+from jaxscale.launch.local import free_port, process_env
 from tests.helpers import REPO
 from tests.test_launch_training import SMALL, STEPS, children, losses
 from tests.test_memory_check import listing
@@ -67,7 +67,7 @@ def reference(tmp_path_factory):
     """An uninterrupted run in which process 1 starts 20 s after process 0; later runs take its
     compiled programs from its compilation cache. Returns (workdir, its processes' output)."""
     workdir = tmp_path_factory.mktemp("reference")
-    port = free_port_pair()
+    port = free_port()
     first = start(0, workdir, port)
     time.sleep(LATE_S)
     late = start(1, workdir, port)
@@ -93,7 +93,7 @@ def test_a_start_up_check_failing_on_one_process_stops_both_with_its_line(refere
         shutil.copytree(reference_dir / "checkpoints" / step, tmp_path / "checkpoints" / step)
     before = listing(tmp_path)
     cache_before = listing(reference_dir / "compilation_cache")
-    port = free_port_pair()
+    port = free_port()
     procs = [start(i, tmp_path, port, cached(reference_dir),
                    env={"JAXSCALE_TEST_FAIL_CHECK": "1"}) for i in (0, 1)]
     ended, deadline = {}, time.monotonic() + 120
@@ -131,7 +131,7 @@ def kill_9_mid_run(victim: int, workdir, reference_dir, within_s: float) -> dict
     """Trains in `workdir` and kills process `victim`'s trainer at step 7, once checkpoint 4 is
     saved; asserts that the survivor exits 75 within `within_s` with one error line, and that the
     checkpoints saved before the kill are untouched. Returns them."""
-    port = free_port_pair()
+    port = free_port()
     # Process 1 sleeps 0.5 s a step, so the kill lands mid-run.
     procs = [start(i, workdir, port, cached(reference_dir),
                    env={"JAXSCALE_TEST_SLOW_HOST": "1:0.5"}) for i in (0, 1)]
@@ -161,7 +161,7 @@ def test_kill_9_of_a_process_ends_the_other_with_75_and_a_restart_resumes(refere
     reference_dir = reference[0]
     # JAX notices the silence after the heartbeat timeout.
     before = kill_9_mid_run(1, tmp_path, reference_dir, within_s=HEARTBEAT_S + 30)
-    port = free_port_pair()
+    port = free_port()
     restarted = [start(i, tmp_path, port, cached(reference_dir)) for i in (0, 1)]
     outputs = [p.communicate(timeout=300) for p in restarted]
     assert [p.returncode for p in restarted] == [0, 0], outputs[0][1][-3000:]
@@ -186,7 +186,7 @@ def test_kill_9_of_the_coordinator_ends_the_other_with_75_at_once(reference, tmp
 def test_a_peer_or_coordinator_that_never_starts_is_named_and_transient(tmp_path, alone,
                                                                         message):
     init_timeout_s = 5
-    port = free_port_pair()
+    port = free_port()
     started = time.monotonic()
     process = start(alone, tmp_path / "run", port,
                     f"--config.distributed.init_timeout_s={init_timeout_s}")

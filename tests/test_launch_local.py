@@ -14,7 +14,7 @@ import time
 import pytest
 
 from jaxscale.errors import RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE
-from jaxscale.launch.local import Launcher, free_port_pair, process_env
+from jaxscale.launch.local import Launcher, free_port, process_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = [sys.executable, "-m", "jaxscale.launch.local"]
@@ -68,7 +68,7 @@ def test_kill_9_of_one_process_stops_the_others_within_the_grace_period():
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_kill_9_without_a_launcher_ends_the_survivor_within_the_heartbeat_timeout(victim):
-    port = free_port_pair()
+    port = free_port()
     procs = [subprocess.Popen(
         [*CHECK, "--steps=1000", "--interval_s=0.2", f"--heartbeat_timeout_s={HEARTBEAT_S}"],
         cwd=REPO, env=process_env(dict(os.environ), i, 2, 2, port), stdout=subprocess.PIPE,
@@ -88,7 +88,7 @@ def test_kill_9_without_a_launcher_ends_the_survivor_within_the_heartbeat_timeou
 
 
 def test_a_process_that_never_arrives_is_named_and_the_start_is_retried():
-    env = process_env(dict(os.environ), 0, 2, 1, free_port_pair())
+    env = process_env(dict(os.environ), 0, 2, 1, free_port())
     result = subprocess.run([*CHECK, "--init_timeout_s=2"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == TRANSIENT_EXIT_CODE  # a peer that never came: infrastructure
@@ -214,7 +214,7 @@ def test_each_process_gets_its_own_device_count_and_identity():
      "--module) go after --, e.g. python -m jaxscale.launch.local --processes=2 -- "
      "--config=configs/tiny.py"),
     (["--grace_s=-1"], "argument --grace_s: -1 must be >= 0"),
-    (["--port=65535"], "argument --port: 65535 is too large"),
+    (["--port=65536"], "argument --port: 65536 is too large"),
 ])
 def test_bad_input_is_one_error_line_before_anything_starts(args, message):
     result = run([*LAUNCH, *args], timeout=60)

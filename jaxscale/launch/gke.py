@@ -213,8 +213,7 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         "env": [{"name": k, "value": v} for k, v in env.items()] + [
             {"name": "JOB_INDEX", "valueFrom": {"fieldRef": {
                 "fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}}],
-        "ports": [{"containerPort": GKE_COORDINATOR_PORT, "name": "coordinator"},
-                  {"containerPort": GKE_COORDINATOR_PORT + 1, "name": "rendezvous"}],
+        "ports": [{"containerPort": GKE_COORDINATOR_PORT, "name": "coordinator"}],
         # CPU and memory: requests only. Kueue's quotas and the scheduler count them, and they
         # keep the pod out of the BestEffort class that is evicted first; a CPU limit would
         # throttle the input pipeline and a memory limit would OOM-kill a save's peak.

@@ -69,8 +69,7 @@ def make_parser() -> ArgumentParser:
                         help="Seconds the other processes get to exit, after one has stopped, "
                              "before they are killed (default 10).")
     parser.add_argument("--port", type=port_number, default=0,
-                        help="Coordinator port; the rendezvous uses port + 1 (default 0: pick "
-                             "free ones).")
+                        help="Coordinator port (default 0: pick a free one).")
     parser.add_argument("--verbose", action="store_true",
                         help="Also show the processes' gloo connection messages "
                              "([Gloo] Rank ...), hidden by default.")
@@ -78,11 +77,11 @@ def make_parser() -> ArgumentParser:
 
 
 def port_number(text: str) -> int:
-    """argparse type: 0 (pick one) or a port that leaves room for port + 1."""
+    """argparse type: 0 (pick one) or a port."""
     port = nonnegative(text)
-    if port > 65534:
-        raise argparse.ArgumentTypeError(f"{port} is too large; pass a port <= 65534 (port + 1 "
-                                         "is the rendezvous), or 0 to pick free ones")
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{port} is too large; pass a port <= 65535, or 0 to "
+                                         "pick a free one")
     return port
 
 
@@ -91,24 +90,11 @@ def parse_args(argv: list[str]):
     return parse_launcher_args(make_parser(), argv, "jaxscale.train (or --module)")
 
 
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 (the rendezvous) are both free right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535 and _is_free(port) and _is_free(port + 1):
-            return port
-    raise RuntimeError("found no two adjacent free ports on 127.0.0.1")
-
-
-def _is_free(port: int) -> bool:
+def free_port() -> int:
+    """A port that is free on 127.0.0.1 right now (the coordinator's)."""
     with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def process_env(base: dict[str, str], process_id: int, num_processes: int, devices: int,
@@ -299,7 +285,7 @@ def main(argv: list[str]) -> int:
     args, module_args = parse_args(argv)
     if args.module == "jaxscale.train":
         check_train_args(module_args, args.processes * args.devices_per_process, args.processes)
-    port = args.port or free_port_pair()
+    port = args.port or free_port()
     commands = [[sys.executable, "-m", args.module, *module_args]] * args.processes
     envs = [process_env(dict(os.environ), i, args.processes, args.devices_per_process, port)
             for i in range(args.processes)]
