@@ -11,6 +11,7 @@ Only process 0 writes these files; every process writes its own checkpoint shard
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -19,18 +20,33 @@ import time
 import ml_collections
 
 from jaxscale.config import default_config
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, TransientError
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 # What a start from step 0 sets aside when an earlier start left them but no checkpoint.
 _EARLIER_START_FILES = (METRICS_FILE, "tensorboard", "run.json")
+# Write errors only the user can resolve: permissions, a read-only mount, a folder that cannot hold
+# files (/proc), a file where a folder belongs, a bad name. Any other (EIO, ENOSPC, EDQUOT, a
+# timeout) is the storage failing for now.
+_USER_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+                          errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP})
+
+
+def storage_error(error: OSError, what: str, fix: str) -> ConfigError | TransientError:
+    """The error to raise when `error` made `what` fail (`what` says so, with the reason): a
+    ConfigError ending in `fix` when the user must change something, else a TransientError (exit
+    75: retried with backoff)."""
+    if error.errno in _USER_ERRNOS:
+        return ConfigError(f"{what}; {fix}")
+    return TransientError(f"{what}: the storage is failing")
 
 
 def check_writable(path: str, what: str, fix: str) -> None:
     """ConfigError unless `path` is a folder, or could be created as one, that this process may
-    write. Leaves nothing behind: the probe is a file made and removed in the nearest folder that
-    exists (permissions alone do not tell, e.g. for root or read-only mounts)."""
+    write (TransientError when the storage fails to say). Leaves nothing behind: the probe is a
+    file made and removed in the nearest folder that exists (permissions alone do not tell, e.g.
+    for root or read-only mounts)."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -42,8 +58,8 @@ def check_writable(path: str, what: str, fix: str) -> None:
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"{what} {path!r} cannot be written ({e.strerror} in {existing!r}); "
-                          f"{fix}") from None
+        raise storage_error(e, f"{what} {path!r} cannot be written ({e.strerror} in "
+                               f"{existing!r})", fix) from None
 
 
 def check_workdir(workdir: str) -> None:

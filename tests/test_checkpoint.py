@@ -1,6 +1,7 @@
 """Checkpoints in one process: round trips on and across meshes, damaged checkpoints, bad input,
 the save schedule and retention, non-finite steps."""
 
+import errno
 import json
 import logging
 import os
@@ -115,21 +116,24 @@ def test_damaged_newest_checkpoint_is_set_aside_with_a_warning(saved, tmp_path, 
     with caplog.at_level(logging.WARNING), Checkpoints(config, str(tmp_path)) as checkpoints:
         restored = checkpoints.restore_newest(trainer.abstract_state)
     assert restored.meta["step"] == 1
-    assert any(f"{tmp_path}/checkpoints/2 is incomplete or corrupt" in r.getMessage()
-               for r in caplog.records)
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert names[0] == "1" and names[1].startswith("2.corrupt-"), names
+    assert any(f"checkpoint {tmp_path}/checkpoints/2 is damaged" in r.getMessage()
+               and f"renamed {names[1]}" in r.getMessage() for r in caplog.records)
 
 
-def test_a_run_with_only_damaged_checkpoints_stops_rather_than_start_over(saved, tmp_path):
+def test_a_run_with_only_damaged_checkpoints_stops_and_renames_none(saved, tmp_path):
     copy_of(saved, "fsdp8", tmp_path)
     config = make_config(**FSDP8)
     trainer = Trainer(config, str(tmp_path))
     damage(tmp_path / "checkpoints" / "1", "truncate")
     damage(tmp_path / "checkpoints" / "2", "delete")
+    before = listing(tmp_path)
     with Checkpoints(config, str(tmp_path)) as checkpoints:
-        with pytest.raises(JaxscaleError, match=r"none of the checkpoints \[2, 1\]"):
+        with pytest.raises(JaxscaleError, match=r"every checkpoint in .* is damaged \(2: .*; 1: "
+                                                r".*\); none was renamed"):
             checkpoints.restore_newest(trainer.abstract_state)
+    assert listing(tmp_path) == before
 
 
 def listing(workdir):
@@ -379,3 +383,86 @@ def test_restore_from_a_relative_path(saved, tmp_path, monkeypatch, mlp_dim, mes
         else:
             with pytest.raises(ConfigError, match=message):
                 trainer.restore(checkpoints, train_input)
+
+
+def on_two_processes(monkeypatch, first, second):
+    """How `_agreed` ends on process 1 of 2 (faked: the gather is two rows) when process 0 ran
+    `first` and process 1 `second`: the agreed outcome, or what process 1 raises."""
+    from jax.experimental import multihost_utils
+
+    from jaxscale.checkpoint import manager
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    rows = []
+
+    def allgather(row):
+        rows.append(row)
+        return np.stack([rows[0], row])
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    try:
+        manager._agreed(first)  # process 0 gathers its own row twice: only its row matters here
+    except KeyError:  # process 0's own bug, raised again on process 0
+        pass
+    return manager._agreed(second)
+
+
+def raises(error):
+    def attempt():
+        raise error
+    return attempt
+
+
+def test_every_process_takes_the_gravest_verdict_in_the_words_of_the_first_to_reach_it(
+        monkeypatch):
+    from jaxscale.checkpoint.manager import _Damage, _Verdict
+
+    eio = OSError(errno.EIO, "Input/output error")
+    outcome = on_two_processes(monkeypatch, lambda: "restored", raises(eio))
+    assert (outcome.verdict, outcome.value) == (_Verdict.UNAVAILABLE, None)
+    assert outcome.problem == "process 1: OSError: [Errno 5] Input/output error"
+
+    monkeypatch.undo()
+    outcome = on_two_processes(monkeypatch, raises(_Damage("meta/metadata is missing")),
+                               raises(eio))
+    assert (outcome.verdict, outcome.problem) == (_Verdict.DAMAGED,
+                                                  "process 0: meta/metadata is missing")
+
+    monkeypatch.undo()
+    outcome = on_two_processes(monkeypatch, lambda: "mine", lambda: "yours")
+    assert (outcome.verdict, outcome.problem, outcome.value) == (_Verdict.OK, "", "yours")
+
+    monkeypatch.undo()  # a bug on process 0 ends every process, none with a verdict
+    with pytest.raises(RuntimeError, match=r"failed on another process: process 0: KeyError"):
+        on_two_processes(monkeypatch, raises(KeyError("leaf")), lambda: "restored")
+
+
+READ = 'Error reading "params/0" in OCDBT database at local file "/ckpt/4/params/"'
+
+
+@pytest.mark.parametrize("message, verdict", [
+    # TensorStore's words for a failed system call: recent releases attach the errno (EIO is
+    # UNKNOWN, ENOTCONN, a dead FUSE mount, FAILED_PRECONDITION), older ones say "[OS error".
+    (f"UNKNOWN: {READ}: Input/output error [os_error_code='5']", "UNAVAILABLE"),
+    (f"FAILED_PRECONDITION: {READ}: Transport endpoint is not connected "
+     "[os_error_code='107']", "UNAVAILABLE"),
+    (f"FAILED_PRECONDITION: {READ} [OS error: Input/output error]", "UNAVAILABLE"),
+    (f"NOT_FOUND: {READ}: No such file or directory [os_error_code='2']", "DAMAGED"),
+    (f"NOT_FOUND: {READ} [OS error: No such file or directory]", "DAMAGED"),
+    # An unanswered request.
+    ("UNAVAILABLE: HTTP response code: 503", "UNAVAILABLE"),
+    ("DEADLINE_EXCEEDED: Timed out reading gs://bucket/ckpt/4/params/d/1f", "UNAVAILABLE"),
+    # Bytes that are there but wrong.
+    (f"OUT_OF_RANGE: {READ}: Requested byte range [303344, 318544) is not valid for value of "
+     "size 220768", "DAMAGED"),
+    (f"FAILED_PRECONDITION: {READ}: Truncated Zstd-compressed stream", "DAMAGED"),
+    (f"DATA_LOSS: {READ}: checksum mismatch", "DAMAGED"),
+    # No storage error at all: a bug, raised.
+    ("too many values to unpack (expected 2)", "FAILED"),
+])
+def test_what_a_read_error_proves(message, verdict):
+    from jaxscale.checkpoint.manager import _read_verdict, _Verdict
+
+    # As the reader raises it: Orbax wraps TensorStore's ValueError in a plain Exception.
+    wrapped = Exception("Encountered error while reading array index")
+    wrapped.__cause__ = ValueError(message)
+    assert _read_verdict(wrapped)[0] is _Verdict[verdict]

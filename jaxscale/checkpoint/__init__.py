@@ -1,6 +1,6 @@
 """Surviving a long run: Orbax checkpoints (`manager.py`: when to save, async multi-host saves,
-restoring the newest good one onto any mesh) and stopping on a signal (`signals.py`: preemption,
-Ctrl-C)."""
+restoring the newest good one onto any mesh, telling a damaged checkpoint from storage that fails
+for now) and stopping on a signal (`signals.py`: preemption, Ctrl-C)."""
 
 from jaxscale.checkpoint.manager import Checkpoints, Restored, restore_from
 
