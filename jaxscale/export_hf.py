@@ -14,10 +14,10 @@ import os
 import shutil
 import sys
 
-from jaxscale.cli import fail, folder_flag, number_flag
+from jaxscale.cli import fail, fail_with, folder_flag, number_flag
 from jaxscale.config import whole
 from jaxscale.tpu_host import quiet_libtpu
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser
 from jaxscale.workdir import check_writable, read_config
 
@@ -99,8 +99,8 @@ def main(argv: list[str]) -> None:
     try:
         with quiet_libtpu():
             print(export(args.workdir, args.out, args.step, args.dtype), flush=True)
-    except JaxscaleError as e:
-        fail(str(e))
+    except (JaxscaleError, TransientError) as e:
+        fail_with(e)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxscale.cli import fail, folder_flag, number_flag
+from jaxscale.cli import fail, fail_with, folder_flag, number_flag
 from jaxscale.config import NUMBERS, real, whole
 from jaxscale.tpu_host import quiet_libtpu
-from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser
 
 PROG = "python -m jaxscale.sample"
@@ -124,8 +124,8 @@ def main(argv: list[str]) -> None:
     try:
         with quiet_libtpu():
             text = continuation(args)
-    except JaxscaleError as e:
-        fail(str(e))
+    except (JaxscaleError, TransientError) as e:
+        fail_with(e)
     print(text, flush=True)
 
 

@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from jaxscale.cli import Option, fail, parse_config_flags
+from jaxscale.cli import Option, fail, fail_with, parse_config_flags
 from jaxscale.config import whole
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.progress import StatusLine
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
@@ -193,8 +193,8 @@ def main(argv: list[str]) -> None:
         fail("--out=DIR is required: the folder to write the token files to")
     try:
         prepared = prepare(config, values["out"], values["workers"])
-    except JaxscaleError as e:
-        fail(str(e))
+    except (JaxscaleError, TransientError) as e:
+        fail_with(e)
     print("Train on the token files with:\n"
           f"    config.data.sources = {tuple(prepared)!r}")
 

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-from jaxscale.cli import Option, fail, parse_config_flags
+from jaxscale.cli import Option, fail, fail_with, parse_config_flags
 from jaxscale.config import real, whole
 
 OPTIONS = [
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     _prepare_jax(argv)
     import json  # noqa: PLC0415 - after the flags: --help and flag errors stay fast
 
-    from jaxscale.errors import JaxscaleError
+    from jaxscale.errors import JaxscaleError, TransientError
     from jaxscale.plan import report
     from jaxscale.plan.compiled import GIB
     from jaxscale.plan.planner import make_plan
@@ -80,8 +80,8 @@ def main(argv: list[str]) -> None:
         plan = make_plan(config, target, top=options["top"],
                          capacity=None if gib is None else int(gib * GIB),
                          log=lambda line: print(line, file=sys.stderr, flush=True))
-    except JaxscaleError as e:
-        fail(str(e))
+    except (JaxscaleError, TransientError) as e:
+        fail_with(e)
     if as_json:
         print(json.dumps(report.as_json(plan), indent=2))
     else:
