@@ -107,15 +107,20 @@ def _read_hello(conn: socket.socket, hellos: dict, peers: dict[int, socket.socke
         conn.close()  # not one of ours: a port scanner, a health check
         return
     peer_id, peer_count = int(words[1]), int(words[2])
-    if peer_id in peers and _closed(peers[peer_id]):  # an earlier start of it that stopped
-        peers.pop(peer_id).close()
+    if peer_id in peers:
+        # A later start of the same process: its pod was replaced, and the earlier start's
+        # connection may never close (a lost node sends no FIN). The newer one counts.
+        earlier = peers.pop(peer_id)
+        _send_all([earlier], f"error process {peer_id} reported again from a newer start; this "
+                  "earlier one stops")
+        earlier.close()
     problem = None
     if peer_count != num_processes:
         problem = (f"process {peer_id} expects {peer_count} processes but process 0 expects "
                    f"{num_processes}; start every process with the same count")
-    elif peer_id in peers or not 0 < peer_id < num_processes:
-        problem = (f"two processes claim id {peer_id}, or it is outside 1..{num_processes - 1}; "
-                   "give every process its own id")
+    elif not 0 < peer_id < num_processes:
+        problem = (f"process id {peer_id} is outside 1..{num_processes - 1}; give every process "
+                   "its own id below the process count")
     if problem:
         _send_all([conn, *peers.values()], f"error {problem}")
         conn.close()
@@ -123,21 +128,14 @@ def _read_hello(conn: socket.socket, hellos: dict, peers: dict[int, socket.socke
     peers[peer_id] = conn
 
 
-def _closed(conn: socket.socket) -> bool:
-    """Whether the other end closed `conn` (a non-blocking connection), read without consuming."""
-    try:
-        return conn.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:  # open, nothing sent
-        return False
-    except ConnectionError:  # reset
-        return True
-
-
 def _listen(bind: str) -> socket.socket:
     host, port = _split(bind)
     try:
         if host in ("", "::"):  # every interface, IPv4 and IPv6, as JAX's coordinator binds
-            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+            if socket.has_dualstack_ipv6():
+                return socket.create_server(("", port), family=socket.AF_INET6,
+                                            dualstack_ipv6=True)
+            return socket.create_server(("", port))  # a host without IPv6: every IPv4 one
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         return socket.create_server((host, port), family=family)
     except OSError as e:

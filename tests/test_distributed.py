@@ -259,9 +259,11 @@ def test_a_silent_or_foreign_connection_holds_up_nobody(stranger_says):
     assert results == {0: None, 1: None}
 
 
-def test_a_peer_that_left_and_came_back_is_welcome():
-    """Process 1 reported, stopped (its connection closed) and was started again while process 0
-    waited for process 2: its new report is not taken for a second process claiming its id."""
+@pytest.mark.parametrize("earlier_closed", [True, False])
+def test_a_peer_that_came_back_is_welcome(earlier_closed):
+    """Process 1 reported, then was started again while process 0 waited for process 2: its new
+    report replaces the earlier one, whether that start's connection closed or (a lost node sends
+    no FIN) still looks open; it is not taken for a second process claiming its id."""
     port = free_port()
     results = {}
     coordinator = threading.Thread(
@@ -269,8 +271,12 @@ def test_a_peer_that_left_and_came_back_is_welcome():
     coordinator.start()
     with _connect_when_listening(port) as first_start:
         first_start.sendall(f"{rendezvous.HELLO} 1 3\n".encode())
-    results.update(_run_processes(3, [1, 2], 20, port))
-    coordinator.join()
+        if earlier_closed:
+            first_start.close()
+        results.update(_run_processes(3, [1, 2], 20, port))
+        coordinator.join()
+        if not earlier_closed:  # told why it is dropped
+            assert first_start.recv(1024).startswith(b"error process 1 reported again")
     assert results == {0: None, 1: None, 2: None}
 
 
@@ -282,6 +288,10 @@ def test_process_0_listens_where_jax_binds_its_coordinator(monkeypatch):
         assert server.getsockname() == ("127.0.0.1", port)
     with rendezvous._listen(f"[::]:{port}") as server:  # JAX's default: every interface
         assert server.family == socket.AF_INET6 and server.getsockname()[0] == "::"
+    # A kernel without IPv6 (ipv6.disable=1): every IPv4 interface instead.
+    monkeypatch.setattr(socket, "has_dualstack_ipv6", lambda: False)
+    with rendezvous._listen(f"[::]:{port}") as server:
+        assert server.family == socket.AF_INET and server.getsockname() == ("0.0.0.0", port)
 
 
 def test_a_coordinator_port_in_use_is_transient():
