@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -90,19 +91,17 @@ class CompilationCache:
     ones; `open()`, once the run writes, moves the new ones into `cache_dir`. A start that stops
     before writing leaves `cache_dir` as it was, or not made.
 
-    The temporary folder's path is the same at every start of the run (per process): JAX writes
-    the cache folder into the compile options (XLA's autotune cache lives under it), so the
-    programs' cache keys contain it, and a random path would make every restart recompile."""
+    The temporary folder's path is the same at every start of the run (per cache folder, process
+    and user): JAX writes the cache folder into the compile options (XLA's autotune cache lives
+    under it), so the programs' cache keys contain it, and a random path would make every restart
+    recompile. A lock keeps two live starts from sharing it; the second takes a folder of its own
+    (and compiles)."""
 
     def __init__(self, cache_dir: str | None):
         self.cache_dir = cache_dir
-        self._staging = None
+        self._staging = self._lock = None
         if cache_dir:
-            run = hashlib.sha256(os.path.abspath(cache_dir).encode()).hexdigest()[:16]
-            self._staging = os.path.join(tempfile.gettempdir(), "jaxscale_compilation_cache",
-                                         f"{run}-{jax.process_index()}")
-            shutil.rmtree(self._staging, ignore_errors=True)  # left by a start that crashed
-            os.makedirs(self._staging)
+            self._staging = self._claim_staging(cache_dir)
             if os.path.isdir(cache_dir):  # a restart reads the programs compiled before
                 for name in os.listdir(cache_dir):
                     os.symlink(os.path.abspath(os.path.join(cache_dir, name)),
@@ -125,9 +124,29 @@ class CompilationCache:
             use_compilation_cache(None)
             self._remove_staging()
 
+    def _claim_staging(self, cache_dir: str) -> str:
+        """This run's staging folder, empty and locked, in a folder of this user's only."""
+        root = os.path.join(tempfile.gettempdir(), f"jaxscale_compilation_cache-{os.getuid()}")
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        run = hashlib.sha256(os.path.abspath(cache_dir).encode()).hexdigest()[:16]
+        staging = os.path.join(root, f"{run}-{jax.process_index()}")
+        self._lock = open(staging + ".lock", "w")  # noqa: SIM115 - held until _remove_staging
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another start of this cache folder is compiling right now
+            self._lock.close()
+            self._lock = None
+            return tempfile.mkdtemp(dir=root)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a start that crashed
+        os.makedirs(staging)
+        return staging
+
     def _remove_staging(self) -> None:
         shutil.rmtree(self._staging, ignore_errors=True)
         self._staging = None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
 
 @contextlib.contextmanager
