@@ -229,7 +229,7 @@ def test_slurm_acts_on_each_exit_status(slurm, tasks, script_status, requeued):
     job = start(tasks)
     out, err = job.communicate(timeout=60)
     assert job.returncode == script_status, err
-    assert logged("srun") == ["srun --kill-on-bad-exit=0 --wait=60 bash -c <wrapper> "
+    assert logged("srun") == ["srun --kill-on-bad-exit=0 --wait=450 bash -c <wrapper> "
                               "jaxscale-task python -m jaxscale.train --config=configs/tiny.py "
                               "--workdir=/tmp/unused"]
     assert len(logged("python -m jaxscale.train")) == len(tasks.split())  # the tasks ran
