@@ -386,11 +386,11 @@ def test_restore_from_a_relative_path(saved, tmp_path, monkeypatch, mlp_dim, mes
 
 
 def on_two_processes(monkeypatch, first, second):
-    """How `_agreed` ends on process 1 of 2 (faked: the gather is two rows) when process 0 ran
+    """How `agreed` ends on process 1 of 2 (faked: the gather is two rows) when process 0 ran
     `first` and process 1 `second`: the agreed outcome, or what process 1 raises."""
     from jax.experimental import multihost_utils
 
-    from jaxscale.checkpoint import manager
+    from jaxscale.checkpoint import verdict
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     rows = []
@@ -400,10 +400,10 @@ def on_two_processes(monkeypatch, first, second):
         return np.stack([rows[0], row])
     monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
     try:
-        manager._agreed(first)  # process 0 gathers its own row twice: only its row matters here
+        verdict.agreed(first)  # process 0 gathers its own row twice: only its row matters here
     except KeyError:  # process 0's own bug, raised again on process 0
         pass
-    return manager._agreed(second)
+    return verdict.agreed(second)
 
 
 def raises(error):
@@ -414,22 +414,22 @@ def raises(error):
 
 def test_every_process_takes_the_gravest_verdict_in_the_words_of_the_first_to_reach_it(
         monkeypatch):
-    from jaxscale.checkpoint.manager import _Damage, _Verdict
+    from jaxscale.checkpoint.verdict import Damage, Verdict
 
     eio = OSError(errno.EIO, "Input/output error")
     outcome = on_two_processes(monkeypatch, lambda: "restored", raises(eio))
-    assert (outcome.verdict, outcome.value) == (_Verdict.UNAVAILABLE, None)
+    assert (outcome.verdict, outcome.value) == (Verdict.UNAVAILABLE, None)
     assert outcome.problem == "process 1: OSError: [Errno 5] Input/output error"
 
     monkeypatch.undo()
-    outcome = on_two_processes(monkeypatch, raises(_Damage("meta/metadata is missing")),
+    outcome = on_two_processes(monkeypatch, raises(Damage("meta/metadata is missing")),
                                raises(eio))
-    assert (outcome.verdict, outcome.problem) == (_Verdict.DAMAGED,
-                                                  "process 0: meta/metadata is missing")
+    assert (outcome.verdict, outcome.problem) == (Verdict.DAMAGED,
+                                                 "process 0: meta/metadata is missing")
 
     monkeypatch.undo()
     outcome = on_two_processes(monkeypatch, lambda: "mine", lambda: "yours")
-    assert (outcome.verdict, outcome.problem, outcome.value) == (_Verdict.OK, "", "yours")
+    assert (outcome.verdict, outcome.problem, outcome.value) == (Verdict.OK, "", "yours")
 
     monkeypatch.undo()  # a bug on process 0 ends every process, none with a verdict
     with pytest.raises(RuntimeError, match=r"failed on another process: process 0: KeyError"):
@@ -460,9 +460,9 @@ READ = 'Error reading "params/0" in OCDBT database at local file "/ckpt/4/params
     ("too many values to unpack (expected 2)", "FAILED"),
 ])
 def test_what_a_read_error_proves(message, verdict):
-    from jaxscale.checkpoint.manager import _read_verdict, _Verdict
+    from jaxscale.checkpoint.verdict import Verdict, read_verdict
 
     # As the reader raises it: Orbax wraps TensorStore's ValueError in a plain Exception.
     wrapped = Exception("Encountered error while reading array index")
     wrapped.__cause__ = ValueError(message)
-    assert _read_verdict(wrapped)[0] is _Verdict[verdict]
+    assert read_verdict(wrapped)[0] is Verdict[verdict]

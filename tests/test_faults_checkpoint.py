@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from jaxscale.checkpoint import Checkpoints, manager, restore_from
+from jaxscale.checkpoint import Checkpoints, restore_from, verdict
 from jaxscale.errors import TRANSIENT_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.local import free_port, process_env
 from jaxscale.state import TrainState
@@ -69,7 +69,7 @@ def stopped(tmp_path_factory):
 @pytest.fixture
 def workdir(stopped, tmp_path, monkeypatch):
     """A copy of the stopped run, restarted with retries that do not wait."""
-    monkeypatch.setattr(manager, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(verdict, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))
     shutil.copytree(stopped, tmp_path / "run")
     return tmp_path / "run"
 
@@ -391,7 +391,7 @@ def inject_faults_from_env():
     (each jaxscale process runs its work in a child process of its own): retries that do not
     wait and, on process 1, every read under $JAXSCALE_TEST_FAILING_READS failing with EIO."""
     monkeypatch = pytest.MonkeyPatch()  # never undone: it lasts as long as the process
-    monkeypatch.setattr(manager, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(verdict, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))
     if os.environ.get("JAX_PROCESS_ID") == "1":
         directory = os.environ[FAILING_READS_ENV]
         failing(monkeypatch, "open", errno.EIO, lambda path, mode="r": (

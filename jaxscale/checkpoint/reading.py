@@ -1,0 +1,246 @@
+"""One checkpoint folder: what it holds, and one agreed try at reading it back.
+
+A checkpoint is the folder `<checkpoint dir>/<step>/` with four Orbax items, written and read
+through the same handlers (`handler_registry`):
+
+    params/  the parameters; every process writes the shards it holds
+    train/   the rest of the TrainState: step, optimizer state, loss scale
+    data/    iterator.json: the data iterator position of every process's row streams
+    meta/    step, seed, config, productive seconds (for goodput)
+
+The train step uses no random numbers: the seed, the step and the data position determine every
+later step, so they are the run's whole RNG state.
+
+Reading one (`restore_once`) goes in agreed steps, each ending in a verdict (`verdict.py`): its
+files are inspected for positive evidence of damage, its metadata read, its shapes checked
+against the model's (ConfigError: the user's to resolve), then its arrays read. Every read and
+stat raises its real error: a failing disk is no missing file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
+from jaxscale.errors import ConfigError
+from jaxscale.state import TrainState
+
+# Orbax's record of a step folder, written when the save starts and given `commit_timestamp_nsecs`
+# when it finishes (every Orbax version this package supports, local folders and buckets alike).
+_COMMIT_RECORD = "_CHECKPOINT_METADATA"
+
+
+class Restored(NamedTuple):
+    params: Any
+    train: dict | None  # the TrainState's other fields; None for a params-only restore
+    data_state: dict | None  # every row stream's data position; None for params only
+    meta: dict
+    path: str
+    seconds: float
+
+
+def restore_once(directory: epath.Path, step: int, abstract_state: TrainState, *,
+                 params_only: bool) -> Outcome:
+    """One agreed try at restoring checkpoint `step`: its files are inspected and its metadata
+    read, then (once it is known to fit `abstract_state`) its items. Raises ConfigError when the
+    checkpoint is sound but its shapes do not fit."""
+    path = directory / str(step)
+    begin = time.perf_counter()
+    # Inspected apart, before the reader: its barrier must be reached by every process or none.
+    inspected = agreed(lambda: _inspect(path, params_only))
+    if inspected.verdict is not Verdict.OK:
+        return inspected
+    with contextlib.ExitStack() as stack:
+        def read_metadata() -> tuple[ocp.CheckpointManager, Any]:
+            reader = stack.enter_context(_reader(directory))
+            saved = reader.item_metadata(step)
+            if not saved["params"] or not (params_only or saved["train"]):
+                # Orbax reads None when `exists()` says False, as it does on a storage error;
+                # `_inspect` has just read the files.
+                raise Unavailable("Orbax read no array metadata, though _METADATA is there")
+            return reader, saved
+        found = agreed(read_metadata)
+        if found.verdict is not Verdict.OK:
+            return found
+        reader, saved = found.value
+        _check_fits(saved["params"].tree, abstract_state.params, "parameter", path)
+        if not params_only:
+            _check_fits(saved["train"].tree, train_part(abstract_state), "train state entry",
+                        path, cast_floats=True)
+        read = agreed(lambda: reader.restore(step, args=_restore_args(abstract_state,
+                                                                        params_only)))
+    if read.verdict is not Verdict.OK:
+        return read
+    items = read.value
+    return Outcome(Verdict.OK, value=Restored(
+        params=items["params"], train=None if params_only else items["train"],
+        data_state=None if params_only else items["data"], meta=items["meta"], path=str(path),
+        seconds=time.perf_counter() - begin))
+
+
+def _inspect(path: epath.Path, params_only: bool) -> None:
+    """Raises Damage with what proves checkpoint `path` damaged: its commit record missing, or
+    saying the save never finished; an item's folder or metadata missing, or not JSON. A storage
+    error reading them propagates as it is: it proves nothing. The arrays' bytes are checked by
+    the reader itself, which needs them anyway (see `verdict.py`)."""
+    record = _json_file(path, _COMMIT_RECORD)
+    if not isinstance(record, dict) or record.get("commit_timestamp_nsecs") is None:
+        raise Damage(f"{_COMMIT_RECORD} records no commit: its save never finished")
+    metadata = {"params": ["_METADATA"], "meta": ["metadata"], "train": ["_METADATA"],
+                "data": [_DataStateHandler.FILENAME, _DataStateHandler.EARLIER_FILENAME]}
+    for item in ("params", "meta") if params_only else metadata:
+        names = [f"{item}/{name}" for name in metadata[item]]
+        present = [name for name in names if path_kind(path / name) == "file"]
+        if not present:
+            raise Damage(f"{names[0]} is missing")
+        _json_file(path, present[0])
+
+
+def _json_file(path: epath.Path, name: str) -> Any:
+    """The JSON in checkpoint `path`'s file `name`; Damage when it is missing or not JSON."""
+    try:
+        return json.loads((path / name).read_bytes())
+    except FileNotFoundError:  # from open(): its real errno, unlike exists()
+        raise Damage(f"{name} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Damage(f"{name} is not JSON ({e})") from None
+
+
+def _restore_args(abstract_state: TrainState, params_only: bool) -> ocp.args.Composite:
+    items = dict(params=ocp.args.StandardRestore(abstract_state.params),
+                 meta=ocp.args.JsonRestore())
+    if not params_only:
+        items.update(train=ocp.args.StandardRestore(train_part(abstract_state)),
+                     data=ocp.args.JsonRestore())
+    return ocp.args.Composite(**items)
+
+
+def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path, *,
+                cast_floats: bool = False) -> None:
+    """Raises ConfigError naming the first entry whose shape or dtype differs, or that one side
+    lacks. With `cast_floats`, floating-point entries may differ in dtype: Orbax casts them on
+    restore (the optimizer moments, when `optim.moment_dtype` changed between starts)."""
+    saved_leaves, expected_leaves = _leaves_by_name(saved), _leaves_by_name(expected)
+    fix = ("resume with the config that wrote it, or train in a new workdir (with "
+           "checkpoint.restore_from to start from it)")
+    for name, want in expected_leaves.items():
+        have = saved_leaves.get(name)
+        if have is None:
+            raise ConfigError(f"checkpoint {path} does not fit the model config: {kind} {name!r} "
+                              f"is not in the checkpoint; {fix}")
+        have_dtype, want_dtype = np.dtype(have.dtype), np.dtype(want.dtype)
+        castable = cast_floats and all(jax.numpy.issubdtype(d, jax.numpy.floating)
+                                       for d in (have_dtype, want_dtype))
+        if tuple(have.shape) != tuple(want.shape) or (have_dtype != want_dtype and not castable):
+            raise ConfigError(
+                f"checkpoint {path} does not fit the model config: {kind} {name!r} is "
+                f"{np.dtype(have.dtype).name}{list(have.shape)} in the checkpoint but "
+                f"{np.dtype(want.dtype).name}{list(want.shape)} with this config; {fix}")
+    extra = sorted(set(saved_leaves) - set(expected_leaves))
+    if extra:
+        raise ConfigError(f"checkpoint {path} does not fit the model config: it has {kind} "
+                          f"{extra[0]!r}, which this config lacks; {fix}")
+
+
+def _leaves_by_name(tree: Any) -> dict[str, Any]:
+    """{'a/b/0/c': leaf}: the same names for a TrainState's NamedTuples and the dicts and lists
+    Orbax reads back."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): leaf for p, leaf in leaves}
+
+
+def train_part(state: TrainState) -> dict:
+    """Everything in a TrainState but the params, saved as the `train` item."""
+    return {k: v for k, v in state._asdict().items() if k != "params"}
+
+
+def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item in ("params", "train"):
+        registry.add(item, ocp.args.StandardSave)
+        registry.add(item, ocp.args.StandardRestore)
+    data_state = _DataStateHandler()
+    registry.add("data", ocp.args.JsonSave, data_state)
+    registry.add("data", ocp.args.JsonRestore, data_state)
+    registry.add("meta", ocp.args.JsonSave)
+    registry.add("meta", ocp.args.JsonRestore)
+    return registry
+
+
+class _DataStateHandler(ocp.handlers.JsonCheckpointHandler):
+    """The data iterator's position: `Input.get_state()` already holds every process's row
+    streams, so process 0 writes it once and every process reads that file. Checkpoints written
+    before this layout have one identical `process_<i>.json` per process; they read
+    `process_0.json`."""
+
+    FILENAME = "iterator.json"
+    EARLIER_FILENAME = "process_0.json"
+
+    def __init__(self):
+        super().__init__(self.FILENAME)
+
+    def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> dict:
+        # `path_kind`, not `exists()`: a storage error must not send the reader to the earlier file.
+        if path_kind(directory / self.FILENAME) is None:
+            return json.loads((directory / self.EARLIER_FILENAME).read_text())
+        return super().restore(directory, item, args)
+
+
+def _reader(directory: epath.Path) -> ocp.CheckpointManager:
+    """A manager that only reads `directory`: it creates, cleans up and deletes nothing."""
+    with _quiet_read_only_notice():
+        return ocp.CheckpointManager(
+            directory, handler_registry=handler_registry(),
+            options=ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                                 save_interval_steps=0))
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice():
+    """Orbax warns that a read-only manager's folder "is read only" (it is, on purpose); every
+    resume would print it."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(keep)
+
+
+def path_kind(path: epath.Path) -> str | None:
+    """"dir", "file", or None when nothing is at `path`. Unlike `exists()` (os.path.exists says
+    False whatever the error), a storage error propagates: a failing disk is no missing folder."""
+    try:
+        return "dir" if path.stat().is_directory else "file"
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def finalized_steps(directory: epath.Path) -> Outcome:
+    """The steps Orbax lists as complete in `directory`, oldest first ([] without the folder),
+    agreed. Whether the folder is there is agreed first: Orbax's reader waits at a barrier that
+    every process must reach, or none."""
+    found = agreed(lambda: path_kind(directory) is not None)
+    if found.verdict is not Verdict.OK or not _all_processes_agree(found.value):
+        return found._replace(value=[])
+    with contextlib.ExitStack() as stack:
+        return agreed(lambda: list(stack.enter_context(_reader(directory)).all_steps()))
+
+
+def _all_processes_agree(answer: bool) -> bool:
+    if jax.process_count() == 1:
+        return answer
+    return bool(np.all(multihost_utils.process_allgather(np.bool_(answer))))

@@ -1,0 +1,232 @@
+"""What a failed read of a checkpoint proves, and every process agreeing on it.
+
+A restore never renames or deletes a checkpoint because reading it failed once: each failure is
+sorted by what it proves, and only proven damage sets a checkpoint aside.
+
+* damaged, on positive evidence only. Before reading, the step folder is inspected (every read
+  and stat raising its real error; see `reading.py`): its commit record (`_CHECKPOINT_METADATA`,
+  given a commit time when the save finished) is missing or records no commit; an item's metadata
+  file is missing or not JSON. While reading, the reader finds the array bytes wrong:
+  TensorStore's OUT_OF_RANGE (a file shorter than its manifest records), DATA_LOSS, NOT_FOUND (a
+  file it opened is gone) or FAILED_PRECONDITION (a stream that does not decode); of the errors
+  from a failed system call, only ENOENT counts;
+* unavailable: an OSError from the reader (EIO, EMFILE, ENOSPC, a timeout; FileNotFoundError too,
+  which Orbax raises when `exists()` says False, as it does on any storage error), MemoryError, or
+  a TensorStore error from a failed system call or an unanswered request (UNAVAILABLE,
+  DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...). Every process tries again after each of
+  `RETRY_DELAYS_S`; then the run stops with TransientError (exit 75), every checkpoint where it
+  was;
+* anything else is a bug, raised as it is.
+
+Every process reaches the same verdict on each try (ok, damaged or unavailable: the gravest any
+process reached) before any acts on it. The same sorting of causes tells a save that failed on
+storage (`storage_cause`) from a bug.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import json
+import logging
+import re
+import time
+from typing import Any, Callable, Iterator, NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxscale.errors import JaxscaleError, TransientError
+
+logger = logging.getLogger(__name__)
+
+# Seconds to wait before each new try at reading a checkpoint the storage did not deliver; after
+# the last try the run exits 75 for its launcher to retry with a longer backoff. Tests shorten it.
+RETRY_DELAYS_S = (1.0, 4.0, 15.0)
+
+
+class Verdict(enum.IntEnum):
+    """How reading a checkpoint went, gravest last: processes take the gravest any reached."""
+    OK = 0
+    UNAVAILABLE = 1  # the storage did not deliver it: tried again, then exit 75
+    DAMAGED = 2  # positive evidence that its files are wrong: skipped, set aside
+    FAILED = 3  # an error that proves neither (a bug): raised
+
+
+class Outcome(NamedTuple):
+    verdict: Verdict
+    problem: str = ""  # what went wrong, one line; "" when OK
+    value: Any = None  # what the attempt returned, when OK
+
+
+class Damage(Exception):
+    """Positive evidence, found by looking at a checkpoint's files, that it is damaged."""
+
+
+class Unavailable(Exception):
+    """The storage answered one read unlike the one before: no evidence, a failing storage."""
+
+
+# TensorStore errors are ValueErrors whose message starts with an absl status code (but
+# INVALID_ARGUMENT's). Of the codes, those that say the storage did not answer, and those that
+# say what it answered is wrong (a byte range past the end of a file, a stream that does not
+# decode, a file gone).
+_STATUS = re.compile(r"([A-Z_]+): ")
+_UNAVAILABLE_STATUSES = frozenset({
+    "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED", "UNKNOWN",
+    "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED"})
+_DAMAGE_STATUSES = frozenset({"DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "NOT_FOUND"})
+_STATUS_CODES = _UNAVAILABLE_STATUSES | _DAMAGE_STATUSES | {
+    "INVALID_ARGUMENT", "ALREADY_EXISTS", "UNIMPLEMENTED"}
+# How TensorStore marks an error from a failed system call, whatever status it then carries
+# (EIO is UNKNOWN, ENOTCONN FAILED_PRECONDITION, EFBIG OUT_OF_RANGE): a payload with the errno
+# (recent releases), or the words "[OS error: ...]" (older ones, where ENOENT alone is NOT_FOUND).
+_OS_ERROR = re.compile(r"os_error_code='?(\d+)|\[OS error")
+
+
+class _TensorStoreError(NamedTuple):
+    code: str  # its status code: "UNAVAILABLE", "OUT_OF_RANGE", ...
+    os_error: bool  # it reports a failed system call
+    no_such_file: bool  # ... that found no such file (ENOENT)
+
+
+def _tensorstore_error(error: BaseException) -> _TensorStoreError | None:
+    """What a TensorStore error says; None for any other error."""
+    if not isinstance(error, ValueError):
+        return None
+    text = str(error)
+    status = _STATUS.match(text)
+    if not status or status[1] not in _STATUS_CODES:
+        return None
+    os_error = _OS_ERROR.search(text)
+    if os_error and os_error[1]:
+        no_such_file = int(os_error[1]) == errno.ENOENT
+    else:
+        no_such_file = bool(os_error) and status[1] == "NOT_FOUND"
+    return _TensorStoreError(status[1], bool(os_error), no_such_file)
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error` and the errors it was raised from (Orbax wraps TensorStore's), outermost first."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def read_verdict(error: BaseException) -> tuple[Verdict, str]:
+    """What reading a checkpoint raising `error` proves, with the words of the error that
+    decided it: the first of `error`'s causes that proves something."""
+    for cause in _causes(error):
+        verdict = _cause_verdict(cause)
+        if verdict is not None:
+            # jaxscale's own findings are sentences; an error raised below is named by its type.
+            found = isinstance(cause, (Damage, Unavailable))
+            return verdict, str(cause) if found else one_line(cause)
+    return Verdict.FAILED, one_line(error)
+
+
+def _cause_verdict(error: BaseException) -> Verdict | None:
+    if isinstance(error, Damage):
+        return Verdict.DAMAGED
+    # FileNotFoundError included: Orbax raises it when `exists()` says False, which
+    # os.path.exists says on any storage error. Every file the reader checks that way, the
+    # inspection (`reading.py`) has found (or proven missing) already. TimeoutError and
+    # ConnectionError are OSErrors too.
+    if isinstance(error, (OSError, MemoryError, Unavailable)):
+        return Verdict.UNAVAILABLE
+    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+        return Verdict.DAMAGED
+    found = _tensorstore_error(error)
+    if found is None:
+        return None
+    if found.os_error:  # of the failed system calls, only "no such file" proves anything
+        return Verdict.DAMAGED if found.no_such_file else Verdict.UNAVAILABLE
+    if found.code in _UNAVAILABLE_STATUSES:
+        return Verdict.UNAVAILABLE
+    return Verdict.DAMAGED if found.code in _DAMAGE_STATUSES else None
+
+
+def storage_cause(error: BaseException) -> BaseException | None:
+    """The cause of `error` that says writing failed on storage, if one does: an OSError (ENOSPC,
+    EIO, a timeout), MemoryError, or a TensorStore error from a failed system call or an
+    unanswered request."""
+    for cause in _causes(error):
+        found = _tensorstore_error(cause)
+        if isinstance(cause, (OSError, MemoryError)) or (
+                found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):
+            return cause
+    return None
+
+
+# -- agreeing, retrying ----------------------------------------------------------------------
+
+# Room for one process's problem in the gather that agrees on a verdict.
+_PROBLEM_BYTES = 480
+
+
+def agreed(attempt: Callable[[], Any]) -> Outcome:
+    """Runs `attempt` (every process together) and agrees on how it went: the gravest verdict any
+    process reached is everyone's, with the words of the first process that reached it. An
+    error that proves nothing about the checkpoint is raised again once every process knows."""
+    error = None
+    try:
+        mine = Outcome(Verdict.OK, value=attempt())
+    except Exception as e:  # noqa: BLE001 - every process must learn of it before any leaves
+        # (else the others wait in the next collective); what is no storage verdict is re-raised.
+        error, mine = e, Outcome(*read_verdict(e))
+    verdict, problem = _agree(mine.verdict, mine.problem)
+    if verdict is Verdict.FAILED:
+        if mine.verdict is Verdict.FAILED:
+            raise error
+        raise RuntimeError(f"reading a checkpoint failed on another process: {problem}")
+    return Outcome(verdict, problem, mine.value if verdict is Verdict.OK else None)
+
+
+def _agree(verdict: Verdict, problem: str) -> tuple[Verdict, str]:
+    if jax.process_count() == 1:
+        return verdict, problem
+    mine = np.zeros(1 + _PROBLEM_BYTES, np.uint8)
+    mine[0] = verdict
+    words = problem.encode()[:_PROBLEM_BYTES]
+    mine[1:1 + len(words)] = np.frombuffer(words, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    gravest = int(everyone[:, 0].max())
+    first = int(np.argmax(everyone[:, 0] == gravest))
+    words = everyone[first, 1:].tobytes().rstrip(b"\0").decode(errors="replace")
+    return Verdict(gravest), (f"process {first}: {words}" if gravest else "")
+
+
+def retrying(attempt: Callable[[], Outcome], what: str) -> Outcome:
+    """`attempt()`, tried again after each of `RETRY_DELAYS_S` while its verdict is UNAVAILABLE;
+    every process waits and tries together, the verdicts being agreed."""
+    for delay in RETRY_DELAYS_S:
+        outcome = attempt()
+        if outcome.verdict is not Verdict.UNAVAILABLE:
+            return outcome
+        logger.warning("%s could not be read (%s); trying again in %gs", what, outcome.problem,
+                       delay)
+        time.sleep(delay)
+    return attempt()
+
+
+def raise_unless_ok(outcome: Outcome, what: str) -> None:
+    """TransientError for an outcome the storage left UNAVAILABLE; JaxscaleError for DAMAGED."""
+    if outcome.verdict is Verdict.UNAVAILABLE:
+        tries = len(RETRY_DELAYS_S) + 1
+        raise TransientError(
+            f"{what} could not be read ({outcome.problem}; {tries} tries over "
+            f"{sum(RETRY_DELAYS_S):g}s); every checkpoint was left where it was")
+    if outcome.verdict is Verdict.DAMAGED:
+        raise JaxscaleError(f"{what} is damaged ({outcome.problem})")
+
+
+def one_line(error: BaseException) -> str:
+    """`error` for a message: its type and words on one line, without TensorStore's spec."""
+    text = " ".join(str(error).split())
+    text = text.split(" [tensorstore_spec=")[0]  # TensorStore appends its whole spec as JSON
+    if len(text) > 300:  # the reason (an errno's words) comes last, after the paths
+        text = f"{text[:140]} ... {text[-150:]}"
+    return f"{type(error).__name__}: {text}"
