@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.errors import RESTART_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.rendezvous import rendezvous
 from jaxscale.tpu_host import is_tpu_vm
 
@@ -306,8 +306,13 @@ def guard(command: list[str], spec: ClusterSpec) -> int:
     child = subprocess.Popen(command, env={**os.environ, GUARDED_ENV: "1"},
                              stderr=subprocess.PIPE,
                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM,
-                                              lambda signum, frame: child.send_signal(signum)),
+    forwarded = []  # the SIGTERMs passed on
+
+    def pass_on(signum, frame) -> None:
+        forwarded.append(signum)
+        child.send_signal(signum)
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on),
                 signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: None)}
     report: list[bytes] = []  # JAX's fatal line and everything after it
     try:
@@ -327,6 +332,12 @@ def guard(command: list[str], spec: ClusterSpec) -> int:
             f"{who} stopped: JAX's distributed service reported {_status(report)}; the run lost "
             "a process or its coordinator: start every process again to resume from the last "
             "checkpoint")
+    if status == -signal.SIGTERM and forwarded:
+        # The SIGTERM came before the trainer could catch it (it was still importing): nothing
+        # was saved since the last checkpoint, and a restart resumes from it, as after a save.
+        print("preempted before training started: exiting to be restarted", file=sys.stderr,
+              flush=True)
+        return RESTART_EXIT_CODE
     if status < 0:
         if -status != signal.SIGKILL:  # SIGKILL's action cannot be set; it is the default
             signal.signal(-status, signal.SIG_DFL)

@@ -55,6 +55,7 @@ def _gather(num_processes: int, bind: str, deadline: float) -> None:
     server = _listen(bind)
     hellos: dict[socket.socket, tuple[bytes, float]] = {}  # not yet identified: (read, drop at)
     peers: dict[int, socket.socket] = {}
+    accepted: dict[int, float] = {}  # when each peer's connection was accepted (as its drop at)
     try:
         while len(peers) < num_processes - 1:
             now = time.monotonic()
@@ -78,7 +79,7 @@ def _gather(num_processes: int, bind: str, deadline: float) -> None:
                     conn.setblocking(False)
                     hellos[conn] = (b"", now + HELLO_TIMEOUT_S)
                 elif sock in hellos:
-                    _read_hello(sock, hellos, peers, num_processes)
+                    _read_hello(sock, hellos, peers, accepted, num_processes)
                 else:  # a peer that reported says nothing more: it closed (stopped, restarted)
                     for gone in [i for i, conn in peers.items() if conn is sock]:
                         del peers[gone]
@@ -91,7 +92,7 @@ def _gather(num_processes: int, bind: str, deadline: float) -> None:
 
 
 def _read_hello(conn: socket.socket, hellos: dict, peers: dict[int, socket.socket],
-                num_processes: int) -> None:
+                accepted: dict[int, float], num_processes: int) -> None:
     """Reads what `conn` sent; once it is a whole line, moves it to `peers` (or drops it)."""
     received, drop_at = hellos.pop(conn)
     try:
@@ -108,12 +109,17 @@ def _read_hello(conn: socket.socket, hellos: dict, peers: dict[int, socket.socke
         return
     peer_id, peer_count = int(words[1]), int(words[2])
     if peer_id in peers:
-        # A later start of the same process: its pod was replaced, and the earlier start's
-        # connection may never close (a lost node sends no FIN). The newer one counts.
-        earlier = peers.pop(peer_id)
+        # Two starts of the same process: its pod was replaced, and the earlier start's
+        # connection may never close (a lost node sends no FIN). The one connected last counts,
+        # whichever hello was read first.
+        earlier, later = (peers[peer_id], conn) if accepted[peer_id] <= drop_at else \
+            (conn, peers[peer_id])
         _send_all([earlier], f"error process {peer_id} reported again from a newer start; this "
                   "earlier one stops")
         earlier.close()
+        if earlier is conn:
+            return
+        del peers[peer_id]
     problem = None
     if peer_count != num_processes:
         problem = (f"process {peer_id} expects {peer_count} processes but process 0 expects "
@@ -125,7 +131,7 @@ def _read_hello(conn: socket.socket, hellos: dict, peers: dict[int, socket.socke
         _send_all([conn, *peers.values()], f"error {problem}")
         conn.close()
         raise JaxscaleError(problem)
-    peers[peer_id] = conn
+    peers[peer_id], accepted[peer_id] = conn, drop_at
 
 
 def _listen(bind: str) -> socket.socket:

@@ -16,6 +16,8 @@ import contextlib
 import importlib.util
 import os
 
+from jaxscale.errors import JaxscaleError
+
 ASSUMED = {"TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -37,12 +39,20 @@ def tpu_chips(pci_devices: str = PCI_DEVICES) -> int:
     chips = 0
     for device in sorted(os.listdir(pci_devices)):
         path = os.path.join(pci_devices, device)
-        with open(os.path.join(path, "vendor"), encoding="ascii") as f:
-            if f.read().strip() != GOOGLE_PCI_VENDOR_ID:
-                continue
-        with open(os.path.join(path, "device"), encoding="ascii") as f:
-            chips += f.read().strip() in TPU_PCI_DEVICE_IDS
+        if _read_id(os.path.join(path, "vendor")) == GOOGLE_PCI_VENDOR_ID:
+            chips += _read_id(os.path.join(path, "device")) in TPU_PCI_DEVICE_IDS
     return chips
+
+
+def _read_id(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise JaxscaleError(
+            f"cannot read {path} ({e.strerror or e}) to tell whether TPU chips are attached; run "
+            "where /sys/bus/pci can be read (in a container: mount the host's /sys read-only)"
+        ) from None
 
 
 def is_tpu_vm() -> bool:

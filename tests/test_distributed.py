@@ -162,7 +162,8 @@ def test_no_pci_bus_in_sysfs_means_no_tpu(tmp_path):
 def test_an_unreadable_pci_device_fails_loudly(tmp_path):
     bus = fake_pci_bus(tmp_path, {"0000:00:04.0": ("0x1ae0", "0x0062")})
     os.remove(os.path.join(bus, "0000:00:04.0", "device"))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(JaxscaleError, match="cannot read .*0000:00:04.0/device .* to tell whether "
+                                            "TPU chips are attached"):
         tpu_host.tpu_chips(bus)
 
 
@@ -260,20 +261,35 @@ def test_a_silent_or_foreign_connection_holds_up_nobody(stranger_says):
 
 
 @pytest.mark.parametrize("earlier_closed", [True, False])
-def test_a_peer_that_came_back_is_welcome(earlier_closed):
+def test_a_peer_that_came_back_is_welcome(earlier_closed, monkeypatch):
     """Process 1 reported, then was started again while process 0 waited for process 2: its new
     report replaces the earlier one, whether that start's connection closed or (a lost node sends
     no FIN) still looks open; it is not taken for a second process claiming its id."""
     port = free_port()
     results = {}
+    hellos_read = threading.Semaphore(0)
+    read_hello = rendezvous._read_hello
+
+    def counted(*args):
+        read_hello(*args)
+        hellos_read.release()
+    monkeypatch.setattr(rendezvous, "_read_hello", counted)
     coordinator = threading.Thread(
         target=lambda: results.update(_run_processes(3, [0], 20, port)))
     coordinator.start()
     with _connect_when_listening(port) as first_start:
         first_start.sendall(f"{rendezvous.HELLO} 1 3\n".encode())
+        assert hellos_read.acquire(timeout=10)
         if earlier_closed:
             first_start.close()
-        results.update(_run_processes(3, [1, 2], 20, port))
+        # Process 2 only once process 1's new start has been heard: were process 2 first, the
+        # earlier start would complete the count, as a live process would.
+        second_start = threading.Thread(
+            target=lambda: results.update(_run_processes(3, [1], 20, port)))
+        second_start.start()
+        assert hellos_read.acquire(timeout=10)
+        results.update(_run_processes(3, [2], 20, port))
+        second_start.join()
         coordinator.join()
         if not earlier_closed:  # told why it is dropped
             assert first_start.recv(1024).startswith(b"error process 1 reported again")
@@ -360,6 +376,21 @@ def test_a_sigterm_to_the_guard_reaches_the_child_once():
     guard.send_signal(signal.SIGTERM)
     assert guard.communicate(timeout=30)[0] == "TERM\n"
     assert guard.returncode == 42
+
+
+def test_a_sigterm_before_the_trainer_catches_it_is_a_preemption():
+    """The trainer was still importing (no handler yet) and died of the SIGTERM passed on:
+    nothing was lost since the last checkpoint, so the guard asks for a restart (42), not a
+    crash's budget."""
+    child = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+             "print('ready', flush=True); time.sleep(60)")
+    guard = subprocess.Popen([*_python(GUARD), *_python(child)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert guard.stdout.readline() == "ready\n"
+    guard.send_signal(signal.SIGTERM)
+    _, err = guard.communicate(timeout=30)
+    assert guard.returncode == 42
+    assert "preempted before training started" in err
 
 
 def test_a_child_killed_by_a_signal_kills_the_guard_with_it():
