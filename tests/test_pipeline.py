@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxscale.parallel.pipeline import Pipeline
+from jaxscale.plan.compiled import compile_train_step
 from jaxscale.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
@@ -27,11 +28,10 @@ def pipeline_config(schedule="gpipe", repeats=1, microbatches=0, layers=8, remat
     return config
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The plain model on one device, differentiated by jax.grad."""
-    config = pipeline_config()
-    trainer = Trainer(config, str(tmp_path_factory.mktemp("ref")), devices=jax.devices()[:1])
+def plain_loss_and_grads(config, workdir):
+    """The mean loss and its gradient of `config`'s model with no pipeline, on one device,
+    differentiated by jax.grad."""
+    trainer = Trainer(config, str(workdir), devices=jax.devices()[:1])
     params = trainer.init_state(config.train.seed).params
     batch = random_batch(config)
 
@@ -39,6 +39,20 @@ def reference(tmp_path_factory):
         total, tokens = summed_loss(trainer.model.graphdef, p, batch)
         return total / tokens
     return jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The plain 8-layer model on one device."""
+    return plain_loss_and_grads(pipeline_config(), tmp_path_factory.mktemp("ref"))
+
+
+def assert_same_loss_and_gradients(loss, grads, reference):
+    ref_loss, ref_grads = reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+                 grads, ref_grads)
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
 
 
 @pytest.mark.parametrize("schedule,repeats,remat,mesh", [
@@ -61,11 +75,34 @@ def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, r
     float32 values, so every policy must match too."""
     config = pipeline_config(schedule, repeats, remat=remat, **mesh)
     loss, grads, _ = loss_and_gradients_on_mesh(config, tmp_path)
-    ref_loss, ref_grads = reference
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
-                 grads, ref_grads)
-    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
+    assert_same_loss_and_gradients(loss, grads, reference)
+
+
+def test_1f1b_with_microbatches_not_a_multiple_of_the_stages(tmp_path):
+    """M=4 on 3 stages: the microbatches' inputs are spread over the stages two slots each, the
+    last two empty; the loss and gradients are still the plain model's."""
+    config = pipeline_config("1f1b", microbatches=4, layers=6, pipeline=3)
+    loss, grads, _ = loss_and_gradients_on_mesh(config, tmp_path / "pp")
+    assert_same_loss_and_gradients(
+        loss, grads, plain_loss_and_grads(pipeline_config(layers=6), tmp_path / "plain"))
+
+
+def test_1f1b_compiles_to_under_half_of_gpipes_temporaries():
+    """Both at remat full, M=16 on 4 stages x data 2, the loss computed 16 positions at a time on
+    both (GPipe's head runs on the whole batch after its loop, 1F1B's on one microbatch per tick:
+    chunking keeps the logits from deciding). 1F1B keeps 2S - 1 = 7 stage inputs in flight where
+    GPipe keeps the layer inputs of all its M + S - 1 = 19 ticks: 0.37 of them, or less with more
+    than one layer per stage. With what both hold alike (the weights' gradients, one layer's
+    backward, the optimizer's update), the compiled step must still need under half GPipe's
+    temporary memory per device; it needed 0.63 while every stage held all M microbatches'
+    inputs and input gradients, and the stage's weight gradients twice."""
+    temporaries = {}
+    for schedule in ("gpipe", "1f1b"):
+        config = pipeline_config(schedule, microbatches=16, remat="full", pipeline=4, data=2)
+        config.train.update(batch_size=32, seq_len=64)
+        config.model.loss_chunk_len = 16
+        temporaries[schedule] = compile_train_step(config, mesh_devices(config))[1].temporaries
+    assert temporaries["1f1b"] < 0.5 * temporaries["gpipe"], temporaries
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

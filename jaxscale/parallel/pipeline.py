@@ -18,6 +18,10 @@ share, so no data moves between data-parallel devices).
   computes it, replicated, which in lockstep costs no extra time), and the schedule computes
   loss and gradients together (a custom VJP). In lockstep SPMD every tick costs one forward plus
   one backward on every stage, so its bubble is (2S - 2) / (M + 2S - 2): it buys memory with time.
+  Nothing else grows with M on a device but an S-th of the microbatches' inputs: each stage holds
+  its share and sends stage 0 one microbatch per tick (an all-reduce over the pipeline axis), and
+  each microbatch's input gradient goes back into the slot its input left (another). The stage's
+  weight gradients accumulate in one float32 buffer, a layer at a time as the backward makes them.
 """
 
 from __future__ import annotations
@@ -212,35 +216,63 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
               tail_rows, seed):
     """Runs the schedule; returns ((seed * loss, loss), (state, x and tail_params gradients of
     seed * loss)). Stage s runs microbatch t - s forward at tick t and microbatch t - 2S + 2 + s
-    backward, the last stage both in the same tick, after the tail has made its gradient."""
+    backward, the last stage both in the same tick, after the tail has made its gradient.
+
+    What a device holds across ticks: its 2S - 1 stashed stage inputs; an S-th of the
+    microbatches' inputs (microbatch m on stage m % S, which sends it to stage 0 at tick m), each
+    slot taken over by the microbatch's input gradient once read; one float32 accumulator of its
+    stage's weight gradients, into which the backward adds each layer's gradient as it is made."""
     s_idx = jnp.arange(stages)
     stash_len = min(microbatches, 2 * stages - 1)  # in flight on stage 0: 2S - 1
+    slots = -(-microbatches // stages)
     stage_state = _by_stage(stacked_state, stages, 1)
-    stage_fn = functools.partial(scan_layers, layer_fn)
     x_mb = split_rows(x, microbatches)
     per_row = tuple(split_rows(a, microbatches) for a in per_row)
     tail_rows = tuple(split_rows(a, microbatches) for a in tail_rows)
     activations = jnp.zeros((stages, *x_mb.shape[1:]), x.dtype)
     f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+    padded = jnp.pad(x_mb, [(0, slots * stages - microbatches)] + [(0, 0)] * (x_mb.ndim - 1))
+    inputs_by_stage = _on_stages(padded.reshape(slots, stages, *x_mb.shape[1:]).swapaxes(0, 1))
 
-    def backward_of_stage(state, stage_input, grad_out, *rows):
-        _, vjp = jax.vjp(lambda p, h: stage_fn(p, h, *rows), state, stage_input)
-        return vjp(grad_out)
+    def backward_of_stage(state, acc, ok, stage_input, grad_out, *rows):
+        """(acc + the stage's weight gradients where ok, the stage input's gradient): the
+        stage's forward keeps what each layer's remat policy keeps, and its backward adds each
+        layer's weight gradient into acc in place, never holding the whole stage's at once."""
+        run_layer = lambda layer_state, h: layer_fn(layer_state, h, *rows)
+        forward = lambda h, layer_state: jax.vjp(run_layer, layer_state, h)
+        _, layer_vjps = jax.lax.scan(forward, stage_input, state)
 
-    run_forward = _per_stage(stage_fn)
+        def backward(carry, layer):
+            grad, acc = carry
+            d_layer, grad = jax.tree.map(lambda r: r[layer], layer_vjps)(grad)
+            acc = jax.tree.map(lambda a, d: a.at[layer].add(jnp.where(ok, d.astype(a.dtype), 0)),
+                               acc, d_layer)
+            return (grad, acc), None
+        layers = jnp.arange(jax.tree.leaves(state)[0].shape[0])
+        (grad, acc), _ = jax.lax.scan(backward, (grad_out, acc), layers, reverse=True)
+        return acc, grad
+
+    run_forward = _per_stage(functools.partial(scan_layers, layer_fn))
     run_backward = _per_stage(backward_of_stage)
     write_stash = _per_stage(lambda stash, slot, value: stash.at[slot].set(value))
     read_stash = _per_stage(lambda stash, slot: stash[slot])
+    write_slot_where = jax.vmap(
+        lambda buffer, ok, slot, value: buffer.at[slot].set(jnp.where(ok, value, buffer[slot])),
+        in_axes=(0, 0, None, None), spmd_axis_name=_stage_axes())
     keep_where = lambda ok, new, old: jax.tree.map(
         lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - ok.ndim)), n, o), new, old)
 
     def tick(carry, t):
-        fwd_in, bwd_in, stash, state_grad, tail_grad, x_grad, total = carry
-        # Forward: stage s on microbatch t - s.
+        fwd_in, bwd_in, stash, state_grad, tail_grad, by_stage, total = carry
+        # Forward: stage s on microbatch t - s; stage 0's input comes from the stage holding it.
         fwd_item = t - s_idx
         fwd_ok = (fwd_item >= 0) & (fwd_item < microbatches)
         fwd_micro = jnp.clip(fwd_item, 0, microbatches - 1)
-        inputs = _on_stages(fwd_in.at[0].set(x_mb[jnp.clip(t, 0, microbatches - 1)]))
+        first_in = fwd_micro[0]
+        held = by_stage[:, first_in // stages]
+        first_input = jnp.sum(keep_where(s_idx == first_in % stages, held, jnp.zeros_like(held)),
+                              axis=0)
+        inputs = _on_stages(fwd_in.at[0].set(first_input))
         stash = keep_where(fwd_ok, write_stash(stash, fwd_micro % stash_len, inputs), stash)
         rows = tuple(a[fwd_micro] for a in per_row)
         out = run_forward(stage_state, inputs, *rows)
@@ -261,24 +293,25 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
         grads_out = _on_stages(bwd_in.at[stages - 1].set(grad_last.astype(bwd_in.dtype)))
         stage_inputs = read_stash(stash, bwd_micro % stash_len)
         rows = tuple(a[bwd_micro] for a in per_row)
-        d_state, d_input = run_backward(stage_state, stage_inputs, grads_out, *rows)
-        state_grad = jax.tree.map(
-            lambda acc, g: acc + keep_where(bwd_ok, g.astype(jnp.float32), jnp.zeros_like(acc)),
-            state_grad, d_state)
+        state_grad, d_input = run_backward(stage_state, state_grad, bwd_ok, stage_inputs,
+                                           grads_out, *rows)
+        # Stage 0's input gradient goes to the slot its microbatch's input was read from.
         first = bwd_micro[0]
-        x_grad = x_grad.at[first].set(jnp.where(bwd_ok[0], d_input[0], x_grad[first]))
+        by_stage = write_slot_where(by_stage, bwd_ok[0] & (s_idx == first % stages),
+                                    first // stages, d_input[0])
         fwd_in = _on_stages(jnp.roll(out, 1, axis=0))  # stage s + 1's next input
         bwd_in = _on_stages(jnp.roll(d_input, -1, axis=0))  # stage s - 1's next gradient
-        return (fwd_in, bwd_in, stash, state_grad, tail_grad, x_grad, total), None
+        return (fwd_in, bwd_in, stash, state_grad, tail_grad, by_stage, total), None
 
     stash = _on_stages(jnp.zeros((stages, stash_len, *x_mb.shape[1:]), x.dtype))
     carry = (activations, activations, stash, f32_zeros(stage_state), f32_zeros(tail_params),
-             jnp.zeros_like(x_mb), jnp.zeros((), jnp.float32))
+             inputs_by_stage, jnp.zeros((), jnp.float32))
     ticks = jnp.arange(microbatches + 2 * stages - 2)
     (_, _, _, state_grad, tail_grad, x_grad, total), _ = jax.lax.scan(tick, carry, ticks)
     state_grad = jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), state_grad,
                               stacked_state)
     tail_grad = jax.tree.map(lambda g, a: g.astype(a.dtype), tail_grad, tail_params)
+    x_grad = x_grad.swapaxes(0, 1).reshape(slots * stages, *x_mb.shape[1:])[:microbatches]
     return (total * seed, total), (state_grad, merge_rows(x_grad), tail_grad)
 
 

@@ -269,13 +269,14 @@ def _pipeline_activations(pipeline: Pipeline, stage_layers: int, layer_kept: int
     keep for the backward. With one repeat the stage's weights are loop constants, kept once in the
     compute dtype; with circular repeats each tick picks its repeat's group, and autodiff keeps
     that copy per tick. 1F1B keeps only the
-    stage inputs in flight (at most 2S - 1) and, for the whole batch, the gradient of the stage
-    inputs; each tick recomputes one microbatch's stage and differentiates it.
+    stage inputs in flight (at most 2S - 1) and an S-th of the microbatches' inputs (each stage
+    holds its share, and the input gradient takes its input's slot); each tick recomputes one
+    microbatch's stage and differentiates it.
     """
     s, m, r = pipeline.stages, pipeline.num_microbatches, pipeline.repeats
     if pipeline.schedule == "1f1b":
         in_flight = min(m, 2 * s - 1) * stage_input
-        return (in_flight + m * stage_input + stage_layers * layer_kept + stage_weights
+        return (in_flight + -(-m // s) * stage_input + stage_layers * layer_kept + stage_weights
                 + working_set)
     ticks = r * m + s - 1
     weights = ticks * (stage_weights // r) if r > 1 else stage_weights
