@@ -1,18 +1,25 @@
 """Mixture of experts: `configs/tiny_moe.py` (8 experts of width 384, top-2) against the dense tiny
-model of the same active parameters (`configs/tiny.py`, width 768), on 8 simulated CPU devices.
+model of the same active parameters (`configs/tiny.py`, width 768), on 8 devices.
 
     python benchmarks/moe.py [--rounds=3] [--steps=3] [--config.KEY=VALUE ...]
 
-Trains three sides in alternating rounds, keeping each one's best step time: dense on data=8,
-tiny_moe on data=8 (expert=1: every device holds every expert) and tiny_moe on expert=8 (one
-expert per device, tokens exchanged by all-to-all). Prints their tokens/s and the per-device
-bytes of the experts' parameters (from the arrays' shardings), and last `ratio: X` = per-device
-expert bytes with expert=8 / with expert=1. Target <= 1/8 + 5% (0.131).
+Three sides, batch 16 x 128, XLA attention: dense on data=8, tiny_moe on data=8 (expert=1: every
+device holds every expert) and tiny_moe on expert=8 (one expert per device, tokens exchanged by
+all-to-all). Each is compiled for two targets and reports the compiled train step's memory per
+device (`memory_analysis()`: arguments + outputs - aliased + temporaries): 8 simulated CPU
+devices, where it also runs (tokens/s, in alternating rounds keeping each side's best), and a TPU
+v5p:2x2x2 slice (8 chips, compiled with libtpu, no TPU needed).
+
+The last line is `ratio: X` = total per device with expert=8 / with expert=1 on the TPU target.
+Its target, printed above it: expert=8 keeps 1/8 of the experts' float32 parameters, gradients and
+AdamW moments (16 bytes a parameter), so ratio <= 1 - 7/8 x 16 x expert parameters / expert=1's
+total. The dense layers' state is the same on both sides.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -28,6 +35,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
+from jaxscale.plan.compiled import GIB, compile_train_step  # noqa: E402
+from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
+from jaxscale.state import model_spec  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402
 
@@ -39,29 +49,36 @@ SIDES = {  # name -> (config file, mesh)
 EXPERT_WEIGHTS = ("['gate']", "['up']", "['down']")
 
 
-def build(config_file: str, mesh: dict, overrides: list[str], workdir: str):
+def config_for(config_file: str, mesh: dict, overrides: list[str]):
     config, _ = parse_train_flags(
         ["moe", f"--config={REPO}/configs/{config_file}", "--config.train.batch_size=16",
+         "--config.model.attention=xla",
          *(f"--config.mesh.{axis}={size}" for axis, size in mesh.items()), *overrides])
+    return config
+
+
+def expert_params(config) -> int:
+    """Parameters of the MoE layers' expert weights (not the routers)."""
+    return sum(math.prod(leaf.shape) for path, leaf in
+               jax.tree_util.tree_leaves_with_path(model_spec(config).abstract_params)
+               if jax.tree_util.keystr(path[-1:]) in EXPERT_WEIGHTS and len(leaf.shape) == 4)
+
+
+def build(config, workdir: str):
+    """[compiled step, state, batch, memory] on the CPU devices, after one step (the compile)."""
     trainer = Trainer(config, workdir)
+    compiled, memory = trainer.compile_train_step()
     state = trainer.init_state(0)
     batch = jax.device_put(random_batch(config), trainer.batch_sharding)
-    state, metrics = trainer.train_step(state, batch)  # compile
+    state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
-    return trainer, state, batch
+    return [compiled, state, batch, memory]
 
 
-def expert_bytes_per_device(state) -> int:
-    """Bytes of the MoE layers' expert weights (not the routers) on the first device."""
-    return sum(leaf.addressable_shards[0].data.nbytes
-               for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
-               if jax.tree_util.keystr(path[-1:]) in EXPERT_WEIGHTS and leaf.ndim == 4)
-
-
-def timed(trainer, state, batch, steps: int):
+def timed(step, state, batch, steps: int):
     begin = time.perf_counter()
     for _ in range(steps):
-        state, metrics = trainer.train_step(state, batch)
+        state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     return state, (time.perf_counter() - begin) / steps
 
@@ -71,24 +88,38 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
     parser.add_argument("--steps", type=int, default=3, help="train steps per round")
     args, overrides = parser.parse_known_args()
+    configs = {name: config_for(*side, overrides) for name, side in SIDES.items()}
+
+    print("TPU v5p:2x2x2 (compiled only), per chip:")
+    tpu_devices = target_devices(parse_target("v5p:2x2x2"))
+    tpu = {}
+    for name, config in configs.items():
+        tpu[name] = compile_train_step(config, tpu_devices)[1]
+        print(f"{name:>20}: {tpu[name].line()}")
+
     with tempfile.TemporaryDirectory() as workdir:
-        sides = {name: list(build(*side, overrides, workdir)) for name, side in SIDES.items()}
+        sides = {name: build(config, workdir) for name, config in configs.items()}
         best = dict.fromkeys(sides, float("inf"))
         for _ in range(args.rounds):
-            for name, (trainer, state, batch) in sides.items():
-                state, seconds = timed(trainer, state, batch, args.steps)
-                sides[name][1] = state
+            for name, side in sides.items():
+                side[1], seconds = timed(side[0], side[1], side[2], args.steps)
                 best[name] = min(best[name], seconds)
-    for name, (trainer, state, _) in sides.items():
-        t, model = trainer.config.train, trainer.model
-        active = model.config.active_params(model.num_params)
-        print(f"{name:>20}: {model.num_params / 1e6:6.2f}M parameters ({active / 1e6:.2f}M "
-              f"active), {t.batch_size * t.seq_len / best[name]:9.0f} tokens/s, expert weights "
-              f"{expert_bytes_per_device(state) / 2**20:6.2f} MiB per device")
+    print("CPU, 8 simulated devices, per device:")
+    for name, (_, _, _, memory) in sides.items():
+        t, spec = configs[name].train, model_spec(configs[name])
+        active = spec.config.active_params(spec.num_params)
+        print(f"{name:>20}: {spec.num_params / 1e6:6.2f}M parameters ({active / 1e6:.2f}M "
+              f"active), {t.batch_size * t.seq_len / best[name]:6.0f} tokens/s; {memory.line()}")
     dense, moe1, moe8 = (best[name] for name in SIDES)
     print(f"tokens/s tiny_moe / dense: expert=1 {dense / moe1:.3f}, expert=8 {dense / moe8:.3f}")
-    one, eight = (expert_bytes_per_device(sides[name][1]) for name in list(SIDES)[1:])
-    print(f"ratio: {eight / one:.4f}")
+    one, eight = list(SIDES)[1:]
+    cpu_one, cpu_eight = sides[one][3].total, sides[eight][3].total
+    print(f"CPU: expert=8 / expert=1 total per device {cpu_eight / cpu_one:.4f}")
+    saved = 7 / 8 * 16 * expert_params(configs[one])
+    print(f"target (TPU): ratio <= 1 - {saved / GIB:.3g} GiB / {tpu[one].total / GIB:.3g} GiB = "
+          f"{1 - saved / tpu[one].total:.4f}")
+    print("ratio below: TPU v5p:2x2x2, tiny_moe, expert=8 / expert=1 total per device")
+    print(f"ratio: {tpu[eight].total / tpu[one].total:.4f}")
 
 
 if __name__ == "__main__":
