@@ -106,7 +106,7 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
     parameter is not split over (those of the `batch` rule), so each data-parallel replica holds
     and updates 1/N of the state; the gradients are reduce-scattered onto that layout and the
     updated parameters gathered back to theirs. ConfigError when a parameter has no dimension
-    those axes divide.
+    (besides its stacked layers) those axes divide.
     """
     param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
                                is_leaf=lambda x: isinstance(x, P))
@@ -114,18 +114,25 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
         return param_specs
     data_axes = rules.get("batch", ())
 
-    def further(path, param_spec, abstract):
-        split = split_further(param_spec, abstract.shape, data_axes, mesh_shape)
+    def further(path, logical, param_spec, abstract):
+        # Never along the stacked `layers` dimension: the scan's backward makes one layer's
+        # gradient at a time, which is reduce-scattered over the data axes as it is made. Split
+        # by layer, each layer's gradient would be all-reduced whole and kept by one replica.
+        within_layer = tuple(1 if name == "layers" else size
+                             for name, size in zip(logical, abstract.shape))
+        split = split_further(param_spec, within_layer, data_axes, mesh_shape)
         if split is None:
             name = jax.tree_util.keystr(path, simple=True, separator="/")
             degree = "x".join(f"{a}={mesh_shape[a]}" for a in data_axes if mesh_shape[a] > 1)
+            aside = " besides its stacked layers" if "layers" in logical else ""
             raise ConfigError(
                 f"sharding.optimizer_state='data': parameter {name!r} {list(abstract.shape)} has "
-                f"no dimension divisible by the data-parallel degree {degree}; use "
+                f"no dimension{aside} divisible by the data-parallel degree {degree}; use "
                 "sharding.optimizer_state='params' or a data degree that divides its dimensions")
         return split
 
-    return jax.tree_util.tree_map_with_path(further, param_specs, spec.abstract_params,
+    return jax.tree_util.tree_map_with_path(further, spec.logical_specs, param_specs,
+                                            spec.abstract_params,
                                             is_leaf=lambda x: isinstance(x, P))
 
 

@@ -1,6 +1,6 @@
 """Multi-node layouts: one notion of DCN granules (TPU slices, else hosts) shared by the trainer and
-the launchers' pre-checks, HSDP (a hybrid mesh across hosts), ZeRO-1 optimizer-state sharding, and
-the slowest host named in the metrics."""
+the launchers' pre-checks, HSDP (a hybrid mesh across hosts), and the slowest host named in the
+metrics. ZeRO-1 optimizer-state sharding: tests/test_zero.py."""
 
 import json
 import os
@@ -8,19 +8,13 @@ import subprocess
 import sys
 import types
 
-import jax
-import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-from jaxscale.checkpoint import Checkpoints
 from jaxscale.config import validate
-from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.errors import ConfigError
 from jaxscale.launch.cli import check_train_args
 from jaxscale.parallel.mesh import dcn_granules
-from jaxscale.parallel.sharding import split_further
 from jaxscale.trainer import Trainer
-from tests.helpers import random_batch, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,90 +65,6 @@ def test_launcher_pre_checks_and_the_trainer_agree_on_layouts(overrides, accepte
         trainer_accepts = False
     capsys.readouterr()
     assert launcher_accepts == trainer_accepts == accepted
-
-
-# --- ZeRO-1 ------------------------------------------------------------------------------------
-
-def test_split_further_adds_the_unused_axes_to_the_first_dimension_they_divide():
-    mesh_shape = dict(data=2, fsdp=4, tensor=1)
-    on_fsdp = P(None, "fsdp")
-    both = ("data", "fsdp", "tensor")
-    assert split_further(on_fsdp, (6, 8), both, mesh_shape) == P("data", "fsdp")
-    assert split_further(on_fsdp, (3, 8), both, mesh_shape) == P(None, ("fsdp", "data"))
-    assert split_further(on_fsdp, (3, 4), both, mesh_shape) is None  # 4 % (4 * 2) != 0
-    assert split_further(on_fsdp, (3, 4), ("fsdp",), mesh_shape) is on_fsdp  # nothing to add
-
-
-def optimizer_bytes_per_device(state):
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state.opt_state))
-
-
-def three_steps(layout, tmp_path, **mesh):
-    config = small_config(**mesh)
-    config.sharding.optimizer_state = layout
-    config.checkpoint.compilation_cache = False
-    trainer = Trainer(config, str(tmp_path / layout))
-    state, losses = trainer.init_state(0), []
-    for seed in range(3):
-        batch = jax.device_put(random_batch(config, seed), trainer.batch_sharding)
-        state, metrics = trainer.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return trainer, state, losses
-
-
-@pytest.mark.parametrize("mesh, fraction", [
-    (dict(data=8), 1 / 8),  # pure data parallelism: the state split 8 ways
-    (dict(data=2, fsdp=4), 1 / 2),  # HSDP's layout: already split over fsdp, now over data too
-])
-@pytest.mark.slow
-def test_zero1_trains_like_the_unsharded_optimizer_on_a_fraction_of_the_bytes(tmp_path, mesh,
-                                                                              fraction):
-    _, reference, expected = three_steps("params", tmp_path, **mesh)
-    trainer, state, losses = three_steps("data", tmp_path, **mesh)
-    np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    # Summed in another order, a near-zero gradient differs in its last bits, and AdamW divides by
-    # its root mean square: a weight (~0.02) can move by 5e-7 more in 3 steps (seen on jax 0.12).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 jax.device_get(state.params), jax.device_get(reference.params))
-    ratio = optimizer_bytes_per_device(state) / optimizer_bytes_per_device(reference)
-    assert ratio == pytest.approx(fraction, rel=0.02)  # the step counters stay replicated
-    # The parameters keep their own layout.
-    assert jax.tree.map(lambda x: x.sharding, state.params) == jax.tree.map(
-        lambda x: x.sharding, reference.params)
-
-
-def test_zero1_state_restores_into_the_other_layout(tmp_path):
-    trainer, state, _ = three_steps("data", tmp_path, data=8)
-    with Checkpoints(trainer.config, str(tmp_path / "run")) as checkpoints:
-        checkpoints.save(3, state, {}, {"step": 3})
-    config = small_config(data=8)
-    config.checkpoint.compilation_cache = False
-    other = Trainer(config, str(tmp_path / "run"))  # optimizer_state="params"
-    with Checkpoints(config, str(tmp_path / "run")) as checkpoints:
-        restored = checkpoints.restore_newest(other.abstract_state)
-    jax.tree.map(np.testing.assert_array_equal, restored.train["opt_state"],
-                 jax.device_get(state.opt_state))
-    restored_layout = [x.sharding for x in jax.tree.leaves(restored.train["opt_state"])]
-    assert restored_layout == jax.tree.leaves(other.state_shardings.opt_state)
-
-
-def test_zero1_that_cannot_split_a_parameter_is_one_config_error():
-    config = small_config(data=8)
-    config.model.update(d_model=36, head_dim=9, mlp_dim=72)  # norm scales [2, 36]: 8 divides none
-    config.sharding.optimizer_state = "data"
-    with pytest.raises(ConfigError) as error:
-        validate(config, 8)  # what the trainer and launch.fit check before anything starts
-    message = str(error.value)
-    assert "\n" not in message
-    assert "no dimension divisible by the data-parallel degree data=8" in message
-    assert "sharding.optimizer_state='params'" in message
-
-
-def test_an_unknown_optimizer_state_layout_is_a_config_error():
-    config = small_config(data=8)
-    config.sharding.optimizer_state = "zero3"
-    with pytest.raises(JaxscaleError, match="sharding.optimizer_state='zero3' is unknown"):
-        validate(config, 8)
 
 
 # --- real processes: HSDP, the hybrid mesh's device order, the slowest host --------------------
