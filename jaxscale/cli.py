@@ -25,7 +25,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from jaxscale.config import Number, check_schema
+from jaxscale.config import check_schema
+from jaxscale.kinds import Number
 from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
                              TransientError)
 

@@ -15,7 +15,7 @@ import shutil
 import sys
 
 from jaxscale.cli import fail, fail_with, folder_flag, number_flag
-from jaxscale.config import whole
+from jaxscale.kinds import whole
 from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser

@@ -16,7 +16,8 @@ import argparse
 import sys
 
 from jaxscale.cli import fail, fail_with, folder_flag, number_flag
-from jaxscale.config import NUMBERS, real, whole
+from jaxscale.config import NUMBERS
+from jaxscale.kinds import real, whole
 from jaxscale.tpu_host import quiet_libtpu
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser

@@ -15,7 +15,7 @@ import sys
 import time
 
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
-from jaxscale.config import whole
+from jaxscale.kinds import whole
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.progress import StatusLine
 

@@ -22,7 +22,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from jaxscale.config import real
+from jaxscale.kinds import real
 from jaxscale.data import formats, token_files
 from jaxscale.errors import ConfigError, JaxscaleError
 

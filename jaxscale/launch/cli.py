@@ -9,7 +9,8 @@ import signal
 import sys
 
 from jaxscale.cli import fail, number_flag, parse_train_flags
-from jaxscale.config import real, validate, whole
+from jaxscale.config import validate
+from jaxscale.kinds import real, whole
 from jaxscale.errors import JaxscaleError
 
 class ArgumentParser(argparse.ArgumentParser):

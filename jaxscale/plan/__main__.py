@@ -20,7 +20,7 @@ import re
 import sys
 
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
-from jaxscale.config import real, whole
+from jaxscale.kinds import real, whole
 
 OPTIONS = [
     Option("target", "local", "what to plan for: local, cpu:8, v5p-64, v5e-16, v5p:2x2x1, h100:16, "
