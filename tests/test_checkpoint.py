@@ -385,25 +385,34 @@ def test_restore_from_a_relative_path(saved, tmp_path, monkeypatch, mlp_dim, mes
                 trainer.restore(checkpoints, train_input)
 
 
-def on_two_processes(monkeypatch, first, second):
-    """How `agreed` ends on process 1 of 2 (faked: the gather is two rows) when process 0 ran
-    `first` and process 1 `second`: the agreed outcome, or what process 1 raises."""
+def two_processes(monkeypatch, rows_of, run, me):
+    """What `run()` returns (or raises) on process `me` of 2 when process 0's row of its one
+    gather is that of `rows_of[0]()` and process 1's that of `rows_of[1]()` (faked: each row is
+    first gathered alone, as if the other process had the same)."""
     from jax.experimental import multihost_utils
-
-    from jaxscale.checkpoint import verdict
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     rows = []
+    for process, make_row in enumerate(rows_of):
+        monkeypatch.setattr(jax, "process_index", lambda process=process: process)
+        monkeypatch.setattr(multihost_utils, "process_allgather",
+                            lambda row: rows.append(row) or np.stack([row, row]))
+        try:
+            make_row()
+        except (KeyError, JaxscaleError):  # what this process alone raises; only its row matters
+            pass
+    monkeypatch.setattr(jax, "process_index", lambda: me)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda row: np.stack(rows))
+    return run()
 
-    def allgather(row):
-        rows.append(row)
-        return np.stack([rows[0], row])
-    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
-    try:
-        verdict.agreed(first)  # process 0 gathers its own row twice: only its row matters here
-    except KeyError:  # process 0's own bug, raised again on process 0
-        pass
-    return verdict.agreed(second)
+
+def on_two_processes(monkeypatch, first, second, me=1):
+    """How `agreed` ends on process `me` of 2 when process 0 ran `first` and process 1 `second`:
+    the agreed outcome, or what process `me` raises."""
+    from jaxscale.checkpoint import verdict
+
+    runs = [lambda: verdict.agreed(first), lambda: verdict.agreed(second)]
+    return two_processes(monkeypatch, runs, runs[me], me)
 
 
 def raises(error):
@@ -458,6 +467,11 @@ READ = 'Error reading "params/0" in OCDBT database at local file "/ckpt/4/params
     (f"DATA_LOSS: {READ}: checksum mismatch", "DAMAGED"),
     # No storage error at all: a bug, raised.
     ("too many values to unpack (expected 2)", "FAILED"),
+    # A refusal: the user's to fix (a service account without rights on the bucket).
+    ("PERMISSION_DENIED: HTTP response code: 403 with body: gs://bucket/ckpt/4/params/d/1f",
+     "USAGE"),
+    (f"PERMISSION_DENIED: {READ}: Permission denied [os_error_code='13']", "USAGE"),
+    ("UNAUTHENTICATED: HTTP response code: 401 with body: no credentials", "USAGE"),
 ])
 def test_what_a_read_error_proves(message, verdict):
     from jaxscale.checkpoint.verdict import Verdict, read_verdict
@@ -466,3 +480,185 @@ def test_what_a_read_error_proves(message, verdict):
     wrapped = Exception("Encountered error while reading array index")
     wrapped.__cause__ = ValueError(message)
     assert read_verdict(wrapped)[0] is Verdict[verdict]
+
+
+REFUSALS = [
+    PermissionError(errno.EACCES, "Permission denied", "/ckpt/4/_CHECKPOINT_METADATA"),
+    OSError(errno.EPERM, "Operation not permitted", "/ckpt/4"),
+    OSError(errno.EROFS, "Read-only file system", "/ckpt/4"),
+    # gcsfs raises HTTP 403 and 401 so: no errno.
+    OSError("Forbidden: https://storage.googleapis.com/bucket/ckpt/4/_CHECKPOINT_METADATA\n"
+            "sa@project.iam.gserviceaccount.com does not have storage.objects.get access"),
+    OSError("Unauthorized: https://storage.googleapis.com/bucket/ckpt/4"),
+    ValueError("PERMISSION_DENIED: HTTP response code: 403 with body: gs://bucket/ckpt/4"),
+]
+FAILURES = [OSError(errno.EIO, "Input/output error"), TimeoutError("read timed out"),
+            OSError("Service Unavailable: https://storage.googleapis.com/bucket/ckpt/4"),
+            ValueError("UNAVAILABLE: HTTP response code: 503")]
+
+
+@pytest.mark.parametrize("error", REFUSALS, ids=lambda e: str(e)[:20])
+def test_a_refusal_by_the_storage_is_the_users_to_fix_in_reads_saves_and_the_workdir(error):
+    from jaxscale.checkpoint.verdict import Verdict, read_verdict, save_failure
+    from jaxscale.errors import TransientError
+    from jaxscale.workdir import storage_error
+
+    wrapped = Exception("Encountered error while reading array index")
+    wrapped.__cause__ = error
+    verdict, problem = read_verdict(wrapped)
+    assert verdict is Verdict.USAGE and "grant this process's user (or service account)" in problem
+    assert isinstance(save_failure(wrapped, "checkpoint /ckpt/4 could not be written"),
+                      JaxscaleError)
+    assert not isinstance(save_failure(wrapped, "x"), TransientError)
+    if isinstance(error, OSError):
+        made = storage_error(error, "workdir '/w' cannot be written", "pass --workdir=<...>")
+        assert isinstance(made, ConfigError) and "grant this process" in str(made)
+
+
+@pytest.mark.parametrize("error", FAILURES, ids=lambda e: str(e)[:20])
+def test_a_storage_failure_is_transient_in_reads_saves_and_the_workdir(error):
+    from jaxscale.checkpoint.verdict import Verdict, read_verdict, save_failure
+    from jaxscale.errors import TransientError
+    from jaxscale.workdir import storage_error
+
+    assert read_verdict(error)[0] is Verdict.UNAVAILABLE
+    assert isinstance(save_failure(error, "checkpoint /ckpt/4 could not be written"),
+                      TransientError)
+    if isinstance(error, OSError):
+        assert isinstance(storage_error(error, "workdir '/w' cannot be written", "fix"),
+                          TransientError)
+
+
+def test_a_checkpoint_folder_the_bucket_refuses_is_exit_2_before_anything_is_saved(
+        tmp_path, monkeypatch):
+    from etils import epath
+
+    config = make_config(**FSDP8)
+    config.checkpoint.dir = str(tmp_path / "checkpoints")
+
+    def forbidden(self, *args, **kwargs):  # as gcsfs raises HTTP 403
+        raise OSError(f"Forbidden: {self}\nno storage.objects.create access")
+    monkeypatch.setattr(type(epath.Path("/")), "mkdir", forbidden)
+    with pytest.raises(ConfigError, match=r"checkpoint directory .* cannot be written \(Forbidden"
+                                          r".*grant this process's user \(or service account\)"
+                        ) as raised:
+        Checkpoints(config, str(tmp_path)).open_for_saving()
+    assert "\n" not in str(raised.value)  # one `error:` line
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_usage_error_on_one_process_is_a_jaxscale_error_on_every_process(
+        monkeypatch, tmp_path):
+    """checkpoint.restore_from names a folder host 0 has and host 1 lacks: both raise one
+    JaxscaleError in host 1's words (exit 2), neither a RuntimeError (a bug's exit 1)."""
+    from jaxscale.checkpoint.manager import _locate
+
+    here, nowhere = tmp_path / "run", str(tmp_path / "nowhere")
+    (here / "checkpoints" / "1" / "params").mkdir(parents=True)
+    for me in (0, 1):
+        with pytest.raises(JaxscaleError, match=rf"^process 1: checkpoint.restore_from="
+                                                rf"'{nowhere}' does not exist; point"):
+            on_two_processes(monkeypatch, lambda: _locate(str(here)), lambda: _locate(nowhere),
+                             me=me)
+        monkeypatch.undo()
+
+
+def test_a_usage_verdict_outranks_damage_and_a_bug_outranks_both(monkeypatch):
+    from jaxscale.checkpoint.verdict import Damage
+
+    with pytest.raises(JaxscaleError, match=r"^process 1: PermissionError: .*grant"):
+        on_two_processes(monkeypatch, raises(Damage("meta/metadata is missing")),
+                         raises(REFUSALS[0]), me=0)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match=r"failed on another process: process 0: KeyError"):
+        on_two_processes(monkeypatch, raises(KeyError("leaf")), raises(REFUSALS[0]))
+
+
+def test_a_bug_raised_while_handling_a_storage_error_is_raised_as_a_bug():
+    from jaxscale.checkpoint.verdict import Verdict, agreed, read_verdict, save_failure
+
+    def attempt():
+        try:
+            raise OSError(errno.EIO, "Input/output error")
+        except OSError:
+            return {}["leaf"]  # a bug of ours, raised with the OSError as its __context__
+
+    with pytest.raises(KeyError) as raised:
+        agreed(attempt)
+    assert isinstance(raised.value.__context__, OSError)
+    assert read_verdict(raised.value)[0] is Verdict.FAILED
+    assert save_failure(raised.value, "checkpoint /ckpt/4 could not be written") is None
+
+
+def test_processes_that_see_the_checkpoint_folder_differently_exit_75(
+        monkeypatch, tmp_path):
+    """Host 1 does not see the folder host 0 sees (a bucket not consistent yet): retried, then
+    TransientError; never a run that starts from scratch over the checkpoints."""
+    from jax.experimental import multihost_utils
+
+    from jaxscale.checkpoint import verdict
+    from jaxscale.errors import TransientError
+
+    monkeypatch.setattr(verdict, "RETRY_DELAYS_S", (0.0,))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def allgather(row):  # this process is 0, and sees the folder; process 1 does not
+        row = np.asarray(row)
+        return np.array([row, np.bool_(False)]) if row.dtype == np.bool_ else np.stack([row, row])
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    config = make_config(**FSDP8)
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    with pytest.raises(TransientError, match=r"checkpoints could not be read \(processes \[0\] "
+                                             r"see the folder, processes \[1\] do not; 2 tries"):
+        Checkpoints(config, str(tmp_path)).restore_newest(None)
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]
+
+
+def test_a_failing_disk_under_restore_from_is_transient_not_no_checkpoint(
+        tmp_path, monkeypatch):
+    """`is_dir()` says False on EIO, which made a failing disk "no jaxscale checkpoint" (exit
+    2); the real error says the storage is failing (exit 75), and nothing is renamed."""
+    from etils import epath
+
+    from jaxscale.checkpoint import restore_from, verdict
+    from jaxscale.errors import TransientError
+
+    monkeypatch.setattr(verdict, "RETRY_DELAYS_S", (0.0,))
+    source = tmp_path / "run" / "checkpoints"
+    (source / "1" / "params").mkdir(parents=True)
+    failing = str(source / "1" / "params")
+    path_class = type(epath.Path("/"))
+    real_stat, real_is_dir = path_class.stat, path_class.is_dir
+
+    def stat(self):
+        if str(self) == failing:
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return real_stat(self)
+    monkeypatch.setattr(path_class, "stat", stat)
+    # As os.path.isdir answers for a path whose stat fails, whatever the error.
+    monkeypatch.setattr(path_class, "is_dir",
+                        lambda self: False if str(self) == failing else real_is_dir(self))
+    with pytest.raises(TransientError, match=r"could not be read \(OSError: \[Errno 5\]"):
+        restore_from(str(tmp_path / "run"), None, params_only=True, model_config=None)
+    assert os.listdir(source) == ["1"]
+
+
+def test_a_checkpoint_folder_process_0_cannot_write_stops_every_process_before_orbax(
+        tmp_path, monkeypatch):
+    from jaxscale.checkpoint import manager
+
+    (tmp_path / "a_file").write_text("hello")
+    config = make_config(**FSDP8)
+    config.checkpoint.dir = str(tmp_path / "a_file" / "checkpoints")
+    created = []
+    monkeypatch.setattr(manager.ocp, "CheckpointManager", lambda *args, **kwargs: created.append(
+        args))
+    # Process 1 proves nothing: its row is that of an agreement it passes.
+    rows_of = [Checkpoints(config, str(tmp_path)).open_for_saving,
+               lambda: manager.agreed(lambda: None)]
+    for me in (1, 0):
+        with pytest.raises(JaxscaleError, match=r"^process 0: checkpoint directory .* cannot be "
+                                                r"written .*pass --config.checkpoint.dir"):
+            two_processes(monkeypatch, rows_of, Checkpoints(config, str(tmp_path)).open_for_saving,
+                          me)
+    assert created == []  # no process went on to Orbax's barriers

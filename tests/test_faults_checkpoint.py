@@ -119,6 +119,20 @@ def failing(monkeypatch, method, error_number, fails):
     return failed
 
 
+def refusing(monkeypatch, fails):
+    """etils.epath's `Path.open` raises what gcsfs raises for HTTP 403 (an OSError without errno)
+    when `fails(path, mode)`: a bucket this process's service account has no rights on."""
+    path_class = type(epath.Path("/"))
+    real = path_class.open
+
+    def refusing_open(self, mode="r", *args, **kwargs):
+        if fails(str(self), mode):
+            raise OSError(f"Forbidden: {self}\nsa@p.iam.gserviceaccount.com does not have "
+                          "storage.objects.get access")
+        return real(self, mode, *args, **kwargs)
+    monkeypatch.setattr(path_class, "open", refusing_open)
+
+
 def writing(mode):
     return any(c in mode for c in "wax+")
 
@@ -229,6 +243,59 @@ def test_restore_from_another_run_is_transient_when_unavailable_and_renames_no_d
     assert snapshot(workdir / "checkpoints") == before
     assert int(restore_from(str(workdir / "checkpoints" / "2"), trainer.abstract_state,
                             params_only=False, model_config=trainer.model.config).meta["step"]) == 2
+
+
+@pytest.mark.parametrize("refusal", ["EACCES", "gcsfs 403"])
+def test_a_checkpoint_the_storage_refuses_is_exit_2_at_once_and_touches_no_checkpoint(
+        workdir, monkeypatch, caplog, refusal):
+    checkpoints = str(workdir / "checkpoints")
+
+    def fails(path, mode="r"):
+        return path.startswith(checkpoints) and not writing(mode)
+    if refusal == "EACCES":
+        failing(monkeypatch, "open", errno.EACCES, fails)
+    else:
+        refusing(monkeypatch, fails)
+    before = snapshot(checkpoints)
+
+    with pytest.raises(JaxscaleError, match=rf"{checkpoints}/4/.*grant this process's user \(or "
+                                            r"service account\) access, or point checkpoint.dir"):
+        run(workdir, STEPS)
+    assert not any("trying again" in r.getMessage() for r in caplog.records)  # never retried
+    assert snapshot(checkpoints) == before  # nothing renamed, deleted or written
+
+
+def test_a_save_the_storage_refuses_is_exit_2_and_the_checkpoints_before_it_are_intact(
+        workdir, monkeypatch):
+    checkpoints = workdir / "checkpoints"
+    failed = failing(monkeypatch, "open", errno.EACCES, lambda path, mode="r": writing(mode) and (
+        f"{checkpoints}/6.orbax-checkpoint-tmp" in path and path.endswith("/iterator.json")))
+    before = snapshot(checkpoints)
+
+    with pytest.raises(JaxscaleError, match=rf"checkpoint {checkpoints}/6 could not be written.*"
+                                            r"Permission denied.*grant this process"):
+        run(workdir, STEPS)
+    assert failed
+    assert kept(before, snapshot(checkpoints))
+
+
+@pytest.mark.parametrize("error_number, raised", [(errno.EIO, TransientError),
+                                                  (errno.EACCES, JaxscaleError)])
+def test_a_failed_set_aside_says_which_damaged_checkpoints_it_renamed(
+        tmp_path, monkeypatch, error_number, raised):
+    monkeypatch.setattr(verdict, "RETRY_DELAYS_S", (0.0,))
+    checkpoints_dir = tmp_path / "checkpoints"
+    for step in (3, 2):
+        (checkpoints_dir / str(step)).mkdir(parents=True)
+    failing(monkeypatch, "rename", error_number, lambda path, target: path.endswith("/2"))
+    checkpoints = Checkpoints(config_for(STEPS), str(tmp_path))
+
+    with pytest.raises(raised, match=rf"damaged checkpoint {checkpoints_dir}/2 could not be "
+                                     r"renamed .*; renamed before it: 3 to "
+                                     r"3\.corrupt-\d+$"):
+        checkpoints._set_aside({3: "truncated", 2: "truncated"}, f"{checkpoints_dir}/1")
+    names = sorted(os.listdir(checkpoints_dir))
+    assert names[0] == "2" and names[1].startswith("3.corrupt-"), names
 
 
 # -- saving ----------------------------------------------------------------------------------

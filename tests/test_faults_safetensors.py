@@ -10,8 +10,10 @@ run it as a real subprocess.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import struct
 from typing import Callable, NamedTuple
@@ -23,7 +25,8 @@ import pytest
 from flax import nnx
 
 from jaxscale import hf
-from jaxscale.hf import safetensors
+from jaxscale.errors import TRANSIENT_EXIT_CODE, ConfigError, TransientError
+from jaxscale.hf import safetensors, weights
 from tests.test_bad_inputs import run_cli, run_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +136,12 @@ def second_copy(index: dict, folder: str) -> None:
     index["weight_map"]["model.norm.weight"] = "extra.safetensors"
 
 
+def nested_index(folder: str) -> None:
+    """An index nested deeper than any JSON parser recurses."""
+    with open(os.path.join(folder, INDEX), "wb") as f:
+        f.write(b"[" * 100_000 + b"]" * 100_000)
+
+
 class Case(NamedTuple):
     id: str
     source: str  # the fixture folder the case edits a copy of
@@ -173,6 +182,10 @@ CASES = [
          (ONE_FILE, "JSON", FIX)),
     Case("a tensor named twice", "hf_tied", edit_header(repeated_name),
          (ONE_FILE, NORM, "twice", FIX)),
+    Case("header nested deeper than the parser recurses", "hf_tied",
+         edit_header(lambda header: b"[" * 100_000 + b"]" * 100_000), (ONE_FILE, "JSON", FIX)),
+    Case("index nested deeper than the parser recurses", "hf_untied", nested_index,
+         (INDEX, "JSON", FIX)),
     Case("non-string metadata", "hf_tied",
          edit_header(lambda header: header.update(__metadata__={"format": ["pt"]})),
          (ONE_FILE, "__metadata__", FIX)),
@@ -235,6 +248,60 @@ def test_the_command_line_prints_the_same_line(case, tmp_path):
 
 def test_the_table_has_twelve_cases_or_more():
     assert len({c.id for c in CASES}) == len(CASES) >= 12
+
+
+# -- files the storage does not deliver ---------------------------------------------------------
+
+def failing_open(monkeypatch, module, error: OSError) -> None:
+    """`open` in `module` raises `error`: a disk failing (EIO), a file this process may not read,
+    a bucket mount answering HTTP 403."""
+    def refuse(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(module, "open", refuse, raising=False)
+
+
+STORAGE_ERRORS = [  # (error, what the loader raises, the words of its line)
+    (OSError(errno.EIO, "Input/output error"), TransientError, "the storage is failing"),
+    (TimeoutError("timed out"), TransientError, "the storage is failing"),
+    (PermissionError(errno.EACCES, "Permission denied"), ConfigError,
+     "grant this process's user (or service account) access"),
+    (OSError("Forbidden: gs://bucket/model/x\nno storage.objects.get access"), ConfigError,
+     "grant this process's user (or service account) access"),
+]
+
+
+@pytest.mark.parametrize("error, raised, words", STORAGE_ERRORS,
+                         ids=lambda x: str(x)[:16] if isinstance(x, OSError) else None)
+def test_a_weights_file_or_index_that_cannot_be_read_is_sorted_like_a_checkpoint(
+        tmp_path, monkeypatch, error, raised, words):
+    """Only the user's to fix is exit 2; a failing disk is 75 (retried), never "fix the file"."""
+    folder = broken_folder(tmp_path, Case("good", "hf_untied", lambda folder: None, ()))
+    failing_open(monkeypatch, safetensors, error)
+    shard = os.path.join(folder, SHARD_2)
+    with pytest.raises(raised, match=re.escape(words)) as found:
+        safetensors.read_header(shard)
+    assert shard in str(found.value) and "\n" not in str(found.value)
+    failing_open(monkeypatch, weights, error)
+    with pytest.raises(raised, match=re.escape(words)) as found:
+        weights.read_weight_map(os.path.join(folder, INDEX))
+    assert INDEX in str(found.value)
+
+
+def test_a_missing_weights_file_is_exit_2_naming_it(tmp_path):
+    missing = str(tmp_path / ONE_FILE)
+    with pytest.raises(ConfigError, match=rf"{re.escape(missing)} cannot be read \(No such file"):
+        safetensors.read_header(missing)
+
+
+def test_a_failing_disk_under_the_weights_exits_75_in_one_line(tmp_path, capfd, monkeypatch):
+    folder = broken_folder(tmp_path, Case("good", "hf_tied", lambda folder: None, ()))
+    failing_open(monkeypatch, safetensors, OSError(errno.EIO, "Input/output error"))
+    capfd.readouterr()
+    status, _, err = run_in_process("jaxscale.sample",
+                                    [f"--hf={folder}", "--prompt=w1", "--max_new_tokens=1"], capfd)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == TRANSIENT_EXIT_CODE and len(lines) == 1, (status, err)
+    assert lines[0].startswith("error: ") and ONE_FILE in lines[0], lines
 
 
 # -- what must still load ----------------------------------------------------------------------

@@ -6,12 +6,15 @@ process has finished, so a crash mid-save leaves the earlier checkpoints as they
 unfinished folder is removed at the next start), and deletes old checkpoints only after the new
 one is complete. A save that fails on storage (an OSError such as ENOSPC or EIO, in the blocking
 part or in the background, where it surfaces at the next save, `wait` or `close`) ends the run
-with TransientError (exit 75): the checkpoints before it are intact.
+with TransientError (exit 75): the checkpoints before it are intact. A save the storage refuses
+(a permission, a read-only mount, a bucket the account has no rights on) ends it with a
+JaxscaleError (exit 2): no retry grants access.
 
 Restoring reads one checkpoint at a time (`reading.py`) and never renames or deletes one because
 reading it failed: each failure is sorted into damaged or unavailable (`verdict.py`), the same on
 every process. When the storage does not deliver a checkpoint, the run stops with TransientError
-(exit 75), every checkpoint where it was. An older checkpoint is not used instead: the newer one is
+(exit 75), every checkpoint where it was; when it refuses this process, with a JaxscaleError
+(exit 2), renaming nothing. An older checkpoint is not used instead: the newer one is
 likely sound, and the run would later save its step again over it. A damaged checkpoint is
 skipped for the one before it; once one restores, the damaged ones after it are renamed
 `<step>.corrupt-<time>` with a warning (a later save of the same step would collide with them).
@@ -36,14 +39,14 @@ from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint.reading import (Restored, finalized_steps, handler_registry, path_kind,
                                          restore_once, train_part)
-from jaxscale.checkpoint.verdict import (Verdict, agreed, one_line, raise_unless_ok, retrying,
-                                         storage_cause)
+from jaxscale.checkpoint.verdict import (Verdict, agreed, raise_unless_ok, retrying,
+                                         save_failure)
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder
 from jaxscale.hf.weights import load_params
 from jaxscale.models import LlamaConfig
 from jaxscale.state import TrainState
-from jaxscale.workdir import check_writable, storage_error
+from jaxscale.workdir import check_writable, reason, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +92,20 @@ class Checkpoints:
         left by a save that never finished (a crash, kill -9, a failed write) are removed."""
         if not self.enabled or self._manager is not None:
             return
-        if jax.process_index() == 0:
-            _prove_writable(self.directory)
+
+        def prove_on_process_0() -> None:
+            if jax.process_index() == 0:
+                _prove_writable(self.directory)
+        # Agreed before anyone creates the manager (whose barriers every process must reach): a
+        # ConfigError on process 0 is a JaxscaleError on every process, a TransientError 75.
+        proven = agreed(prove_on_process_0)
+        if proven.verdict is not Verdict.OK:
+            raise TransientError(proven.problem)
         keep = [ocp.checkpoint_managers.LatestN(self.options.keep)]
         if self.options.keep_every_steps:
             keep.append(ocp.checkpoint_managers.EveryNSteps(self.options.keep_every_steps))
-        with self._storage_failures_are_transient(f"checkpoint folder {self.directory} could not "
-                                                  "be opened for saving"):
+        with self._storage_failures_are_sorted(f"checkpoint folder {self.directory} could not be "
+                                               "opened for saving"):
             self._manager = ocp.CheckpointManager(
                 self.directory, handler_registry=handler_registry(),
                 options=ocp.CheckpointManagerOptions(
@@ -112,7 +122,7 @@ class Checkpoints:
     def close(self) -> None:
         """Waits for the save in flight to be durable; TransientError if it failed on storage."""
         if self._manager is not None:
-            with self._storage_failures_are_transient(self._save_failed()):
+            with self._storage_failures_are_sorted(self._save_failed()):
                 self._manager.close()
 
     # -- saving ------------------------------------------------------------------------------
@@ -152,7 +162,7 @@ class Checkpoints:
         begin = time.perf_counter()
         self.wait()  # Orbax would wait too; waiting here records the previous save's total time
         self._last_step = step
-        with self._storage_failures_are_transient(self._save_failed()):
+        with self._storage_failures_are_sorted(self._save_failed()):
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params),
                 train=ocp.args.StandardSave(train_part(state)),
@@ -166,7 +176,7 @@ class Checkpoints:
     def wait(self) -> None:
         """Blocks until the last save is durable; TransientError if it failed on storage."""
         if self._manager is not None:
-            with self._storage_failures_are_transient(self._save_failed()):
+            with self._storage_failures_are_sorted(self._save_failed()):
                 self._manager.wait_until_finished()
             self._note_finished_save()
 
@@ -187,16 +197,17 @@ class Checkpoints:
                 "checkpoints before it are intact and a restart resumes from the newest")
 
     @contextlib.contextmanager
-    def _storage_failures_are_transient(self, what: str) -> Iterator[None]:
+    def _storage_failures_are_sorted(self, what: str) -> Iterator[None]:
         """Raises TransientError("<what> (<the error>)") for an error that says the storage
-        failed (see `storage_cause`); any other error passes as it is."""
+        failed, JaxscaleError for one that says it refused this process (see `save_failure`);
+        any other error passes as it is."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - sorted by its causes; all but storage re-raised
-            cause = storage_cause(e)
-            if cause is None:
+            failure = save_failure(e, what)
+            if failure is None:
                 raise
-            raise TransientError(f"{what} ({one_line(cause)})") from e
+            raise failure from e
 
     # -- restoring ---------------------------------------------------------------------------
 
@@ -241,15 +252,22 @@ class Checkpoints:
         """Renames the damaged checkpoints `<step>.corrupt-<time>`, newer than the one `restored`:
         a later save of their step would collide with them."""
         stamp = int(time.time())
+        done: list[str] = []  # what was renamed before a rename failed: "4 to 4.corrupt-<time>"
         for step, problem in damaged.items():
             path = self.directory / str(step)
             target = path.parent / f"{step}{_CORRUPT_SUFFIX}{stamp}"
-            renamed = retrying(lambda: agreed(lambda: _rename_on_process_0(path, target)),
-                               f"checkpoint {path}")
+            changed = (f"renamed before it: {', '.join(done)}" if done else
+                       "nothing else was changed")
+            try:
+                renamed = retrying(lambda: agreed(lambda: _rename_on_process_0(path, target)),
+                                   f"checkpoint {path}")
+            except JaxscaleError as e:  # refused: the words agreed on every process, and ours
+                raise JaxscaleError(f"damaged checkpoint {path} could not be renamed "
+                                    f"{target.name} ({e}); {changed}") from e
             if renamed.verdict is not Verdict.OK:
                 raise TransientError(f"damaged checkpoint {path} could not be renamed "
-                                     f"{target.name} ({renamed.problem}); nothing else was "
-                                     "changed")
+                                     f"{target.name} ({renamed.problem}); {changed}")
+            done.append(f"{step} to {target.name}")
             logger.warning("checkpoint %s is damaged (%s): renamed %s; resumed from %s", path,
                            problem, target.name, restored)
 
@@ -289,12 +307,13 @@ def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
 
 def saved_steps(directory: str | epath.Path) -> list[int]:
     """The steps with a checkpoint (a step folder holding params) in `directory`, local or a
-    bucket (gs://...), oldest first; [] when there is no such folder."""
+    bucket (gs://...), oldest first; [] when there is no such folder. A storage error propagates
+    (`path_kind`): a failing disk is no empty folder."""
     directory = epath.Path(directory)
-    if not directory.is_dir():
+    if path_kind(directory) != "dir":
         return []
     return sorted(int(p.name) for p in directory.iterdir()
-                  if p.name.isdigit() and (p / "params").is_dir())
+                  if p.name.isdigit() and path_kind(p / "params") == "dir")
 
 
 def _locate(path: str) -> tuple[epath.Path, int | None]:
@@ -332,7 +351,7 @@ def _prove_writable(directory: epath.Path) -> None:
         probe.unlink()
     except OSError as e:
         raise storage_error(e, f"checkpoint directory {str(directory)!r} cannot be written "
-                               f"({e.strerror or e})",
+                               f"({reason(e)})",
                             "pass --config.checkpoint.dir=<a folder you can write>") from e
 
 

@@ -232,15 +232,24 @@ def path_kind(path: epath.Path) -> str | None:
 def finalized_steps(directory: epath.Path) -> Outcome:
     """The steps Orbax lists as complete in `directory`, oldest first ([] without the folder),
     agreed. Whether the folder is there is agreed first: Orbax's reader waits at a barrier that
-    every process must reach, or none."""
+    every process must reach, or none. Processes that see the folder differently see a storage
+    that is not consistent yet: UNAVAILABLE (tried again, then exit 75), not a run from scratch."""
     found = agreed(lambda: path_kind(directory) is not None)
-    if found.verdict is not Verdict.OK or not _all_processes_agree(found.value):
+    if found.verdict is not Verdict.OK:
         return found._replace(value=[])
+    seen = _everyones(found.value)
+    if not seen.any():
+        return found._replace(value=[])
+    if not seen.all():
+        return Outcome(Verdict.UNAVAILABLE, f"processes {np.flatnonzero(seen).tolist()} see the "
+                                            f"folder, processes {np.flatnonzero(~seen).tolist()} "
+                                            "do not")
     with contextlib.ExitStack() as stack:
         return agreed(lambda: list(stack.enter_context(_reader(directory)).all_steps()))
 
 
-def _all_processes_agree(answer: bool) -> bool:
+def _everyones(answer: bool) -> np.ndarray:
+    """Every process's `answer`, in process order."""
     if jax.process_count() == 1:
-        return answer
-    return bool(np.all(multihost_utils.process_allgather(np.bool_(answer))))
+        return np.array([answer])
+    return np.asarray(multihost_utils.process_allgather(np.bool_(answer))).reshape(-1)

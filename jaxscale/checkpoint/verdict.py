@@ -16,11 +16,19 @@ sorted by what it proves, and only proven damage sets a checkpoint aside.
   DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...). Every process tries again after each of
   `RETRY_DELAYS_S`; then the run stops with TransientError (exit 75), every checkpoint where it
   was;
+* usage: the storage refused this process (`workdir.access_denied`: a permission, a read-only
+  mount, gcsfs' HTTP 403/401, TensorStore's PERMISSION_DENIED or UNAUTHENTICATED), or the attempt
+  raised a JaxscaleError of its own (a `restore_from` path that is no checkpoint). No retry
+  helps: every process raises a JaxscaleError (exit 2) in the words of the first to fail;
 * anything else is a bug, raised as it is.
 
-Every process reaches the same verdict on each try (ok, damaged or unavailable: the gravest any
-process reached) before any acts on it. The same sorting of causes tells a save that failed on
-storage (`storage_cause`) from a bug.
+Only the errors an error was raised from (`__cause__`) are its causes, never the one that was
+being handled when it was raised (`__context__`): Orbax and jaxscale wrap with `raise ... from`,
+and a KeyError raised while handling an OSError is a bug, not a storage failure.
+
+Every process reaches the same verdict on each try (the gravest any process reached) before any
+acts on it. The same sorting of causes tells a save that failed on storage (`save_failure`) from
+one the storage refused and from a bug.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.workdir import access_denied, grant_or
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +60,8 @@ class Verdict(enum.IntEnum):
     OK = 0
     UNAVAILABLE = 1  # the storage did not deliver it: tried again, then exit 75
     DAMAGED = 2  # positive evidence that its files are wrong: skipped, set aside
-    FAILED = 3  # an error that proves neither (a bug): raised
+    USAGE = 3  # the user must change something: JaxscaleError on every process, exit 2
+    FAILED = 4  # an error that proves none of these (a bug): raised
 
 
 class Outcome(NamedTuple):
@@ -71,11 +81,11 @@ class Unavailable(Exception):
 # TensorStore errors are ValueErrors whose message starts with an absl status code (but
 # INVALID_ARGUMENT's). Of the codes, those that say the storage did not answer, and those that
 # say what it answered is wrong (a byte range past the end of a file, a stream that does not
-# decode, a file gone).
+# decode, a file gone). A refusal (PERMISSION_DENIED, UNAUTHENTICATED) is `access_denied`'s.
 _STATUS = re.compile(r"([A-Z_]+): ")
 _UNAVAILABLE_STATUSES = frozenset({
     "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED", "UNKNOWN",
-    "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED"})
+    "INTERNAL"})
 _DAMAGE_STATUSES = frozenset({"DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "NOT_FOUND"})
 _STATUS_CODES = _UNAVAILABLE_STATUSES | _DAMAGE_STATUSES | {
     "INVALID_ARGUMENT", "ALREADY_EXISTS", "UNIMPLEMENTED"}
@@ -113,7 +123,7 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         yield error
-        error = error.__cause__ or error.__context__
+        error = error.__cause__
 
 
 def read_verdict(error: BaseException) -> tuple[Verdict, str]:
@@ -122,15 +132,26 @@ def read_verdict(error: BaseException) -> tuple[Verdict, str]:
     for cause in _causes(error):
         verdict = _cause_verdict(cause)
         if verdict is not None:
+            if verdict is Verdict.USAGE and not isinstance(cause, JaxscaleError):
+                return verdict, f"{one_line(cause)}; {grant_or(_ELSEWHERE)}"
             # jaxscale's own findings are sentences; an error raised below is named by its type.
-            found = isinstance(cause, (Damage, Unavailable))
+            found = isinstance(cause, (Damage, Unavailable, JaxscaleError, TransientError))
             return verdict, str(cause) if found else one_line(cause)
     return Verdict.FAILED, one_line(error)
+
+
+# The other fix for a checkpoint folder the storage refuses to read, or to write.
+_ELSEWHERE = "point checkpoint.dir (or checkpoint.restore_from) at a folder it may use"
+_WRITABLE = "pass --config.checkpoint.dir=<a folder you can write>"
 
 
 def _cause_verdict(error: BaseException) -> Verdict | None:
     if isinstance(error, Damage):
         return Verdict.DAMAGED
+    if isinstance(error, JaxscaleError) or access_denied(error):
+        return Verdict.USAGE
+    if isinstance(error, TransientError):  # a check of jaxscale's own found the storage failing
+        return Verdict.UNAVAILABLE
     # FileNotFoundError included: Orbax raises it when `exists()` says False, which
     # os.path.exists says on any storage error. Every file the reader checks that way, the
     # inspection (`reading.py`) has found (or proven missing) already. TimeoutError and
@@ -149,28 +170,33 @@ def _cause_verdict(error: BaseException) -> Verdict | None:
     return Verdict.DAMAGED if found.code in _DAMAGE_STATUSES else None
 
 
-def storage_cause(error: BaseException) -> BaseException | None:
-    """The cause of `error` that says writing failed on storage, if one does: an OSError (ENOSPC,
-    EIO, a timeout), MemoryError, or a TensorStore error from a failed system call or an
-    unanswered request."""
+def save_failure(error: BaseException, what: str) -> JaxscaleError | TransientError | None:
+    """What to raise when `error` made `what` (a save) fail, from the first of its causes that
+    says the storage failed: a JaxscaleError (exit 2) when the storage refused this process, a
+    TransientError (exit 75) for an OSError (ENOSPC, EIO, a timeout), MemoryError, or a
+    TensorStore error from a failed system call or an unanswered request; None for a bug."""
     for cause in _causes(error):
+        if access_denied(cause):
+            return JaxscaleError(f"{what} ({one_line(cause)}); {grant_or(_WRITABLE)}")
         found = _tensorstore_error(cause)
         if isinstance(cause, (OSError, MemoryError)) or (
                 found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):
-            return cause
+            return TransientError(f"{what} ({one_line(cause)})")
     return None
 
 
 # -- agreeing, retrying ----------------------------------------------------------------------
 
-# Room for one process's problem in the gather that agrees on a verdict.
-_PROBLEM_BYTES = 480
+# Room for one process's problem in the gather that agrees on a verdict (a usage error's whole
+# message, hint included).
+_PROBLEM_BYTES = 1024
 
 
 def agreed(attempt: Callable[[], Any]) -> Outcome:
     """Runs `attempt` (every process together) and agrees on how it went: the gravest verdict any
-    process reached is everyone's, with the words of the first process that reached it. An
-    error that proves nothing about the checkpoint is raised again once every process knows."""
+    process reached is everyone's, with the words of the first process that reached it. A usage
+    verdict is raised on every process as a JaxscaleError in those words; an error that proves
+    nothing about the checkpoint is raised again once every process knows."""
     error = None
     try:
         mine = Outcome(Verdict.OK, value=attempt())
@@ -182,6 +208,10 @@ def agreed(attempt: Callable[[], Any]) -> Outcome:
         if mine.verdict is Verdict.FAILED:
             raise error
         raise RuntimeError(f"reading a checkpoint failed on another process: {problem}")
+    if verdict is Verdict.USAGE:
+        if jax.process_count() == 1 and isinstance(error, JaxscaleError):
+            raise error  # its own words and type (a ConfigError stays one)
+        raise JaxscaleError(problem) from error
     return Outcome(verdict, problem, mine.value if verdict is Verdict.OK else None)
 
 

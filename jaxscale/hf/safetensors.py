@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxscale.errors import JaxscaleError
+from jaxscale.workdir import reason, storage_error
 
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -35,6 +36,8 @@ DTYPES = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 _FIX = "re-download it or save it again with save_pretrained(safe_serialization=True)"
+# For a file that cannot be opened or read (`storage_error` adds granting access to a refusal).
+_READ_FIX = "check the path, or download the folder again"
 
 
 class TensorInfo(NamedTuple):
@@ -75,12 +78,13 @@ def _read_json(path: str) -> tuple[dict, int, int]:
                 raise _damaged(path, f"its header length {length} does not fit the file's {size} "
                                      f"bytes (at most {min(_MAX_HEADER, size - 8)})")
             text = f.read(length)
-    except OSError as e:
-        raise JaxscaleError(f"{path} cannot be read ({e}); check the file and its permissions"
-                            ) from None
+    except OSError as e:  # missing or refused: exit 2; EIO, a timeout: 75
+        raise storage_error(e, f"{path} cannot be read ({reason(e)})", _READ_FIX) from e
     try:
         header = json.loads(text, object_pairs_hook=_unique_keys)
-    except ValueError as e:  # bad JSON, bad UTF-8 or a repeated name
+    # Bad JSON, bad UTF-8 or a repeated name; RecursionError: arrays or objects nested deeper
+    # than the parser recurses, which no real header is.
+    except (ValueError, RecursionError) as e:
         raise _damaged(path, f"its header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise _damaged(path, f"its header is a JSON {type(header).__name__}, not an object")
@@ -151,8 +155,12 @@ def read_slice(info: TensorInfo, view: tuple[int, ...], index: tuple[slice, ...]
     The map is unmapped when this returns (nothing else refers to it), so the pages read for
     one shard do not stay in this process's memory while the next is read.
     """
-    mapped = np.memmap(info.path, dtype=info.dtype, mode="r", offset=info.offset,
-                       shape=info.shape)
+    try:
+        mapped = np.memmap(info.path, dtype=info.dtype, mode="r", offset=info.offset,
+                           shape=info.shape)
+    except OSError as e:  # gone or refused since its header was read: exit 2; EIO: 75
+        raise storage_error(e, f"{info.path} cannot be read ({reason(e)})",
+                            _READ_FIX) from e
     return np.array(mapped.reshape(view)[index])
 
 

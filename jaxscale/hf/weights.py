@@ -26,6 +26,7 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors
 from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
 from jaxscale.models import LlamaConfig
+from jaxscale.workdir import reason, storage_error
 
 SHARD_BYTES = 5_000_000_000  # transformers' save_pretrained default, "5GB"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -97,7 +98,11 @@ def read_weight_map(index_file: str) -> dict[str, str]:
     try:
         with open(index_file, encoding="utf-8") as f:
             index = json.load(f)
-    except ValueError as e:  # bad JSON or bad UTF-8
+    except OSError as e:  # refused: exit 2; EIO, a timeout: 75
+        raise storage_error(e, f"{index_file} cannot be read ({reason(e)})",
+                            "check the path, or download the folder again") from e
+    # Bad JSON or bad UTF-8; RecursionError: nested deeper than the parser recurses.
+    except (ValueError, RecursionError) as e:
         raise JaxscaleError(f"{index_file} is not a safetensors index (not JSON: {e}); "
                             "re-download it") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
