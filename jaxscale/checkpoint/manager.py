@@ -307,13 +307,17 @@ def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
 
 def saved_steps(directory: str | epath.Path) -> list[int]:
     """The steps with a checkpoint (a step folder holding params) in `directory`, local or a
-    bucket (gs://...), oldest first; [] when there is no such folder. A storage error propagates
-    (`path_kind`): a failing disk is no empty folder."""
+    bucket (gs://...), oldest first; [] when there is no such folder. A failing disk is no empty
+    folder: TransientError (exit 75), or ConfigError when access is refused."""
     directory = epath.Path(directory)
-    if path_kind(directory) != "dir":
-        return []
-    return sorted(int(p.name) for p in directory.iterdir()
-                  if p.name.isdigit() and path_kind(p / "params") == "dir")
+    try:
+        if path_kind(directory) != "dir":
+            return []
+        return sorted(int(p.name) for p in directory.iterdir()
+                      if p.name.isdigit() and path_kind(p / "params") == "dir")
+    except OSError as e:
+        raise storage_error(e, f"cannot list the checkpoints in {directory} ({reason(e)})",
+                            "check the storage, then run again") from e
 
 
 def _locate(path: str) -> tuple[epath.Path, int | None]:
