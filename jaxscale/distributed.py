@@ -303,9 +303,15 @@ def guard(command: list[str], spec: ClusterSpec) -> int:
     first process) is passed on. On Linux the kernel kills the child when this process dies: a
     `kill -9` of this process leaves no trainer running on its own.
     """
+    die_with_parent = None
+    if sys.platform == "linux":
+        # prctl(PR_SET_PDEATHSIG, SIGKILL), run in the child between fork and exec. The library
+        # is looked up here, before the fork: a dlopen in the child could wait forever on a lock
+        # another thread held when the process forked.
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        die_with_parent = lambda: prctl(1, signal.SIGKILL)  # noqa: E731
     child = subprocess.Popen(command, env={**os.environ, GUARDED_ENV: "1"},
-                             stderr=subprocess.PIPE,
-                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                             stderr=subprocess.PIPE, preexec_fn=die_with_parent)
     forwarded = []  # the SIGTERMs passed on
 
     def pass_on(signum, frame) -> None:
@@ -343,11 +349,6 @@ def guard(command: list[str], spec: ClusterSpec) -> int:
             signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     return status
-
-
-def _die_with_parent() -> None:
-    # prctl(PR_SET_PDEATHSIG, SIGKILL), run in the child between fork and exec.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def _status(report: list[bytes]) -> str:
