@@ -37,8 +37,15 @@ _HELP_FLAGS = ("--help", "-h", "-help", "--helpfull", "--helpshort")
 
 def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
     """Ends the process the way every user mistake ends it: one line, exit status 2 (or
-    `exit_code`: 75 for a transient failure)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    `exit_code`: 75 for a transient failure).
+
+    The line is one write: `print` writes the text and its newline separately, and a library's
+    thread still printing (Orbax and TensorStore report a failed save from several) could land
+    between them. A transient failure starts on a line of its own for the same reason: such a
+    thread may have left its last line unfinished."""
+    fresh_line = "\n" if exit_code == TRANSIENT_EXIT_CODE else ""
+    sys.stderr.write(f"{fresh_line}error: {message}\n")
+    sys.stderr.flush()
     sys.exit(exit_code)
 
 
