@@ -23,7 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; nothing
 
 from jaxscale.cli import Option, fail, parse_config_flags  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.plan.compiled import GIB, compile_train_step  # noqa: E402
+from jaxscale.plan.compiled import compile_train_step  # noqa: E402
+from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
 
 MAXTEXT_GIB = 8.24  # MaxText 0.2.5, llama3-8b, v5p:4x4x4, fsdp=64, batch 2/chip, seq 2048, remat full

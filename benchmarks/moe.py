@@ -35,9 +35,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
-from jaxscale.plan.compiled import GIB, compile_train_step  # noqa: E402
+from jaxscale.plan.compiled import compile_train_step  # noqa: E402
+from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.state import model_spec  # noqa: E402
+from jaxscale.training.state import model_spec  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402
 

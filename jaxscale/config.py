@@ -3,25 +3,29 @@
 A config file is a Python file whose `get_config()` returns an `ml_collections.ConfigDict` built on
 `default_config()` (loaded by `jaxscale.cli`). The schema is `default_config()` (every key, its
 default) and `NUMBERS` (the kind of every numeric key: whole or real, its range, what 0 or -1
-means); `check_schema` checks a config against both without importing anything, and `validate`
-adds the checks that relate keys to each other and to the devices. Each raises `ConfigError` with
-the key, the bad value and the fix, before anything is compiled or written.
+means); `check_schema` checks a config against both without importing anything, and
+`check_settings` adds the rules between its own keys (jaxscale/checks.py composes them with each
+component's checks and the devices'). Each raises `ConfigError` with the key, the bad value and
+the fix, before anything is compiled or written. This module imports nothing of jaxscale but the
+errors and the kinds of number: everything else imports it.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import ml_collections
 
-from jaxscale.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import ConfigError
 from jaxscale.kinds import Number, real, whole
 
-# Outermost (devices far apart, slow links) to innermost (neighbours on the fastest links): the
-# device mesh is laid out in this order, so tensor parallelism gets the closest devices.
-MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
+# Multi-process runs: how long `jax.distributed.initialize` waits for every process to join, and
+# the seconds without a heartbeat after which JAX declares a process dead and stops the others
+# (the bound on how long survivors of a crashed peer keep running).
+DEFAULT_INIT_TIMEOUT_S = 300
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+# The mesh axes' size keys (their order of layout is jaxscale/parallel/mesh.py's MESH_AXES).
+_MESH_AXIS_KEYS = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
 LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
     "experts",
@@ -52,8 +56,8 @@ def default_config() -> ml_collections.ConfigDict:
     )
     # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
     # across slices / hosts connected by the data-centre network.
-    c.mesh = dict(data=-1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1,
-                  dcn=dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1),
+    c.mesh = dict(**{axis: -1 if axis == "data" else 1 for axis in _MESH_AXIS_KEYS},
+                  dcn={axis: 1 for axis in _MESH_AXIS_KEYS},
                   # True: the planner chooses the sizes above, the remat policy, accumulation and
                   # optimizer-state layout at start-up (docs/planning.md), planning for
                   # auto_memory_gib GiB per device (0: the capacity the memory check uses,
@@ -162,8 +166,8 @@ def default_config() -> ml_collections.ConfigDict:
     # A jax.profiler trace of steps start_step .. start_step + steps - 1 in <workdir>/profile/
     # (docs/performance.md); steps=0: off. Process 0 only unless all_processes.
     c.profile = dict(start_step=10, steps=0, all_processes=False)
-    # XLA flags: "auto" (a tuned set on NVIDIA GPUs; jaxscale/xla_flags.py), "none", or a string of
-    # "--xla_...=..." flags. Flags already in the XLA_FLAGS environment variable win.
+    # XLA flags: "auto" (a tuned set on NVIDIA GPUs; jaxscale/runtime/xla_flags.py), "none", or a
+    # string of "--xla_...=..." flags. Flags already in the XLA_FLAGS environment variable win.
     # device_memory_gib: what one device holds, which the train step's compiled memory must fit
     # before the run starts (0: the capacity the backend reports; CPUs report none, so unchecked).
     c.performance = dict(xla_flags="auto", device_memory_gib=0.0)
@@ -206,8 +210,8 @@ NUMBERS = {
     "train.eval_batches": _SIZE,  # an eval of no batches would log a loss of 0
     "train.max_bad_steps": _SIZE,
     "train.straggler_ratio": real("(1, inf)", {1.2: "warn when a host makes steps 20% longer"}),
-    **{f"mesh.{axis}": _MESH_SIZE for axis in MESH_AXES},
-    **{f"mesh.dcn.{axis}": _SIZE for axis in MESH_AXES},
+    **{f"mesh.{axis}": _MESH_SIZE for axis in _MESH_AXIS_KEYS},
+    **{f"mesh.dcn.{axis}": _SIZE for axis in _MESH_AXIS_KEYS},
     "mesh.auto_memory_gib": real("[0, inf)", {0: "the capacity the memory check uses"}),
     "mesh.auto_trials": whole("[1, inf)", {1: "the planner's first choice, untimed"}),
     "pipeline.microbatches": whole("[0, inf)", {0: "2 x the stages"}),
@@ -261,57 +265,6 @@ NUMBERS = {
 }
 
 
-def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
-    """The length of each logical axis under `config`, used to check it divides its mesh axes."""
-    from jaxscale.state import model_config  # imports JAX; validation needs it anyway
-
-    m, t = config.model, config.train
-    return dict(
-        batch=t.batch_size // max(t.microbatches, 1),  # what one microbatch shards
-        length=t.seq_len,
-        embed=m.d_model,
-        heads=m.n_heads,
-        kv_heads=m.n_kv_heads,
-        head_dim=m.head_dim,
-        mlp=m.mlp_dim,
-        vocab=model_config(config).padded_vocab_size,
-        layers=m.n_layers,
-        experts=m.moe.experts,
-    )
-
-
-def resolve_mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int,
-                       num_slices: int = 1) -> tuple[dict[str, int], dict[str, int]]:
-    """Returns (ici, dcn) axis sizes with every -1 filled in.
-
-    `num_slices` is how many DCN-connected granules (slices or hosts) the devices form; their
-    product of `mesh.dcn.*` must equal it, and the ICI sizes must fill one granule.
-    """
-    dcn = {a: int(mesh.dcn[a]) for a in MESH_AXES}
-    if math.prod(dcn.values()) != num_slices:
-        raise ConfigError(
-            f"mesh.dcn sizes {dcn} multiply to {math.prod(dcn.values())} but there are "
-            f"{num_slices} slices/hosts; make their product {num_slices}")
-    per_slice = num_devices // num_slices
-    ici = {a: int(mesh[a]) for a in MESH_AXES}
-    free = [a for a, v in ici.items() if v == -1]
-    if len(free) > 1:
-        raise ConfigError(f"mesh axes {free} are all -1; at most one axis may take the rest")
-    fixed = math.prod(v for v in ici.values() if v != -1)
-    if free:
-        if per_slice % fixed:
-            raise ConfigError(
-                f"mesh sizes {ici} leave no whole size for mesh.{free[0]}: {per_slice} devices "
-                f"per slice are not divisible by {fixed}; change the fixed mesh sizes")
-        ici[free[0]] = per_slice // fixed
-    if math.prod(ici.values()) != per_slice:
-        raise ConfigError(
-            f"mesh sizes {ici} multiply to {math.prod(ici.values())} but there are {per_slice} "
-            f"devices{' per slice' if num_slices > 1 else ''}; make the product {per_slice} or "
-            "set one axis to -1")
-    return ici, dcn
-
-
 def _unknown_keys(config: Any, defaults: Any, prefix: str = "") -> list[str]:
     """Keys `config` has that `defaults` lacks; ConfigError when a group lost keys (a config file
     that replaced a whole group, e.g. `c.mesh.dcn = dict(data=2)`)."""
@@ -350,10 +303,10 @@ def check_schema(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{key}={value!r} {problem}")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1
-             ) -> tuple[dict[str, int], dict[str, int]]:
-    """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
-    `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
+def check_settings(config: ml_collections.ConfigDict) -> None:
+    """ConfigError on the first problem among the config's own values: the schema, then the rules
+    between its keys that need nothing else (jaxscale/checks.py adds each component's checks and
+    the devices')."""
     check_schema(config)
     t, m = config.train, config.model
     if t.batch_size % t.microbatches:
@@ -370,30 +323,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     _check_moe(m)
     if m.name != "llama":
         raise ConfigError(f"model.name={m.name!r} is unknown; the available model is 'llama'")
-    from jaxscale.models import REMAT_POLICIES  # imports JAX; validation needs it anyway
-
-    if m.remat not in REMAT_POLICIES:
-        raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "
-                          f"{tuple(REMAT_POLICIES)}")
-    from jaxscale.parallel.attention import IMPLEMENTATIONS
-
-    if m.attention not in IMPLEMENTATIONS:
-        raise ConfigError(f"model.attention={m.attention!r} is unknown; use one of "
-                          f"{IMPLEMENTATIONS}")
     if config.precision.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")
-    _check_data(config)
-    _check_performance(config)
+    if config.sharding.optimizer_state not in OPTIMIZER_STATE_LAYOUTS:
+        raise ConfigError(f"sharding.optimizer_state={config.sharding.optimizer_state!r} is "
+                          f"unknown; use one of {OPTIMIZER_STATE_LAYOUTS} ('data' is ZeRO-1)")
     _check_checkpoint(config)
-
-    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
-    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    _check_pipeline(config, mesh_shape)  # first: its errors name the pipeline's own keys
-    _check_experts(config, mesh_shape)
-    _check_context(config, mesh_shape)
-    _check_rules(config, mesh_shape)
-    return ici, dcn
 
 
 ROPE_SCALING_TYPES = ("none", "llama3")
@@ -425,33 +361,6 @@ def _check_rope(m: ml_collections.ConfigDict) -> None:
             f"{r.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")
 
 
-def _check_data(config: ml_collections.ConfigDict) -> None:
-    # Imported here: the data package pulls in grain, which config loading does not need.
-    from jaxscale.data.packing import METHODS
-    from jaxscale.data.sources import source_specs
-    from jaxscale.data.tokenizers import tokenizer_from_config
-
-    d, m = config.data, config.model
-    source_specs(config)
-    if d.packing not in METHODS:
-        raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {METHODS}")
-    vocab = tokenizer_from_config(config).vocab_size
-    if vocab > m.vocab_size:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
-                          f"{vocab} ids; set model.vocab_size >= {vocab}")
-
-
-def _check_performance(config: ml_collections.ConfigDict) -> None:
-    """The profile window, the XLA flags setting and the optimizer's memory options."""
-    from jaxscale.optim import check_memory_options
-    from jaxscale.profiling import check_window
-    from jaxscale.xla_flags import check_setting
-
-    check_window(config.profile, config.train.steps)
-    check_setting(config.performance.xla_flags)
-    check_memory_options(config.optim)
-
-
 def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
     c = config.checkpoint
     if c.keep_every_steps and (not c.every_steps or c.keep_every_steps % c.every_steps):
@@ -464,120 +373,3 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
                           "(the checkpoint whose params to start from)")
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-
-
-def _check_pipeline(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    p, t = config.pipeline, config.train
-    if p.schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"pipeline.schedule={p.schedule!r} is unknown; use one of "
-                          f"{PIPELINE_SCHEDULES}")
-    stages = mesh_shape["pipeline"]
-    if stages == 1:
-        return
-    if config.model.attention == "cudnn":
-        raise ConfigError(f"model.attention='cudnn' cannot run in mesh.pipeline={stages} stages: "
-                          "JAX's cuDNN attention has no batching rule for the stages' vmap; use "
-                          "model.attention=auto (XLA's attention there) or xla")
-    if config.model.moe.every:
-        raise ConfigError(f"mesh.pipeline={stages} with MoE layers (model.moe.every="
-                          f"{config.model.moe.every}) is not supported yet; set mesh.pipeline=1 "
-                          "and shard the experts with fsdp/tensor")
-    rules = config.sharding.rules
-    if tuple(rules.get("layers", ())) != ("pipeline",):
-        raise ConfigError(f"mesh.pipeline={stages} needs sharding.rules.layers=('pipeline',) "
-                          f"(the stages hold the layers), got {tuple(rules.get('layers', ()))}")
-    if "pipeline" in {a for name, axes in rules.items() if name != "layers" for a in axes}:
-        raise ConfigError("sharding.rules: only 'layers' may name the pipeline mesh axis")
-    layers, repeats = config.model.n_layers, p.repeats
-    if layers % (stages * repeats):
-        raise ConfigError(
-            f"model.n_layers={layers} is not divisible by mesh.pipeline x pipeline.repeats = "
-            f"{stages} x {repeats}; pick stages and repeats whose product divides {layers}")
-    if p.schedule == "1f1b" and repeats > 1:
-        raise ConfigError(f"pipeline.schedule='1f1b' runs one group of layers per stage, got "
-                          f"pipeline.repeats={repeats}; use repeats=1, or schedule='gpipe' for "
-                          "circular repeats")
-    micro = p.microbatches or 2 * stages
-    rows = t.batch_size // t.microbatches
-    if micro < stages:
-        raise ConfigError(f"pipeline.microbatches={micro} is fewer than the {stages} stages; "
-                          f"use at least {stages} (2 x stages or more keeps the bubble small)")
-    batch_shards = math.prod(mesh_shape[a] for a in rules.get("batch", ()))
-    if rows % (micro * batch_shards):
-        raise ConfigError(
-            f"pipeline.microbatches={micro} does not split the {rows} sequences of each step"
-            f"{' part' if t.microbatches > 1 else ''} into parts of a multiple of the "
-            f"{batch_shards} batch shards; make train.batch_size / train.microbatches a "
-            f"multiple of {micro * batch_shards}")
-
-
-def _check_experts(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    """The expert mesh axis: MoE layers to split, experts it divides, and rows split over it too
-    (the all-to-all of jaxscale/parallel/experts.py trades rows for experts)."""
-    degree, moe = mesh_shape["expert"], config.model.moe
-    if degree == 1:
-        return
-    where = f"mesh.expert x mesh.dcn.expert = {degree}"
-    if not moe.every:
-        raise ConfigError(f"{where} but the model has no MoE layers (model.moe.every=0); set "
-                          "mesh.expert=1 (and mesh.dcn.expert=1), or make layers MoE")
-    if moe.experts % degree:
-        raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by {where}; pick an "
-                          f"expert degree that divides {moe.experts}")
-    rules = config.sharding.rules
-    experts, batch = tuple(rules.get("experts", ())), tuple(rules.get("batch", ()))
-    if experts != ("expert",) or "expert" not in batch:
-        raise ConfigError(f"{where} needs sharding.rules.experts=('expert',) and the expert axis "
-                          f"in sharding.rules.batch (the rows trade places with the experts), got "
-                          f"experts={experts} and batch={batch}")
-
-
-def _check_context(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    """The sequence split over the axes of sharding.rules.length (mesh.context by default)."""
-    axes = tuple(config.sharding.rules.get("length", ()))
-    shards = math.prod(mesh_shape[a] for a in axes if a in mesh_shape)
-    if shards == 1:
-        return
-    where = "x".join(f"mesh.{a}={mesh_shape[a]}" for a in axes if a in mesh_shape)
-    seq_len = config.train.seq_len
-    if seq_len % (2 * shards):
-        raise ConfigError(
-            f"train.seq_len={seq_len} is not divisible by 2 x {where} = {2 * shards}: the "
-            f"sequence is cut into {2 * shards} chunks for a load-balanced causal attention; "
-            f"make train.seq_len a multiple of {2 * shards}")
-    if config.model.attention == "splash":
-        raise ConfigError(
-            f"model.attention='splash' needs whole sequences on each device, but {where} splits "
-            "them (sharding.rules.length); use model.attention=auto, xla or (GPUs) cudnn")
-
-
-def _check_rules(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    layout = config.sharding.optimizer_state
-    if layout not in OPTIMIZER_STATE_LAYOUTS:
-        raise ConfigError(f"sharding.optimizer_state={layout!r} is unknown; use one of "
-                          f"{OPTIMIZER_STATE_LAYOUTS} ('data' is ZeRO-1)")
-    rules = config.sharding.rules
-    for name in rules.keys():
-        if name not in LOGICAL_AXES:
-            raise ConfigError(f"sharding.rules has unknown logical axis {name!r}; known axes: "
-                              f"{LOGICAL_AXES}")
-    sizes = logical_axis_sizes(config)
-    for name in LOGICAL_AXES:
-        axes = tuple(rules[name]) if name in rules else ()
-        for axis in axes:
-            if axis not in MESH_AXES:
-                raise ConfigError(f"sharding.rules.{name} names mesh axis {axis!r}; mesh axes "
-                                  f"are {MESH_AXES}")
-        shards = math.prod(mesh_shape[a] for a in axes)
-        if sizes[name] % shards:
-            where = "x".join(f"mesh.{a}={mesh_shape[a]}" for a in axes)
-            raise ConfigError(
-                f"logical axis {name!r} has size {sizes[name]}, not divisible by {where} "
-                f"(= {shards}) it is sharded over; change the mesh or the size, or set "
-                f"sharding.rules.{name} to shard it over fewer axes")
-    if layout == "data":  # ZeRO-1 must split every parameter's moments: checked on its shapes
-        from jaxscale.parallel.sharding import rules_from_config
-        from jaxscale.state import model_spec, moment_specs
-
-        moment_specs(model_spec(config), rules_from_config(rules), mesh_shape, layout)

@@ -16,10 +16,10 @@ import sys
 
 from jaxscale.cli import fail, fail_with, folder_flag, number_flag
 from jaxscale.kinds import whole
-from jaxscale.tpu_host import quiet_libtpu
+from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser
-from jaxscale.workdir import check_writable, read_config
+from jaxscale.runtime.workdir import check_writable, read_config
 
 DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX
 
@@ -62,7 +62,7 @@ def export(workdir: str, out: str, step: int | None, dtype: str) -> str:
     from jaxscale.checkpoint.manager import checkpoint_dir, restore_from  # JAX from here on
     from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
     from jaxscale.hf import save_model
-    from jaxscale.state import TrainState, model_spec
+    from jaxscale.training.state import TrainState, model_spec
 
     config = read_config(workdir)
     directory = checkpoint_dir(config, workdir)

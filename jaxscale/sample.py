@@ -18,7 +18,7 @@ import sys
 from jaxscale.cli import fail, fail_with, folder_flag, number_flag
 from jaxscale.config import NUMBERS
 from jaxscale.kinds import real, whole
-from jaxscale.tpu_host import quiet_libtpu
+from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser
 
@@ -59,7 +59,7 @@ def run_config(workdir: str):
     """The run's config (config.json over the defaults) and the checkpoint folder holding at least
     one step; ConfigError naming what is missing."""
     from jaxscale.checkpoint.manager import checkpoint_dir, saved_steps
-    from jaxscale.workdir import read_config
+    from jaxscale.runtime.workdir import read_config
 
     config = read_config(workdir)
     directory = checkpoint_dir(config, workdir)  # local, or a bucket (checkpoint.dir=gs://...)
@@ -98,7 +98,7 @@ def continuation(args: argparse.Namespace) -> str:
     from jaxscale.config import default_config
     from jaxscale.data.tokenizers import tokenizer_from_config
     from jaxscale.parallel.sharding import rules_from_config
-    from jaxscale.sampler import Sampler, restored_model, sampling_mesh
+    from jaxscale.inference.sampler import Sampler, restored_model, sampling_mesh
 
     if args.workdir is not None:
         config, source = run_config(args.workdir)

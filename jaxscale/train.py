@@ -6,7 +6,7 @@ command again to resume); SIGTERM saves and exits 42 ("restart me"). A mistake t
 prints one `error: ...` line and exits with status 2, before anything is compiled or written; a
 transient infrastructure failure (storage, coordinator, a peer) prints one `error: ...` line and
 exits 75 ("retry with backoff"), every checkpoint left where it was. One of several processes
-runs the trainer as its child (jaxscale.distributed.guard): when JAX stops it because the run lost
+runs the trainer as its child (jaxscale.runtime.distributed.guard): when JAX stops it because the run lost
 a process (a crash, `kill -9`, a lost host) it exits 75 too.
 """
 
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, _stop_at_once)
     try:
         config, workdir = parse_train_flags(argv, about=__doc__)
-        from jaxscale import distributed
+        from jaxscale.runtime import distributed  # no JAX: the guard stays fast
 
         try:
             spec = distributed.detect_here()
@@ -44,9 +44,12 @@ def main(argv: list[str]) -> None:
         except (JaxscaleError, TransientError) as e:
             fail_with(e)
         # Import JAX only now, so that --help, flag errors and the guard stay fast.
-        from jaxscale import xla_flags
-        from jaxscale.tpu_host import quiet_libtpu
+        import jax
+
         from jaxscale.checkpoint.signals import RunStopped
+        from jaxscale.plan.auto import planned_config
+        from jaxscale.runtime import xla_flags
+        from jaxscale.runtime.tpu_host import quiet_libtpu
         from jaxscale.trainer import Trainer
 
         try:
@@ -57,7 +60,10 @@ def main(argv: list[str]) -> None:
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu():
-                Trainer(config, workdir).run()
+                planned_step = None
+                if config.mesh.auto:  # the planner chooses the layout and compiles its step
+                    config, planned_step = planned_config(config, jax.devices())
+                Trainer(config, workdir, planned_step=planned_step).run()
         except (JaxscaleError, TransientError) as e:
             fail_with(e)
         except RunStopped as e:  # the trainer has said where it stopped

@@ -13,7 +13,7 @@
   5. writes: the workdir's config.json, run.json, metrics and TensorBoard files;
   6. starts from the restored state or a fresh sharded init, and runs `_Loop`: next batch ->
      train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval. A
-     `profile` window traces chosen steps (jaxscale/profiling.py).
+     `profile` window traces chosen steps (jaxscale/observe/profiling.py).
 
 Nothing is fetched from the devices on steps that neither log nor save; the host stays at most
 two steps ahead of the devices, so a stop signal is acted on within two steps.
@@ -39,29 +39,30 @@ from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale import metrics as metrics_lib
-from jaxscale import offload
-from jaxscale.bad_steps import BadSteps
+from jaxscale.observe import metrics as metrics_lib
+from jaxscale.training import offload
+from jaxscale.training.bad_steps import BadSteps
 from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
-from jaxscale.config import validate
+from jaxscale.checks import validate
 from jaxscale.data import Input, check_splits, make_input
-from jaxscale.device_memory import check_fits, device_capacity, memory_line, memory_metrics
+from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
+                                            memory_metrics, step_memory)
 from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
                              TransientError)
-from jaxscale.optim import make_optimizer
+from jaxscale.training.optim import make_optimizer
 from jaxscale.parallel.attention import check_implementation
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
 from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
                                         use_rules)
-from jaxscale.plan.compiled import GIB, StepMemory, abstract_batch, step_memory
-from jaxscale.profiling import ProfileWindow
-from jaxscale.state import (TrainState, init_state, model_spec, moment_specs,
+from jaxscale.observe.profiling import ProfileWindow
+from jaxscale.training.state import (TrainState, init_state, model_spec, moment_specs,
                             state_shardings)
-from jaxscale.step import BATCH_KEYS, make_eval_step, make_train_step
-from jaxscale.timing import RunClock, Speed, StepWindow, compare_hosts
-from jaxscale.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
+from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
+from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
+from jaxscale.runtime.chips import GIB, peak_flops_per_device
+from jaxscale.runtime.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                               set_aside_earlier_start)
 
 
@@ -203,16 +204,19 @@ def check_attention(config: ml_collections.ConfigDict, device) -> None:
 class Trainer:
     """Trains `config` in `workdir`: `Trainer(config, workdir).run()`."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None,
+                 planned_step: tuple[jax.stages.Compiled, StepMemory] | None = None):
+        """`planned_step`: with mesh.auto, the planner's compiled train step for `config` (the
+        layout it chose, jaxscale.plan.auto.planned_config), which the trainer runs instead of
+        compiling its own."""
         self.start_time = time.perf_counter()
         devices = list(devices if devices is not None else jax.devices())
-        # mesh.auto: the planner chooses the layout (docs/planning.md), and has compiled its train
-        # step already, exactly as compile_train_step would.
-        self._planned_step = None
-        if config.mesh.auto:
-            from jaxscale.plan.auto import planned_config  # imported only when asked for
-            check_attention(config, devices[0])  # the planner compiles with that kernel
-            config, self._planned_step = planned_config(config, devices)
+        if config.mesh.auto and planned_step is None:
+            raise ConfigError("mesh.auto=True is resolved before the trainer is built: "
+                              "`python -m jaxscale.train` plans it; in Python, call "
+                              "jaxscale.plan.auto.planned_config(config, devices) and pass its "
+                              "config and step to Trainer(config, workdir, planned_step=step)")
+        self._planned_step = planned_step
         ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
         check_attention(config, devices[0])
         offloaded = config.optim.offload_state
@@ -266,7 +270,7 @@ class Trainer:
         self.speed = Speed(
             flops_per_token=self.model.config.flops_per_token(self.model.num_params, t.seq_len),
             num_devices=self.mesh.size,
-            peak_flops_per_device=metrics_lib.peak_flops_per_device(devices_kind(self.mesh)))
+            peak_flops_per_device=peak_flops_per_device(devices_kind(self.mesh)))
 
     def _with_rules(self, fn):
         """Traces `fn` with this run's mesh and rules active, so the model's `constrain` works."""
@@ -283,8 +287,16 @@ class Trainer:
         the planner's compiled step: the same config on the same devices, so the same program."""
         if self._planned_step is not None:
             return self._planned_step
-        compiled = self.train_step.lower(self.abstract_state, abstract_batch(self)).compile()
+        compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
         return compiled, step_memory(compiled)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """A batch's shapes, dtypes and sharding, with nothing allocated: what the step compiles
+        for."""
+        t = self.config.train
+        dtypes = {"loss_mask": jax.numpy.float32}
+        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jax.numpy.int32),
+                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
 
     def say(self, message: str) -> None:
         if self.is_primary:

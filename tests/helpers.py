@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxscale.config import MESH_AXES, default_config
+from jaxscale.config import default_config
+from jaxscale.parallel.mesh import MESH_AXES
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +111,7 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
     import jax.numpy as jnp
 
     from jaxscale.parallel.context import length_shards, load_balanced
-    from jaxscale.step import loss_and_grad
+    from jaxscale.training.step import loss_and_grad
 
     trainer = mesh_trainer(config, workdir)
     params = trainer.init_state(config.train.seed).params

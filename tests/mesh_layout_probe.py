@@ -5,7 +5,7 @@ hosts that hold its devices (tests/test_layouts.py checks that each ICI group si
 import json
 import sys
 
-from jaxscale import distributed
+from jaxscale.runtime import distributed
 from jaxscale.cli import parse_train_flags
 
 config, _ = parse_train_flags(sys.argv)
@@ -14,7 +14,7 @@ distributed.initialize(config.distributed.init_timeout_s, config.distributed.hea
 import jax  # noqa: E402 - after joining the cluster
 import numpy as np  # noqa: E402
 
-from jaxscale.config import validate  # noqa: E402
+from jaxscale.checks import validate  # noqa: E402
 from jaxscale.parallel.mesh import build_mesh, dcn_granules  # noqa: E402
 
 devices = jax.devices()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxscale.trainer import CompilationCache, Trainer
-from jaxscale.workdir import latest_metrics
+from jaxscale.runtime.workdir import latest_metrics
 from tests.helpers import resumable_cli_losses, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from jaxscale.config import default_config, resolve_mesh_shape, validate
+from jaxscale.checks import validate
+from jaxscale.config import default_config
+from jaxscale.parallel.mesh import MESH_AXES, resolve_mesh_shape
 from jaxscale.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +128,13 @@ def test_a_run_config_from_before_the_experts_rule_was_renamed_still_reads(tmp_p
     """Sampling and export read a run's config.json over today's defaults without validating it:
     a `sharding.rules.expert` saved before the logical axis became `experts` is carried along
     unused, and the experts keep the default rule."""
-    from jaxscale.workdir import CONFIG_FILE, read_config
+    from jaxscale.runtime.workdir import CONFIG_FILE, read_config
 
     (tmp_path / CONFIG_FILE).write_text('{"sharding": {"rules": {"expert": ["expert"]}}}')
     assert tuple(read_config(str(tmp_path)).sharding.rules.experts) == ("expert",)
+
+
+def test_the_schema_has_a_size_for_every_mesh_axis_and_no_other():
+    mesh = default_config().mesh
+    assert set(MESH_AXES) == set(mesh.dcn.keys()) == set(mesh.keys()) - {"dcn"} - {
+        key for key in mesh.keys() if key.startswith("auto")}

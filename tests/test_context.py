@@ -11,8 +11,7 @@ import pytest
 
 from jaxscale.parallel.context import load_balanced, load_balanced_order
 from jaxscale.plan.collectives import replica_groups
-from jaxscale.plan.compiled import abstract_batch
-from jaxscale.step import summed_loss
+from jaxscale.training.step import summed_loss
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_trainer, random_batch,
                            resumable_cli_losses, small_config)
 
@@ -105,7 +104,7 @@ def test_attention_all_gathers_keys_and_values_over_the_context_axis(tmp_path):
     all 32 positions, 2 kv heads, 16] are all-gathered within the 4 devices of a context group."""
     config = context_config(context=4, fsdp=2)
     trainer = mesh_trainer(config, tmp_path)
-    hlo = trainer.train_step.lower(trainer.abstract_state, abstract_batch(trainer)).compile()
+    hlo = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
     gathers = [line for line in hlo.as_text().splitlines()
                if "= f32[4,32,2,16]" in line and " all-gather(" in line]
     assert len(gathers) >= 2, "no all-gather of K/V over the context axis"

@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxscale.cli import DEFAULT_CONFIG
-from jaxscale.config import validate
+from jaxscale.checks import validate
 from jaxscale.data import check_splits, formats, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.config import default_config, validate
+from jaxscale.checks import validate
+from jaxscale.config import default_config
 from jaxscale.data import make_input, pipeline, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from jaxscale import distributed, rendezvous, tpu_host
-from jaxscale.distributed import ClusterSpec, detect, first_slurm_host
+from jaxscale.runtime import distributed, rendezvous, tpu_host
+from jaxscale.runtime.distributed import ClusterSpec, detect, first_slurm_host
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.local import free_port
 
@@ -356,7 +356,7 @@ def test_the_guard_exits_as_its_child_does():
     assert distributed.guard(_python("import sys; sys.exit(42)"), EXPLICIT_1) == 42
 
 
-GUARD = ("import sys; from jaxscale import distributed\n"
+GUARD = ("import sys; from jaxscale.runtime import distributed\n"
          "spec = distributed.ClusterSpec('explicit', '127.0.0.1:1234', 2, 1)\n"
          "sys.exit(distributed.guard(sys.argv[1:], spec))")
 

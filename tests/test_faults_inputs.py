@@ -17,7 +17,8 @@ import sys
 import ml_collections
 import pytest
 
-from jaxscale.config import NUMBERS, check_schema, default_config, validate
+from jaxscale.checks import validate
+from jaxscale.config import NUMBERS, check_schema, default_config
 from jaxscale.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ import pytest
 import jaxscale.trainer
 from jaxscale.checkpoint import Checkpoints
 from jaxscale.data import make_input
-from jaxscale.optim import learning_rate_schedule
+from jaxscale.training.optim import learning_rate_schedule
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
 from tests.test_checkpoint import read_metrics

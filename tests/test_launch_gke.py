@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from jaxscale.distributed import ClusterSpec, detect
+from jaxscale.runtime.distributed import ClusterSpec, detect
 from jaxscale.launch.gke import RUN_AS, Shape, parse_args, render as render_jobset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

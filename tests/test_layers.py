@@ -10,7 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.models import create_model
-from jaxscale.state import model_config
+from jaxscale.training.state import model_config
 from jaxscale.models.layers import MLP, Attention, RMSNorm, apply_rope
 from tests.helpers import small_config
 

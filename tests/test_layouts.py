@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from jaxscale.config import validate
+from jaxscale.checks import validate
 from jaxscale.errors import ConfigError
 from jaxscale.launch.cli import check_train_args
 from jaxscale.parallel.mesh import dcn_granules

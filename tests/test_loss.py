@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale.loss import chunk_length, summed_cross_entropy
+from jaxscale.training.loss import chunk_length, summed_cross_entropy
 from jaxscale.models import create_model
-from jaxscale.state import model_config
-from jaxscale.step import summed_loss
+from jaxscale.training.state import model_config
+from jaxscale.training.step import summed_loss
 from flax import nnx
 from tests.helpers import random_batch, small_config
 

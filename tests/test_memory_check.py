@@ -11,10 +11,12 @@ import sys
 import jax
 import pytest
 
-from jaxscale.config import validate
-from jaxscale.device_memory import check_fits, device_capacity, memory_line
+from jaxscale.checks import validate
+from jaxscale.observe.device_memory import check_fits, device_capacity, memory_line
 from jaxscale.errors import ConfigError
-from jaxscale.plan.compiled import GIB, StepMemory
+from jaxscale.observe.device_memory import StepMemory
+from jaxscale.plan.auto import planned_config
+from jaxscale.runtime.chips import GIB
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
 
@@ -141,7 +143,8 @@ def test_mesh_auto_trains_with_the_step_the_planner_compiled(tmp_path, trials):
     config.checkpoint.update(enabled=False, compilation_cache=False)
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
-        metrics = Trainer(config, str(tmp_path)).run()
+        config, planned_step = planned_config(config, jax.devices())
+        metrics = Trainer(config, str(tmp_path), planned_step=planned_step).run()
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert math.isfinite(metrics["loss"])

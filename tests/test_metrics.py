@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jaxscale import metrics, timing
-from jaxscale.progress import is_interactive
+from jaxscale.observe import metrics, timing
+from jaxscale.observe.progress import is_interactive
+from jaxscale.runtime.chips import peak_flops_per_device
 
 
 class FakeTerminal(io.StringIO):
@@ -66,13 +67,13 @@ def read_tensorboard_scalars(path):
     ("tpu V6E", 918),
 ])
 def test_peak_flops_of_known_devices(device_kind, tflops):
-    assert metrics.peak_flops_per_device(device_kind) == tflops * 1e12
+    assert peak_flops_per_device(device_kind) == tflops * 1e12
 
 
 @pytest.mark.parametrize("device_kind", ["cpu", "TFRT_CPU_0", "NVIDIA GeForce RTX 4090", "TPU v3",
                                          "TPU v4 lite", ""])
 def test_peak_flops_of_cpus_and_unknown_devices_is_none(device_kind):
-    assert metrics.peak_flops_per_device(device_kind) is None
+    assert peak_flops_per_device(device_kind) is None
 
 
 def test_throughput_matches_the_closed_form():

@@ -7,7 +7,7 @@ import pytest
 
 from jaxscale.cli import load_config_file
 from jaxscale.models import LlamaConfig, abstract_model, count_params
-from jaxscale.state import model_spec
+from jaxscale.training.state import model_spec
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

@@ -19,8 +19,8 @@ from flax import nnx
 from jaxscale.cli import load_config_file
 from jaxscale.models import LlamaConfig, abstract_model, create_model
 from jaxscale.models.moe import MoE, MoEConfig, route
-from jaxscale.state import model_config, model_spec
-from jaxscale.step import loss_grad_and_router_metrics, summed_loss_and_router_stats
+from jaxscale.training.state import model_config, model_spec
+from jaxscale.training.step import loss_grad_and_router_metrics, summed_loss_and_router_stats
 from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 from tests.test_bad_inputs import config_file, run_in_process
 
@@ -457,7 +457,7 @@ def test_bad_moe_settings_give_one_error_line(args, names, tmp_path, capfd):
 def test_the_expert_load_is_a_json_list_and_a_tensorboard_histogram(tmp_path):
     from tensorboardX.proto import event_pb2
 
-    from jaxscale.metrics import MetricsWriter
+    from jaxscale.observe.metrics import MetricsWriter
 
     with MetricsWriter(str(tmp_path), enabled=True, total_steps=1, stream=io.StringIO()) as writer:
         writer.write(1, {"loss": 2.0, "moe_expert_load": np.array([0.5, 0.25, 0.25, 0.0])})

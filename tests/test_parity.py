@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.step import summed_loss
+from jaxscale.training.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
 

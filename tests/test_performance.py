@@ -16,12 +16,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import random_batch, small_config
-from jaxscale import offload, profiling
-from jaxscale.device_memory import memory_metrics
+from jaxscale.training import offload
+from jaxscale.observe import profiling
+from jaxscale.observe.device_memory import memory_metrics
 from jaxscale.errors import ConfigError
-from jaxscale.optim import make_optimizer
+from jaxscale.training.optim import make_optimizer
 from jaxscale.trainer import Trainer
-from jaxscale.workdir import logged_metrics
+from jaxscale.runtime.workdir import logged_metrics
 
 GIB = 2 ** 30
 

@@ -12,7 +12,7 @@ import pytest
 
 from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.plan.compiled import compile_train_step
-from jaxscale.step import summed_loss
+from jaxscale.training.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
                            resumable_cli_losses, small_config)

@@ -11,17 +11,18 @@ import jax
 import pytest
 
 from jaxscale.cli import load_config_file
-from jaxscale.config import validate
+from jaxscale.checks import validate
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.plan import auto, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
-from jaxscale.plan.compiled import GIB, compile_train_step
+from jaxscale.plan.compiled import compile_train_step
+from jaxscale.runtime.chips import GIB
 from jaxscale.plan.measure import seconds_per_step
 from jaxscale.plan.memory_model import estimate_memory
 from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _attention, make_plan
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.state import model_spec
+from jaxscale.training.state import model_spec
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
 

@@ -18,11 +18,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxscale.config
 from jaxscale import hf, models
 from jaxscale.checkpoint import restore_from
-from jaxscale.config import MESH_AXES, default_config
+from jaxscale.config import default_config
+from jaxscale.parallel.mesh import MESH_AXES
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.hf.config import update_config
 from jaxscale.parallel.sharding import rules_from_config
-from jaxscale.sampler import Sampler, next_token, sampling_mesh
+from jaxscale.inference.sampler import Sampler, next_token, sampling_mesh
 from jaxscale.sample import main as sample_main
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config

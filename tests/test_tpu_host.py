@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxscale import tpu_host
+from jaxscale.runtime import tpu_host
 
 START_JAX = "import jax; jax.devices()"
 
@@ -23,7 +23,7 @@ def start_jax(code: str) -> str:
 def test_jax_starts_without_libtpus_warnings():
     noisy = start_jax(START_JAX)
     assert "TPU_WORKER_HOSTNAMES" in noisy  # what libtpu prints unprompted (so this can fail)
-    assert start_jax("from jaxscale.tpu_host import quiet_libtpu\nwith quiet_libtpu(): "
+    assert start_jax("from jaxscale.runtime.tpu_host import quiet_libtpu\nwith quiet_libtpu(): "
                      + START_JAX) == ""
 
 

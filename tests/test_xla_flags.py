@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxscale import xla_flags
+from jaxscale.runtime import xla_flags
 from jaxscale.errors import ConfigError
 
 AUTO = [f"--{name}={value}" for name, value, _ in xla_flags.GPU_FLAGS]

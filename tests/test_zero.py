@@ -8,13 +8,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.checkpoint import Checkpoints
-from jaxscale.config import validate
+from jaxscale.checks import validate
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.parallel.sharding import rules_from_config, spec_axes, split_further
 from jaxscale.plan.collectives import bytes_by_kind, parse_collectives
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.state import model_spec, moment_specs
+from jaxscale.training.state import model_spec, moment_specs
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
 

@@ -45,8 +45,8 @@ from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder
 from jaxscale.hf.weights import load_params
 from jaxscale.models import LlamaConfig
-from jaxscale.state import TrainState
-from jaxscale.workdir import check_writable, reason, storage_error
+from jaxscale.training.state import TrainState
+from jaxscale.runtime.workdir import check_writable, reason, storage_error
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
 from jaxscale.errors import ConfigError
-from jaxscale.state import TrainState
+from jaxscale.training.state import TrainState
 
 # Orbax's record of a step folder, written when the save starts and given `commit_timestamp_nsecs`
 # when it finishes (every Orbax version this package supports, local folders and buckets alike).

@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.workdir import access_denied, grant_or
+from jaxscale.runtime.workdir import access_denied, grant_or
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@
     it.close()                # stops the prefetch and reader threads
 
     check_splits(config, ("train", "eval"))  # at start: JaxscaleError if a split has no documents
+    check_data(config)  # the data section, reading no document: ConfigError on the first problem
 
 Batch keys: `inputs`, `targets` (int32 next-token pairs), `loss_mask` (float32, 0 on padding),
 `segment_ids` (int32, 1, 2, ... per packed document, 0 on padding), `positions` (int32, from 0 in
@@ -23,9 +24,11 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxscale.data.packing import METHODS
 from jaxscale.data.pipeline import local_batches, local_rows
-from jaxscale.data.sources import SkippedRecords, check_splits
-from jaxscale.errors import JaxscaleError
+from jaxscale.data.sources import SkippedRecords, check_splits, source_specs
+from jaxscale.data.tokenizers import tokenizer_from_config
+from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.parallel.context import length_shards, load_balanced
 
 __all__ = ["Input", "check_splits", "make_input"]
@@ -144,3 +147,16 @@ def make_input(config: ml_collections.ConfigDict, split: str,
                batch_sharding: jax.sharding.Sharding) -> Input:
     """The `split` ("train" or "eval") input of this process, per `config.data`."""
     return Input(config, split, batch_sharding)
+
+
+def check_data(config: ml_collections.ConfigDict) -> None:
+    """ConfigError on the first problem of the data section: its sources' specs, the packing
+    method, and a tokenizer with more ids than the model's vocabulary."""
+    d, m = config.data, config.model
+    source_specs(config)
+    if d.packing not in METHODS:
+        raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {METHODS}")
+    vocab = tokenizer_from_config(config).vocab_size
+    if vocab > m.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab} ids; set model.vocab_size >= {vocab}")

@@ -17,7 +17,7 @@ import time
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
 from jaxscale.kinds import whole
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.progress import StatusLine
+from jaxscale.observe.progress import StatusLine
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
 _MANIFEST_FORMAT = "jaxscale-prepare-v1"

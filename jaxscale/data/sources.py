@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxscale.kinds import real
 from jaxscale.data import formats, token_files
+from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 
 SPLITS = ("train", "eval")
@@ -402,8 +403,6 @@ def check_splits(config: ml_collections.ConfigDict, splits: Sequence[str] = SPLI
             raise ValueError(f"split={split!r}; use one of {SPLITS}")
     tokenizer_name = ""
     if any(spec["format"] == "tokens" for spec in specs):
-        from jaxscale.data.tokenizers import tokenizer_from_config  # noqa: PLC0415
-
         tokenizer_name = tokenizer_from_config(config).name
     for spec in specs:
         for split in splits:

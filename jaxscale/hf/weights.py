@@ -26,7 +26,7 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors
 from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
 from jaxscale.models import LlamaConfig
-from jaxscale.workdir import reason, storage_error
+from jaxscale.runtime.workdir import reason, storage_error
 
 SHARD_BYTES = 5_000_000_000  # transformers' save_pretrained default, "5GB"
 DTYPES = ("float32", "bfloat16", "float16")

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from jaxscale import distributed
+from jaxscale.runtime import distributed
 from jaxscale.cli import fail, fail_with
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.cli import ArgumentParser, nonnegative_float, positive

@@ -9,7 +9,6 @@ import signal
 import sys
 
 from jaxscale.cli import fail, number_flag, parse_train_flags
-from jaxscale.config import validate
 from jaxscale.kinds import real, whole
 from jaxscale.errors import JaxscaleError
 
@@ -71,7 +70,9 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int)
     validates it for `num_devices` devices in `num_granules` DCN-connected granules (TPU slices, or
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
     is started for a run that would fail at once."""
-    from jaxscale.parallel.mesh import asks_for_dcn  # imports JAX: not for supervise's start
+    # Imported here: they import JAX, which supervise's start does not need.
+    from jaxscale.checks import validate
+    from jaxscale.parallel.mesh import asks_for_dcn
 
     config, _ = parse_train_flags([sys.argv[0], *train_args])  # a bad flag exits here
     # Granules count only when the config asks for DCN factors, as in parallel.mesh.dcn_granules.

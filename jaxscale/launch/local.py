@@ -5,7 +5,7 @@
 
 Everything after `--` goes to `python -m jaxscale.train` (or `--module`); a training flag given
 without the `--` is an error that says so. The processes find each other through
-JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jaxscale.distributed's explicit mode)
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jaxscale.runtime.distributed's explicit mode)
 and use gloo for cross-process collectives. Each output line is prefixed with its process id;
 gloo's `[Gloo] Rank N is connected to M peer ranks` lines are hidden unless `--verbose`.
 
@@ -100,7 +100,7 @@ def free_port() -> int:
 def process_env(base: dict[str, str], process_id: int, num_processes: int, devices: int,
                 port: int) -> dict[str, str]:
     """The environment of process `process_id`: its simulated devices and its identity in the run
-    (jaxscale.distributed's explicit mode)."""
+    (jaxscale.runtime.distributed's explicit mode)."""
     # Replace, not add to, any device count the caller set (tests run under 8 simulated devices).
     xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                        base.get("XLA_FLAGS", ""))

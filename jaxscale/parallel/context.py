@@ -15,8 +15,13 @@ the sequence as it was; the loss is a sum over tokens, which order does not chan
 
 from __future__ import annotations
 
+import math
+
 import jax
+import ml_collections
 import numpy as np
+
+from jaxscale.errors import ConfigError
 
 
 def load_balanced_order(length: int, shards: int) -> np.ndarray:
@@ -43,3 +48,22 @@ def load_balanced(batch: dict[str, np.ndarray], shards: int) -> dict[str, np.nda
         return batch
     order = load_balanced_order(next(iter(batch.values())).shape[1], shards)
     return {name: np.take(array, order, axis=1) for name, array in batch.items()}
+
+
+def check_context(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """The sequence split over the axes of sharding.rules.length (mesh.context by default)."""
+    axes = tuple(config.sharding.rules.get("length", ()))
+    shards = math.prod(mesh_shape[a] for a in axes if a in mesh_shape)
+    if shards == 1:
+        return
+    where = "x".join(f"mesh.{a}={mesh_shape[a]}" for a in axes if a in mesh_shape)
+    seq_len = config.train.seq_len
+    if seq_len % (2 * shards):
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by 2 x {where} = {2 * shards}: the "
+            f"sequence is cut into {2 * shards} chunks for a load-balanced causal attention; "
+            f"make train.seq_len a multiple of {2 * shards}")
+    if config.model.attention == "splash":
+        raise ConfigError(
+            f"model.attention='splash' needs whole sequences on each device, but {where} splits "
+            "them (sharding.rules.length); use model.attention=auto, xla or (GPUs) cudnn")

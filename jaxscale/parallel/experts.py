@@ -21,8 +21,10 @@ import math
 from typing import Sequence
 
 import jax
+import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import (Rules, active_mesh_and_rules, logical_to_mesh,
                                         spec_axes)
 
@@ -87,3 +89,24 @@ def constrain_experts(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     mesh, rules = active
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, logical_to_mesh(logical, _expert_first(rules))))
+
+
+def check_experts(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """The expert mesh axis: MoE layers to split, experts it divides, and rows split over it too
+    (the all-to-all of jaxscale/parallel/experts.py trades rows for experts)."""
+    degree, moe = mesh_shape["expert"], config.model.moe
+    if degree == 1:
+        return
+    where = f"mesh.expert x mesh.dcn.expert = {degree}"
+    if not moe.every:
+        raise ConfigError(f"{where} but the model has no MoE layers (model.moe.every=0); set "
+                          "mesh.expert=1 (and mesh.dcn.expert=1), or make layers MoE")
+    if moe.experts % degree:
+        raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by {where}; pick an "
+                          f"expert degree that divides {moe.experts}")
+    rules = config.sharding.rules
+    experts, batch = tuple(rules.get("experts", ())), tuple(rules.get("batch", ()))
+    if experts != ("expert",) or "expert" not in batch:
+        raise ConfigError(f"{where} needs sharding.rules.experts=('expert',) and the expert axis "
+                          f"in sharding.rules.batch (the rows trade places with the experts), got "
+                          f"experts={experts} and batch={batch}")

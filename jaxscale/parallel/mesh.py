@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxscale.config import MESH_AXES
+from jaxscale.errors import ConfigError
+
+# Outermost (devices far apart, slow links) to innermost (neighbours on the fastest links): the
+# device mesh is laid out in this order, so tensor parallelism gets the closest devices.
+MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
 
 def granules_are_slices(devices) -> bool:
@@ -57,3 +63,35 @@ def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
     else:
         device_array = mesh_utils.create_device_mesh(ici_shape, devices)
     return Mesh(device_array, MESH_AXES)
+
+
+def resolve_mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int,
+                       num_slices: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+    """Returns (ici, dcn) axis sizes with every -1 filled in.
+
+    `num_slices` is how many DCN-connected granules (slices or hosts) the devices form; their
+    product of `mesh.dcn.*` must equal it, and the ICI sizes must fill one granule.
+    """
+    dcn = {a: int(mesh.dcn[a]) for a in MESH_AXES}
+    if math.prod(dcn.values()) != num_slices:
+        raise ConfigError(
+            f"mesh.dcn sizes {dcn} multiply to {math.prod(dcn.values())} but there are "
+            f"{num_slices} slices/hosts; make their product {num_slices}")
+    per_slice = num_devices // num_slices
+    ici = {a: int(mesh[a]) for a in MESH_AXES}
+    free = [a for a, v in ici.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh axes {free} are all -1; at most one axis may take the rest")
+    fixed = math.prod(v for v in ici.values() if v != -1)
+    if free:
+        if per_slice % fixed:
+            raise ConfigError(
+                f"mesh sizes {ici} leave no whole size for mesh.{free[0]}: {per_slice} devices "
+                f"per slice are not divisible by {fixed}; change the fixed mesh sizes")
+        ici[free[0]] = per_slice // fixed
+    if math.prod(ici.values()) != per_slice:
+        raise ConfigError(
+            f"mesh sizes {ici} multiply to {math.prod(ici.values())} but there are {per_slice} "
+            f"devices{' per slice' if num_slices > 1 else ''}; make the product {per_slice} or "
+            "set one axis to -1")
+    return ici, dcn

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxscale.errors import ConfigError
 from jaxscale.models.layers import LayerFn, scan_layers
 from jaxscale.parallel.sharding import active_mesh_and_rules, constrain
 
@@ -322,3 +325,53 @@ def config_pipeline(config: Any, stages: int | None = None) -> Pipeline | None:
         return None
     p = config.pipeline
     return Pipeline(stages, int(p.microbatches), int(p.repeats), str(p.schedule))
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_pipeline(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """The pipeline section against the mesh: the schedule, the stages' layers and microbatches,
+    and what cannot run in stages yet."""
+    p, t = config.pipeline, config.train
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={p.schedule!r} is unknown; use one of "
+                          f"{PIPELINE_SCHEDULES}")
+    stages = mesh_shape["pipeline"]
+    if stages == 1:
+        return
+    if config.model.attention == "cudnn":
+        raise ConfigError(f"model.attention='cudnn' cannot run in mesh.pipeline={stages} stages: "
+                          "JAX's cuDNN attention has no batching rule for the stages' vmap; use "
+                          "model.attention=auto (XLA's attention there) or xla")
+    if config.model.moe.every:
+        raise ConfigError(f"mesh.pipeline={stages} with MoE layers (model.moe.every="
+                          f"{config.model.moe.every}) is not supported yet; set mesh.pipeline=1 "
+                          "and shard the experts with fsdp/tensor")
+    rules = config.sharding.rules
+    if tuple(rules.get("layers", ())) != ("pipeline",):
+        raise ConfigError(f"mesh.pipeline={stages} needs sharding.rules.layers=('pipeline',) "
+                          f"(the stages hold the layers), got {tuple(rules.get('layers', ()))}")
+    if "pipeline" in {a for name, axes in rules.items() if name != "layers" for a in axes}:
+        raise ConfigError("sharding.rules: only 'layers' may name the pipeline mesh axis")
+    layers, repeats = config.model.n_layers, p.repeats
+    if layers % (stages * repeats):
+        raise ConfigError(
+            f"model.n_layers={layers} is not divisible by mesh.pipeline x pipeline.repeats = "
+            f"{stages} x {repeats}; pick stages and repeats whose product divides {layers}")
+    if p.schedule == "1f1b" and repeats > 1:
+        raise ConfigError(f"pipeline.schedule='1f1b' runs one group of layers per stage, got "
+                          f"pipeline.repeats={repeats}; use repeats=1, or schedule='gpipe' for "
+                          "circular repeats")
+    micro = p.microbatches or 2 * stages
+    rows = t.batch_size // t.microbatches
+    if micro < stages:
+        raise ConfigError(f"pipeline.microbatches={micro} is fewer than the {stages} stages; "
+                          f"use at least {stages} (2 x stages or more keeps the bubble small)")
+    batch_shards = math.prod(mesh_shape[a] for a in rules.get("batch", ()))
+    if rows % (micro * batch_shards):
+        raise ConfigError(
+            f"pipeline.microbatches={micro} does not split the {rows} sequences of each step"
+            f"{' part' if t.microbatches > 1 else ''} into parts of a multiple of the "
+            f"{batch_shards} batch shards; make train.batch_size / train.microbatches a "
+            f"multiple of {micro * batch_shards}")

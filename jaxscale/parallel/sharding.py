@@ -17,6 +17,10 @@ import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxscale.config import LOGICAL_AXES
+from jaxscale.errors import ConfigError
+from jaxscale.parallel.mesh import MESH_AXES
+
 Rules = Mapping[str, tuple[str, ...]]
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
@@ -99,3 +103,26 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(logical, rules)))
+
+
+def check_rules(rules: ml_collections.ConfigDict, mesh_shape: dict[str, int],
+                sizes: dict[str, int]) -> None:
+    """ConfigError unless `rules` (sharding.rules) names known logical and mesh axes, and every
+    logical axis's length (`sizes`) divides over the mesh axes it is sharded over."""
+    for name in rules.keys():
+        if name not in LOGICAL_AXES:
+            raise ConfigError(f"sharding.rules has unknown logical axis {name!r}; known axes: "
+                              f"{LOGICAL_AXES}")
+    for name in LOGICAL_AXES:
+        axes = tuple(rules[name]) if name in rules else ()
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(f"sharding.rules.{name} names mesh axis {axis!r}; mesh axes "
+                                  f"are {MESH_AXES}")
+        shards = math.prod(mesh_shape[a] for a in axes)
+        if sizes[name] % shards:
+            where = "x".join(f"mesh.{a}={mesh_shape[a]}" for a in axes)
+            raise ConfigError(
+                f"logical axis {name!r} has size {sizes[name]}, not divisible by {where} "
+                f"(= {shards}) it is sharded over; change the mesh or the size, or set "
+                f"sharding.rules.{name} to shard it over fewer axes")

@@ -15,12 +15,15 @@ h100:N / h200:N / a100:N or h100:NODESxGPUS (estimates only: no GPU compiler wit
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import real, whole
+from jaxscale.runtime.chips import GIB
 
 OPTIONS = [
     Option("target", "local", "what to plan for: local, cpu:8, v5p-64, v5e-16, v5p:2x2x1, h100:16, "
@@ -67,11 +70,8 @@ def main(argv: list[str]) -> None:
                                          options=OPTIONS)
     gib = _hbm_gib(options["hbm_gib"])
     _prepare_jax(argv)
-    import json  # noqa: PLC0415 - after the flags: --help and flag errors stay fast
-
-    from jaxscale.errors import JaxscaleError, TransientError
+    # After the flags, and after _prepare_jax: they import JAX (--help and flag errors stay fast).
     from jaxscale.plan import report
-    from jaxscale.plan.compiled import GIB
     from jaxscale.plan.planner import make_plan
     from jaxscale.plan.targets import parse_target
 

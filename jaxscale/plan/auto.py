@@ -1,4 +1,5 @@
-"""`--config.mesh.auto=True`: the trainer asks the planner for its layout at start-up."""
+"""`--config.mesh.auto=True`: `python -m jaxscale.train` asks the planner for the layout before it
+builds the trainer, and hands the trainer the step the planner compiled."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ import jax
 import ml_collections
 
 from jaxscale.config import check_schema
-from jaxscale.device_memory import device_capacity
+from jaxscale.observe.device_memory import device_capacity
 from jaxscale.errors import ConfigError
 from jaxscale.plan import report
-from jaxscale.plan.chips import GIB
-from jaxscale.plan.compiled import StepMemory, refused_by_xla
+from jaxscale.runtime.chips import GIB
+from jaxscale.observe.device_memory import StepMemory
+from jaxscale.plan.compiled import refused_by_xla
 from jaxscale.plan.measure import agreed, seconds_per_step
 from jaxscale.plan.planner import Row, make_plan
 from jaxscale.plan.targets import local_target
+from jaxscale.trainer import check_attention
 
 
 def planned_config(config: ml_collections.ConfigDict, devices
@@ -32,6 +35,7 @@ def planned_config(config: ml_collections.ConfigDict, devices
             print(line, flush=True)
 
     check_schema(config)  # the numbers read below, before the planner's validate reads them
+    check_attention(config, devices[0])  # the planner compiles with that kernel
     gib, trials = config.mesh.auto_memory_gib, config.mesh.auto_trials
     # Without mesh.auto_memory_gib, plan for the capacity the run's memory check will hold the
     # step to (performance.device_memory_gib, else the allocator's limit), else the chip's.

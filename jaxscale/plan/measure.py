@@ -19,7 +19,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxscale.step import BATCH_KEYS
+from jaxscale.trainer import Trainer
+from jaxscale.training.step import BATCH_KEYS
 
 STEPS_TIMED = 3  # after one warm-up step; the median is kept
 
@@ -42,7 +43,6 @@ def seconds_per_step(config: ml_collections.ConfigDict, devices,
                      executable: jax.stages.Compiled) -> float:
     """The median time of `executable`, the train step of `config` compiled for `devices`, over
     `STEPS_TIMED` steps after a warm-up one. Every process of a multi-host run takes part."""
-    from jaxscale.trainer import Trainer  # the trainer imports the whole stack; only needed here
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir, devices=devices)
         state = trainer.init_state(config.train.seed)

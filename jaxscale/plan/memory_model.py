@@ -13,7 +13,7 @@ What it counts, per device:
     policy, plus one layer's working set during its backward pass, plus the attention scores
     where the XLA path materialises them (CPUs, a context axis, GPUs without cuDNN's kernel; TPUs
     use splash). Not counted: the workspace of cuDNN's packed layout (`data.max_segments`);
-  - the loss: float32 logits of `model.loss_chunk_len` positions at a time (jaxscale/loss.py).
+  - the loss: float32 logits of `model.loss_chunk_len` positions at a time (jaxscale/training/loss.py).
 MoE layers (jaxscale/models/moe.py) add their dispatch buffers [rows, experts, capacity, d_model]
 in both layouts, the experts' hidden activations and the router's logits (`_moe_row`); the
 expert axis splits the experts' weights and moments (their sharding specs say so) and the rows.
@@ -37,11 +37,11 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.loss import chunk_length
+from jaxscale.training.loss import chunk_length
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, logical_to_mesh, rules_from_config, spec_axes
-from jaxscale.state import ModelSpec, moment_specs
-from jaxscale.step import BATCH_KEYS
+from jaxscale.training.state import ModelSpec, moment_specs
+from jaxscale.training.step import BATCH_KEYS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,13 +26,14 @@ import ml_collections
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.attention import auto_kernel, packed_layout_bound
 from jaxscale.plan import rank
-from jaxscale.plan.chips import Chip
+from jaxscale.runtime.chips import GIB, Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
-from jaxscale.plan.compiled import GIB, StepMemory, compile_train_step, refused_by_xla
+from jaxscale.observe.device_memory import StepMemory
+from jaxscale.plan.compiled import compile_train_step, refused_by_xla
 from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
 from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
-from jaxscale.state import model_spec
+from jaxscale.training.state import model_spec
 
 FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input
 # CPUs have no chip entry: their times are computed at these nominal rates, good for ranking only.

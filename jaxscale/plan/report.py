@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxscale.plan.collectives import KINDS, bytes_by_kind
-from jaxscale.plan.compiled import GIB
+from jaxscale.runtime.chips import GIB
 from jaxscale.plan.planner import FIT_FRACTION, Plan, Row
 
 _SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",

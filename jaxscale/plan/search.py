@@ -25,7 +25,8 @@ from typing import Mapping
 
 import ml_collections
 
-from jaxscale.config import MESH_AXES, validate
+from jaxscale.checks import validate
+from jaxscale.parallel.mesh import MESH_AXES
 from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.parallel.pipeline import Pipeline

@@ -29,7 +29,7 @@
 #
 # Multi-slice: --slices=N gives N slices joined over the data-centre network; set the config's
 # mesh.dcn.* factors to multiply to N (e.g. --config.mesh.dcn.data=N). The TPU runtime tells every
-# worker its slice; jaxscale.distributed then finds all processes without further flags.
+# worker its slice; jaxscale.runtime.distributed then finds all processes without further flags.
 # Spot slices (--spot) can be reclaimed at any time: a preempted run saves a checkpoint to the
 # checkpoint.dir bucket, and `delete` then `up` with the same flags resumes it (docs/launch.md).
 set -euo pipefail

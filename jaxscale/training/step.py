@@ -16,12 +16,12 @@ import ml_collections
 import optax
 from flax import nnx
 
-from jaxscale.loss import summed_cross_entropy
+from jaxscale.training.loss import summed_cross_entropy
 from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.moe import RouterStats
-from jaxscale.optim import schedule_at
+from jaxscale.training.optim import schedule_at
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
-from jaxscale.state import TrainState, uses_dynamic_loss_scale
+from jaxscale.training.state import TrainState, uses_dynamic_loss_scale
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")

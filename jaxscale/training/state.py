@@ -146,3 +146,20 @@ def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: A
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
                       loss_scale=replicated, good_steps=replicated)
+
+
+def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
+    """The length of each logical axis under `config`, which must divide its mesh axes."""
+    m, t = config.model, config.train
+    return dict(
+        batch=t.batch_size // max(t.microbatches, 1),  # what one microbatch shards
+        length=t.seq_len,
+        embed=m.d_model,
+        heads=m.n_heads,
+        kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        mlp=m.mlp_dim,
+        vocab=model_config(config).padded_vocab_size,
+        layers=m.n_layers,
+        experts=m.moe.experts,
+    )

@@ -14,8 +14,7 @@ from time import monotonic
 import numpy as np
 import tensorboardX
 
-from jaxscale.plan.chips import peak_flops_per_device  # noqa: F401 - the MFU's peak, re-exported
-from jaxscale.progress import StatusLine
+from jaxscale.observe.progress import StatusLine
 
 _BAR_WIDTH = 30
 # Redraw the progress bar at most this often (seconds): fast steps would otherwise spend their

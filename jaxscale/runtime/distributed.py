@@ -11,7 +11,7 @@
 - single: none of these.
 
 `initialize` then meets every peer at a small TCP rendezvous on the coordinator's own port
-(jaxscale/rendezvous.py), before `jax.distributed.initialize` binds that port: JAX's start-up, when
+(jaxscale/runtime/rendezvous.py), before `jax.distributed.initialize` binds that port: JAX's start-up, when
 a peer never arrives, aborts every process after its timeout without saying who is missing.
 
 Once running, JAX's processes share fate: when one dies (or the coordinator goes away, or a peer
@@ -34,14 +34,11 @@ import sys
 import time
 from collections.abc import Mapping
 
+from jaxscale.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import RESTART_EXIT_CODE, JaxscaleError, TransientError
-from jaxscale.rendezvous import rendezvous
-from jaxscale.tpu_host import is_tpu_vm
+from jaxscale.runtime.rendezvous import rendezvous
+from jaxscale.runtime.tpu_host import is_tpu_vm
 
-DEFAULT_INIT_TIMEOUT_S = 300
-# Seconds without a heartbeat after which JAX declares a process dead and stops the others: the
-# bound on how long survivors of a crashed peer keep running.
-DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 # Fixed ports where no scheduler hands one out; every process must compute the same one.
 GKE_COORDINATOR_PORT = 8476
 TPU_COORDINATOR_PORT = 8482  # the port JAX itself uses on TPU pods

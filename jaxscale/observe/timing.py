@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxscale.metrics import throughput
+from jaxscale.observe.metrics import throughput
 
 RUN_RECORD = "run.json"
 
@@ -50,7 +50,7 @@ class RunClock:
 
 @dataclasses.dataclass(frozen=True)
 class Speed:
-    """What turns step time and tokens into throughput: `jaxscale.metrics.throughput`'s
+    """What turns step time and tokens into throughput: `jaxscale.observe.metrics.throughput`'s
     constants."""
     flops_per_token: float
     num_devices: int

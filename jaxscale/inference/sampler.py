@@ -18,11 +18,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.checkpoint import restore_from
-from jaxscale.config import MESH_AXES, resolve_mesh_shape
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.mesh import build_mesh
+from jaxscale.parallel.mesh import MESH_AXES, build_mesh, resolve_mesh_shape
 from jaxscale.parallel.sharding import Rules, tree_shardings, use_rules
-from jaxscale.state import TrainState, model_spec, params_on_mesh
+from jaxscale.training.state import TrainState, model_spec, params_on_mesh
 
 
 def next_token(logits, key, temperature: float, top_p: float, vocab_size: int):

@@ -1,5 +1,6 @@
-"""Device memory, as the backend's allocator reports it (`Device.memory_stats()`): for the metrics,
-and the capacity the train step's compiled memory is checked against before a run starts.
+"""Device memory: what the compiled train step needs per device (`StepMemory`, from XLA's buffer
+assignment), and what a device holds, as the backend's allocator reports it
+(`Device.memory_stats()`): for the metrics, and the check before a run starts that the step fits.
 
 GPUs and TPUs report bytes in use, the peak since the process started, and the limit; CPUs report
 nothing (None), and then nothing is logged. Of this process's devices the fullest one is logged:
@@ -8,8 +9,12 @@ it is the one that runs out first.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+
 from jaxscale.errors import ConfigError
-from jaxscale.plan.compiled import GIB, StepMemory
+from jaxscale.runtime.chips import GIB
 
 # metric name -> memory_stats() key
 _STATS = {"memory_in_use_gib": "bytes_in_use", "memory_peak_gib": "peak_bytes_in_use",
@@ -17,6 +22,37 @@ _STATS = {"memory_in_use_gib": "bytes_in_use", "memory_peak_gib": "peak_bytes_in
 REMEDIES = ("shard the state further (a larger mesh.fsdp), set model.remat=full, raise "
             "train.microbatches, set optim.moment_dtype=bfloat16, or let the planner choose a "
             "layout that fits (python -m jaxscale.plan, or --config.mesh.auto=True)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device of the compiled train step, from XLA's buffer assignment
+    (`memory_analysis()`), in the device's memory: XLA reports buffers placed in host memory
+    (offloaded optimizer state on GPUs and TPUs) apart, in its `host_*` figures."""
+    arguments: int  # the train state and the batch
+    outputs: int  # the new state (donated: it reuses the arguments' buffers)
+    aliased: int  # outputs that reuse argument buffers
+    temporaries: int  # everything the step allocates while it runs
+    code: int
+
+    @property
+    def total(self) -> int:
+        """Bytes the step needs on a device: its inputs, its outputs that do not reuse an input's
+        buffer, and its working memory (MaxText's `train_compile` sums the same; code excluded)."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    def line(self) -> str:
+        """The breakdown, in GiB per device (3 significant digits: CPU test models are small)."""
+        return (f"arguments {self.arguments / GIB:.3g} GiB, outputs {self.outputs / GIB:.3g} GiB "
+                f"({self.aliased / GIB:.3g} of them in the donated arguments' buffers), "
+                f"temporaries {self.temporaries / GIB:.3g} GiB, total {self.total / GIB:.3g} GiB")
+
+
+def step_memory(compiled: jax.stages.Compiled) -> StepMemory:
+    m = compiled.memory_analysis()
+    return StepMemory(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+                      aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
+                      code=m.generated_code_size_in_bytes)
 
 
 def memory_metrics(devices) -> dict[str, float]:

@@ -1,9 +1,9 @@
 """A run's workdir: checked before anything is written, opened once every check has passed.
 
     <workdir>/config.json      the config of the newest start
-    <workdir>/metrics.jsonl    one JSON object per logging step (jaxscale.metrics)
+    <workdir>/metrics.jsonl    one JSON object per logging step (jaxscale.observe.metrics)
     <workdir>/tensorboard/     event files
-    <workdir>/run.json         first start time and start count (jaxscale.timing)
+    <workdir>/run.json         first start time and start count (jaxscale.observe.timing)
     <workdir>/checkpoints/     unless checkpoint.dir puts them elsewhere
 
 Only process 0 writes these files; every process writes its own checkpoint shards.

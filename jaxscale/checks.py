@@ -1,0 +1,58 @@
+"""A config checked whole, for the devices it will run on, before anything is compiled or written.
+
+    ici, dcn = validate(config, num_devices, num_slices)   # ConfigError on the first problem
+
+config.py checks the schema and the rules between its own values; each component checks its own
+section (the model's remat and attention names, the data, the profile window, the XLA flags, the
+optimizer's memory options, the pipeline, experts, context and sharding rules against the mesh).
+This module only composes them, in the order a user fixes them: it sits above every component it
+names, so that config.py imports none of them.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jaxscale.config import check_settings
+from jaxscale.data import check_data
+from jaxscale.errors import ConfigError
+from jaxscale.models import REMAT_POLICIES
+from jaxscale.observe.profiling import check_window
+from jaxscale.parallel.attention import IMPLEMENTATIONS
+from jaxscale.parallel.context import check_context
+from jaxscale.parallel.experts import check_experts
+from jaxscale.parallel.mesh import MESH_AXES, resolve_mesh_shape
+from jaxscale.parallel.pipeline import check_pipeline
+from jaxscale.parallel.sharding import check_rules, rules_from_config
+from jaxscale.runtime.xla_flags import check_setting
+from jaxscale.training.optim import check_memory_options
+from jaxscale.training.state import logical_axis_sizes, model_spec, moment_specs
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1
+             ) -> tuple[dict[str, int], dict[str, int]]:
+    """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
+    `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
+    check_settings(config)
+    m = config.model
+    if m.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "
+                          f"{tuple(REMAT_POLICIES)}")
+    if m.attention not in IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention={m.attention!r} is unknown; use one of "
+                          f"{IMPLEMENTATIONS}")
+    check_data(config)
+    check_window(config.profile, config.train.steps)
+    check_setting(config.performance.xla_flags)
+    check_memory_options(config.optim)
+
+    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
+    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    check_pipeline(config, mesh_shape)  # first: its errors name the pipeline's own keys
+    check_experts(config, mesh_shape)
+    check_context(config, mesh_shape)
+    rules = config.sharding.rules
+    check_rules(rules, mesh_shape, logical_axis_sizes(config))
+    if config.sharding.optimizer_state == "data":  # ZeRO-1 must split every parameter's moments
+        moment_specs(model_spec(config), rules_from_config(rules), mesh_shape, "data")
+    return ici, dcn

@@ -1,0 +1,106 @@
+"""The package's imports go one way: each module imports only modules of its own layer or below,
+and no imports form a cycle. Imports inside functions count too: a lazy import hides a cycle from
+Python, not from a reader. README's Layout section describes the same layers."""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxscale"
+
+# Lowest first. A module belongs to the first layer one of whose prefixes it starts with.
+LAYERS = (
+    ("foundation", ("jaxscale.errors", "jaxscale.kinds", "jaxscale.config", "jaxscale.cli")),
+    ("runtime", ("jaxscale.runtime",)),
+    ("models and parallelism", ("jaxscale.models", "jaxscale.parallel")),
+    ("components", ("jaxscale.data", "jaxscale.checkpoint", "jaxscale.training",
+                    "jaxscale.observe", "jaxscale.hf", "jaxscale.inference")),
+    ("orchestration", ("jaxscale.checks", "jaxscale.trainer", "jaxscale.plan")),
+    ("entry points", ("jaxscale.train", "jaxscale.sample", "jaxscale.export_hf",
+                      "jaxscale.supervise", "jaxscale.launch", "jaxscale.plan.__main__",
+                      "jaxscale")),
+)
+
+
+def module_name(path: pathlib.Path, package: pathlib.Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """The layer of `module`: its longest matching prefix decides (jaxscale.plan.__main__ is an
+    entry point, the rest of jaxscale.plan orchestration)."""
+    matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS)
+               for prefix in prefixes if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS (and to README's Layout)"
+    return max(matches)[1]
+
+
+def import_graph(package: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports anywhere in its file (`from jaxscale.x import
+    y` counts as jaxscale.x.y when that is a module, else as jaxscale.x)."""
+    files = {module_name(p, package): p for p in package.rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files
+                         else node.module for alias in node.names]
+            else:
+                continue
+            imported |= {name for name in names if name in files and name != module}
+        graph[module] = imported
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+            f"({LAYERS[layer_of(target)][0]})"
+            for module, targets in sorted(graph.items()) for target in sorted(targets)
+            if layer_of(target) > layer_of(module)]
+
+
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first import cycle a depth-first walk meets, as [a, b, ..., a]; None when acyclic."""
+    visiting, done = [], set()
+
+    def visit(module):
+        if module in visiting:
+            return visiting[visiting.index(module):] + [module]
+        if module in done:
+            return None
+        visiting.append(module)
+        for target in sorted(graph[module]):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        visiting.pop()
+        done.add(module)
+        return None
+
+    return next(filter(None, map(visit, sorted(graph))), None)
+
+
+def test_every_import_goes_down_the_layers_or_stays_in_its_own():
+    assert not upward_imports(import_graph()), "\n".join(upward_imports(import_graph()))
+
+
+def test_no_import_cycle():
+    cycle = first_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_guard_sees_a_cycle_and_an_upward_import(tmp_path):
+    """A package whose config imports the mesh inside a function, and the mesh the config."""
+    package = tmp_path / "jaxscale"
+    (package / "parallel").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "parallel" / "__init__.py").write_text("")
+    (package / "config.py").write_text("def f():\n    from jaxscale.parallel import mesh\n")
+    (package / "parallel" / "mesh.py").write_text("from jaxscale import config\n")
+    graph = import_graph(package)
+    assert first_cycle(graph) == ["jaxscale.config", "jaxscale.parallel.mesh", "jaxscale.config"]
+    assert upward_imports(graph) == [
+        "jaxscale.config (foundation) imports jaxscale.parallel.mesh (models and parallelism)"]
