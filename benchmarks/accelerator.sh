@@ -9,6 +9,7 @@
 #   benchmarks/accelerator.sh --models=llama_1b --steps=60
 #   benchmarks/accelerator.sh --tiny                # configs/tiny.py, 6 steps: checks the recipe
 #                                                   # on any machine (a CPU too)
+#   benchmarks/accelerator.sh --tests               # the GPU tests, tests/test_gpu.py
 #
 # Flags:
 #   --models=A,B          which of llama_1b, llama3_8b to run (default: both)
@@ -21,6 +22,10 @@
 #   --set=KEY=VALUE       a config override for every model (repeatable), e.g.
 #                         --set=model.attention=xla; the results table names it
 #   --tiny                configs/tiny.py instead of the models above, 6 steps
+#   --tests               only run the tests marked `gpu` (tests/test_gpu.py: cuDNN attention
+#                         against XLA's, the train step's losses on the GPU against the CPU's)
+#                         with JAX_PLATFORMS=cuda,cpu, and exit with pytest's status; no model is
+#                         trained and RESULTS.md is untouched. Exits 2 where JAX sees no GPU.
 #   --help                print this help
 #
 # Throughput is the last logging window's (10 steps); the profile traces 3 steps of the window
@@ -44,7 +49,7 @@ die() {
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODELS="llama_1b,llama3_8b" STEPS=40 PER_DEVICE_BATCH=4 WORKDIR="runs/accelerator" RESULTS=""
-TINY=0
+TINY=0 TESTS=0
 SETS=()
 PYTHON="${PYTHON:-python3}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
@@ -57,11 +62,27 @@ while [[ $# -gt 0 ]]; do
     --results=*) RESULTS="${1#*=}" ;;
     --set=*) SETS+=("--config.${1#*=}") ;;
     --tiny) TINY=1 ;;
+    --tests) TESTS=1 ;;
     --help | -h) usage ;;
     *) die "unknown flag $1 (see $0 --help)" ;;
   esac
   shift
 done
+
+if [[ $TESTS == 1 ]]; then
+  cd "$REPO"
+  # tests/conftest.py forces the CPU only where JAX_PLATFORMS is unset: name both backends, the
+  # GPU first (JAX's default, where the tests compute) and the CPU the train test compares with.
+  # Where JAX sees no GPU (no CUDA plugin, a broken driver) every test would skip and pass.
+  JAX_PLATFORMS="cuda,cpu" "$PYTHON" -c 'import jax, sys
+sys.exit(not any(d.platform == "gpu" for d in jax.devices()))' 2>/dev/null || \
+    die "--tests needs a GPU, and JAX sees none (JAX_PLATFORMS=cuda,cpu: $("$PYTHON" -c \
+'import jax; print(sorted({d.platform for d in jax.devices()}))' 2>&1 | tail -n 1)); install \
+jax[cuda] or run on a GPU machine"
+  status=0
+  JAX_PLATFORMS="cuda,cpu" "$PYTHON" -m pytest -q -m gpu tests/test_gpu.py || status=$?
+  exit "$status"
+fi
 
 [[ "$PER_DEVICE_BATCH" =~ ^[1-9][0-9]*$ ]] || \
   die "--per_device_batch=$PER_DEVICE_BATCH must be a whole number >= 1"

@@ -23,10 +23,10 @@ from jaxscale.parallel.context import check_context
 from jaxscale.parallel.experts import check_experts
 from jaxscale.parallel.mesh import MESH_AXES, resolve_mesh_shape
 from jaxscale.parallel.pipeline import check_pipeline
-from jaxscale.parallel.sharding import check_rules, rules_from_config
+from jaxscale.parallel.sharding import check_rules
 from jaxscale.runtime.xla_flags import check_setting
 from jaxscale.training.optim import check_memory_options
-from jaxscale.training.state import logical_axis_sizes, model_spec, moment_specs
+from jaxscale.training.state import check_optimizer_layout, logical_axis_sizes
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1
@@ -34,6 +34,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
     `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
     check_settings(config)
+    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
+    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    # From the components down to the mesh, each checking its own section.
+    check_data(config)
+    check_memory_options(config.optim)
+    check_optimizer_layout(config, mesh_shape)
+    sizes = logical_axis_sizes(config)
+    check_window(config.profile, config.train.steps)
     m = config.model
     if m.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "
@@ -41,18 +49,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     if m.attention not in IMPLEMENTATIONS:
         raise ConfigError(f"model.attention={m.attention!r} is unknown; use one of "
                           f"{IMPLEMENTATIONS}")
-    check_data(config)
-    check_window(config.profile, config.train.steps)
     check_setting(config.performance.xla_flags)
-    check_memory_options(config.optim)
-
-    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
-    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
     check_pipeline(config, mesh_shape)  # first: its errors name the pipeline's own keys
     check_experts(config, mesh_shape)
     check_context(config, mesh_shape)
-    rules = config.sharding.rules
-    check_rules(rules, mesh_shape, logical_axis_sizes(config))
-    if config.sharding.optimizer_state == "data":  # ZeRO-1 must split every parameter's moments
-        moment_specs(model_spec(config), rules_from_config(rules), mesh_shape, "data")
+    check_rules(config.sharding.rules, mesh_shape, sizes)
     return ici, dcn

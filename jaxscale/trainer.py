@@ -51,7 +51,7 @@ from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capac
 from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
                              TransientError)
 from jaxscale.training.optim import make_optimizer
-from jaxscale.parallel.attention import check_implementation
+from jaxscale.parallel.attention import check_attention
 from jaxscale.parallel.mesh import build_mesh, dcn_granules
 from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
@@ -192,13 +192,6 @@ def _first_failure(failure: JaxscaleError | TransientError | None) -> Exception 
 
 def devices_kind(mesh) -> str:
     return mesh.devices.flat[0].device_kind
-
-
-def check_attention(config: ml_collections.ConfigDict, device) -> None:
-    """ConfigError when `model.attention` cannot run on devices like `device`."""
-    check_implementation(config.model.attention, device, config.train.seq_len,
-                         config.precision.compute_dtype, config.model.head_dim,
-                         config.data.max_segments)
 
 
 class Trainer:

@@ -13,7 +13,7 @@ checked against the cluster shape (devices, hosts, slices) before anything is pr
 How the manifest maps jaxscale's contract onto Kubernetes:
 - Gang scheduling: the Kueue queue label makes Kueue admit the JobSet's pods together or not at all;
   every pod requests CPU and memory (--cpu, --memory_gib) so that Kueue's quotas count them.
-- Coordinator: JobSet's DNS hostnames (`<name>-<job>-0-0.<name>`); jaxscale.runtime.distributed's `gke`
+- Coordinator: JobSet's DNS hostnames (`<name>-<job>-0-0.<name>`); runtime.distributed's `gke`
   mode derives it and the process id from the env below.
 - Exit statuses, as every launcher reads them (docs/launch.md): 42 ("restart me", after a
   checkpoint on preemption) and 75 (a transient failure of storage, the coordinator or a peer):
@@ -54,7 +54,7 @@ RUN_AS = 1000
 # 192 GB), so that the pod fits every such node; A3 has 208 vCPUs and 1,872 GB.
 DEFAULT_REQUESTS = {"nvidia.com/gpu": (8, 40), "google.com/tpu": (24, 32)}  # (cpu, GiB) each
 # gcsfuse refuses to rename a folder unless it has at most this many entries (0 by default):
-# a restart from step 0 moves an earlier start's TensorBoard folder aside (jaxscale.runtime.workdir).
+# a restart from step 0 moves an earlier start's TensorBoard folder aside (runtime/workdir.py).
 FUSE_RENAME_DIR_LIMIT = 1000
 # NCCL over the node's primary NIC. A3's extra GPU NICs (GPUDirect-TCPX/TCPXO) need GKE
 # multi-networking and a receive-datapath sidecar this renderer does not add; see docs/launch.md.
@@ -196,7 +196,7 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         train.append(f"--config.checkpoint.dir=gs://{args.bucket}/{args.name}/checkpoints")
     train += overrides
     env = {
-        # What jaxscale.runtime.distributed's gke mode reads (JOB_COMPLETION_INDEX comes from Kubernetes).
+        # What runtime.distributed's gke mode reads (JOB_COMPLETION_INDEX comes from Kubernetes).
         "JOBSET_NAME": args.name,
         "REPLICATED_JOB_NAME": REPLICATED_JOB,
         "REPLICATED_JOB_REPLICAS": str(shape.replicas),

@@ -5,7 +5,7 @@
 
 Everything after `--` goes to `python -m jaxscale.train` (or `--module`); a training flag given
 without the `--` is an error that says so. The processes find each other through
-JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jaxscale.runtime.distributed's explicit mode)
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (runtime.distributed's explicit mode)
 and use gloo for cross-process collectives. Each output line is prefixed with its process id;
 gloo's `[Gloo] Rank N is connected to M peer ranks` lines are hidden unless `--verbose`.
 

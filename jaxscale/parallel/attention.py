@@ -34,6 +34,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -122,6 +123,13 @@ def cudnn_unsupported(platform: str, capability: str, dtype, length: int, head_d
     if mask_form and length % 2:
         return f"its document mask needs an even train.seq_len, not {length}"
     return None
+
+
+def check_attention(config: ml_collections.ConfigDict, device) -> None:
+    """ConfigError when `model.attention` cannot run on devices like `device` for this config."""
+    check_implementation(config.model.attention, device, config.train.seq_len,
+                         config.precision.compute_dtype, config.model.head_dim,
+                         config.data.max_segments)
 
 
 def check_implementation(implementation: str, device, length: int, dtype: str, head_dim: int,

@@ -9,6 +9,7 @@ import ml_collections
 from jaxscale.config import check_schema
 from jaxscale.observe.device_memory import device_capacity
 from jaxscale.errors import ConfigError
+from jaxscale.parallel.attention import check_attention
 from jaxscale.plan import report
 from jaxscale.runtime.chips import GIB
 from jaxscale.observe.device_memory import StepMemory
@@ -16,7 +17,6 @@ from jaxscale.plan.compiled import refused_by_xla
 from jaxscale.plan.measure import agreed, seconds_per_step
 from jaxscale.plan.planner import Row, make_plan
 from jaxscale.plan.targets import local_target
-from jaxscale.trainer import check_attention
 
 
 def planned_config(config: ml_collections.ConfigDict, devices

@@ -20,8 +20,8 @@ def compile_train_step(config: ml_collections.ConfigDict,
         return Trainer(config, workdir, devices=devices).compile_train_step()
 
 
-# The statuses with which XLA refuses a program for good: it does not fit the device's memory, or the
-# backend cannot build it (an invalid or unsupported program, an unknown topology). Any other
+# The statuses with which XLA refuses a program for good: it does not fit the device's memory, or
+# the backend cannot build it (an invalid or unsupported program, an unknown topology). Any other
 # error is a bug or a broken machine, and must not read as "this layout does not fit".
 _REFUSALS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")
 

@@ -13,7 +13,7 @@ What it counts, per device:
     policy, plus one layer's working set during its backward pass, plus the attention scores
     where the XLA path materialises them (CPUs, a context axis, GPUs without cuDNN's kernel; TPUs
     use splash). Not counted: the workspace of cuDNN's packed layout (`data.max_segments`);
-  - the loss: float32 logits of `model.loss_chunk_len` positions at a time (jaxscale/training/loss.py).
+  - the loss: float32 logits of `model.loss_chunk_len` positions at a time (training/loss.py).
 MoE layers (jaxscale/models/moe.py) add their dispatch buffers [rows, experts, capacity, d_model]
 in both layouts, the experts' hidden activations and the router's logits (`_moe_row`); the
 expert axis splits the experts' weights and moments (their sharding specs say so) and the rows.

@@ -11,7 +11,7 @@
 - single: none of these.
 
 `initialize` then meets every peer at a small TCP rendezvous on the coordinator's own port
-(jaxscale/runtime/rendezvous.py), before `jax.distributed.initialize` binds that port: JAX's start-up, when
+(runtime/rendezvous.py), before `jax.distributed.initialize` binds that port: JAX's start-up, when
 a peer never arrives, aborts every process after its timeout without saying who is missing.
 
 Once running, JAX's processes share fate: when one dies (or the coordinator goes away, or a peer

@@ -1,7 +1,7 @@
 """Whether this host has TPU chips, and libtpu on a host without them.
 
 `is_tpu_vm` reads the PCI bus (`tpu_chips`): a Cloud TPU VM runs a multi-host run without any
-scheduler variables, so jaxscale.runtime.distributed must know, before JAX starts, that chips are there.
+scheduler variables, so runtime.distributed must know, before JAX starts, that chips are there.
 
 The `jaxscale[tpu]` extra (and the test extra) installs libtpu on any host, to compile for TPU
 slices. On a host with no TPU, libtpu then prints a page of warnings when JAX starts its backends

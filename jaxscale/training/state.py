@@ -15,7 +15,8 @@ from jaxscale import models
 from jaxscale.errors import ConfigError
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling
-from jaxscale.parallel.sharding import Rules, logical_to_mesh, split_further, tree_shardings
+from jaxscale.parallel.sharding import (Rules, logical_to_mesh, rules_from_config, split_further,
+                                        tree_shardings)
 
 
 class TrainState(NamedTuple):
@@ -163,3 +164,12 @@ def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
         layers=m.n_layers,
         experts=m.moe.experts,
     )
+
+
+def check_optimizer_layout(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """ConfigError when sharding.optimizer_state='data' (ZeRO-1) cannot split every parameter's
+    moments over the data axes of `mesh_shape` (checked on the model's shapes)."""
+    layout = config.sharding.optimizer_state
+    if layout == "data":
+        moment_specs(model_spec(config), rules_from_config(config.sharding.rules), mesh_shape,
+                     layout)
