@@ -287,6 +287,26 @@ def test_a_weights_file_or_index_that_cannot_be_read_is_sorted_like_a_checkpoint
     assert INDEX in str(found.value)
 
 
+@pytest.mark.parametrize("error, raised, words", STORAGE_ERRORS,
+                         ids=lambda x: str(x)[:16] if isinstance(x, OSError) else None)
+def test_a_folder_whose_files_cannot_be_looked_up_is_not_a_folder_without_them(
+        tmp_path, monkeypatch, error, raised, words):
+    """Looking for the index (or the single file) on a failing disk: the storage's error, not
+    "the folder has neither file" (exit 2, which would ask the user to fix a sound folder)."""
+    folder = broken_folder(tmp_path, Case("good", "hf_untied", lambda folder: None, ()))
+    real_stat = os.stat
+
+    def failing_stat(path, *args, **kwargs):
+        if str(path).startswith(str(folder)):
+            raise error
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(weights.os, "stat", failing_stat)
+    with pytest.raises(raised, match=re.escape(words)) as found:
+        weights.tensor_index(folder)
+    assert INDEX in str(found.value) and "neither" not in str(found.value)
+
+
 def test_a_missing_weights_file_is_exit_2_naming_it(tmp_path):
     missing = str(tmp_path / ONE_FILE)
     with pytest.raises(ConfigError, match=rf"{re.escape(missing)} cannot be read \(No such file"):

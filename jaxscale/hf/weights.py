@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from typing import Any
 
 import jax
@@ -119,13 +120,25 @@ def read_weight_map(index_file: str) -> dict[str, str]:
     return weight_map
 
 
+def _is_file(path: str) -> bool:
+    """Whether a file is at `path`. Unlike `os.path.isfile` (False whatever the error), a storage
+    error propagates as one (75, or 2 when refused): a failing disk is no missing file."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise storage_error(e, f"{path} cannot be read ({reason(e)})",
+                            "check the path, or download the folder again") from e
+
+
 def tensor_index(path: str) -> dict[str, safetensors.TensorInfo]:
     """Every tensor in the folder's safetensors file(s), from their headers only."""
     index_file = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index_file):
+    if _is_file(index_file):
         weight_map = read_weight_map(index_file)
         files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+    elif _is_file(os.path.join(path, SINGLE_FILE)):
         weight_map, files = None, [SINGLE_FILE]
     else:
         raise JaxscaleError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; jaxscale "
@@ -133,7 +146,7 @@ def tensor_index(path: str) -> dict[str, safetensors.TensorInfo]:
     tensors = {}
     for name in files:
         file = os.path.join(path, name)
-        if not os.path.isfile(file):
+        if not _is_file(file):
             raise JaxscaleError(f"{index_file} names the shard {name!r}, which is missing from "
                                 f"{path!r}; download every shard the index lists")
         for tensor, info in safetensors.read_header(file).items():
