@@ -6,8 +6,9 @@
     python benchmarks/plan.py --models=llama_1b --targets=v5p-64 --rounds=5
 
 1. Measured, on 8 simulated CPU devices: `configs/tiny.py` laid out by the planner (what
-   `mesh.auto=True` does at start-up: it compiles its `mesh.auto_trials` fastest-ranked candidates,
-   times them and keeps the fastest) and by three standard layouts, data=8, fsdp=8 and
+   `mesh.auto=True` does at start-up: it compiles `mesh.auto_trials` candidates, a spread of
+   distinct meshes among those its estimate cannot tell apart (docs/planning.md), times them and
+   keeps the fastest) and by three standard layouts, data=8, fsdp=8 and
    fsdp=4 x tensor=2, which keep every other setting of the config (batch, sequence, remat,
    dtype, accumulation, optimizer-state layout). Each is timed here, on random tokens, in seconds
    per step: the layouts take turns for --rounds rounds, each round a warm-up step and the

@@ -1,6 +1,7 @@
 """The planner (`python -m jaxscale.plan`): its choices compile, fit and train; its memory estimate
 tracks the compiler's; it reads collectives and mesh axes out of compiled programs."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -13,13 +14,14 @@ import pytest
 from jaxscale.cli import load_config_file
 from jaxscale.checks import validate
 from jaxscale.models import REMAT_POLICIES
-from jaxscale.plan import auto, rank, report
+from jaxscale.plan import auto, planner, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.runtime.chips import GIB
 from jaxscale.plan.measure import seconds_per_step
 from jaxscale.plan.memory_model import estimate_memory
-from jaxscale.plan.planner import FIT_FRACTION, NOMINAL_CPU, _attention, make_plan
+from jaxscale.plan.planner import (FIT_FRACTION, NOMINAL_CPU, TIMING_TIE, Row, _attention,
+                                   make_plan, mesh_distance, spread_order)
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.state import model_spec
@@ -95,6 +97,83 @@ def test_mesh_auto_trains_with_the_candidate_that_ran_fastest(monkeypatch, capsy
     timed = [line for line in out.splitlines() if line.startswith("timed ")]
     assert len(timed) == 2 and timed[1].split(":")[1].strip().startswith("1 s per step")
     assert executable is not None
+
+
+def _row(sizes, remat="none", seconds=1.0, dcn=None):
+    """A ranked row with only what the choice of candidates to time reads: a candidate, a time."""
+    c = Candidate(*layout(sizes, dcn), remat, 1, "params")
+    return Row(c, None, [], rank.StepTime(seconds, 0.0, 0.0, 0.0))
+
+
+def test_mesh_distance_counts_the_factors_of_two_that_change_axes():
+    def c(sizes, dcn=None):
+        return _row(sizes, dcn=dcn).candidate
+
+    assert mesh_distance(c({"fsdp": 8}), c({"data": 8})) == 6
+    assert mesh_distance(c({"fsdp": 8}), c({"fsdp": 4, "tensor": 2})) == 2
+    assert mesh_distance(c({"fsdp": 8}), c({"fsdp": 4}, {"fsdp": 2})) == 2  # across nodes
+    assert mesh_distance(c({"data": 2, "fsdp": 4}), c({"data": 2, "fsdp": 4})) == 0
+
+
+def test_near_tied_estimates_are_timed_as_a_spread_of_distinct_meshes():
+    """The three best-ranked rows share one mesh (they differ in remat only), and four meshes
+    are within TIMING_TIE: the first three to compile (and time) are three different meshes,
+    the estimate's fastest first, then the farthest from it, then the farthest from both (the
+    better-ranked of equals); the rest follow in ranked order."""
+    ranked = [_row({"fsdp": 8}, "none", 1.000), _row({"fsdp": 8}, "save_dots", 1.005),
+              _row({"fsdp": 8}, "full", 1.010), _row({"data": 8}, "none", 1.02),
+              _row({"fsdp": 4, "tensor": 2}, "none", 1.03),
+              _row({"data": 2, "fsdp": 4}, "none", 1.04),
+              _row({"fsdp": 2, "tensor": 4}, "none", 1.0 + 2 * TIMING_TIE)]  # not a near-tie
+    order = [(r.candidate.mesh_label, r.candidate.remat) for r in spread_order(ranked)]
+    assert order == [("fsdp=8", "none"), ("data=8", "none"), ("fsdp=4 tensor=2", "none"),
+                     ("data=2 fsdp=4", "none"), ("fsdp=8", "save_dots"), ("fsdp=8", "full"),
+                     ("fsdp=2 tensor=4", "none")]
+    assert len({r.candidate.mesh_label for r in spread_order(ranked)[:3]}) == 3
+
+
+def test_a_clear_winner_by_estimate_is_timed_in_ranked_order_as_before():
+    """Only one mesh within TIMING_TIE of the fastest: the candidates are compiled (and timed)
+    in the ranked order, its remat variants first, as without the spread."""
+    ranked = [_row({"fsdp": 8}, "none", 1.0), _row({"fsdp": 8}, "save_dots", 1.0 + TIMING_TIE / 2),
+              _row({"fsdp": 8}, "full", 1.0 + TIMING_TIE),
+              _row({"data": 8}, "none", 1.0 + 2 * TIMING_TIE),
+              _row({"fsdp": 4, "tensor": 2}, "none", 1.0 + 3 * TIMING_TIE)]
+    assert spread_order(ranked) == ranked
+    assert spread_order(ranked[:1]) == ranked[:1] and spread_order([]) == []
+
+
+def test_mesh_auto_times_distinct_near_tied_meshes_and_no_more_than_auto_trials(monkeypatch,
+                                                                                 capsys):
+    """configs/tiny.py on 8 CPU devices: the model puts every mesh without pipeline stages within
+    5% of the others (compute at nominal rates, almost no communication), so it cannot rank them.
+    With auto_trials=3, three candidates are compiled and timed, on three different meshes, the
+    estimate's fastest first and one of them split over `tensor`; the fastest measured is chosen.
+    (The three best-ranked rows were fsdp=8, data=8 and data=2 fsdp=4, none over `tensor`, and
+    fsdp=4 x tensor=2, never timed, ran fastest: benchmarks/plan.py.) Compiling and timing are
+    stood in for here: the choice of what to time is under test, not the compiler."""
+    config = tiny()
+    config.mesh.update(auto=True, auto_trials=3)
+    compiled, timed = [], []
+
+    def compile_step(row, config, devices, chip, log):
+        compiled.append(row.candidate)
+        return dataclasses.replace(row, executable=f"step {len(compiled)}")
+
+    def timing(candidate_config, devices, executable):
+        timed.append(candidate_config)
+        return 1.0 if candidate_config.mesh.tensor > 1 else 2.0
+
+    monkeypatch.setattr(planner, "_compile", compile_step)
+    monkeypatch.setattr(auto, "seconds_per_step", timing)
+    chosen, _ = auto.planned_config(config, jax.devices()[:8])
+    out = capsys.readouterr().out
+    assert len(compiled) == len(timed) == 3
+    meshes = {tuple(c.mesh[a] for a in ("data", "fsdp", "tensor")) for c in timed}
+    assert len(meshes) == 3
+    assert compiled[0].mesh_label == "fsdp=8"  # the estimate's fastest (the first of equals)
+    assert chosen.mesh.tensor > 1 and chosen.mesh.auto is False
+    assert "compiling a spread of them to time, 3 at most" in out
 
 
 def test_a_compiled_candidate_is_timed_on_the_devices():
@@ -420,7 +499,8 @@ def test_mesh_auto_trains_the_pipeline_it_chooses_when_only_stages_split_the_sta
     config.train.update(batch_size=16, seq_len=64)
     config.sharding.rules.update(embed=(), heads=(), kv_heads=(), mlp=(), vocab=())
     config.mesh.update(auto=True, auto_memory_gib=24 / 0.9 / 1024, auto_trials=1)
-    trainer = Trainer(config, str(tmp_path))
+    config, planned_step = auto.planned_config(config, jax.devices())  # as jaxscale.train does
+    trainer = Trainer(config, str(tmp_path), planned_step=planned_step)
     assert trainer.config.mesh.pipeline * trainer.config.mesh.dcn.pipeline > 1
     metrics = trainer.run()
     assert metrics["loss"] > 0

@@ -45,11 +45,13 @@ def planned_config(config: ml_collections.ConfigDict, devices
     target = local_target(devices)
     say(f"mesh.auto: planning the layout for {len(devices)} {devices[0].device_kind} device(s)")
     plan = make_plan(config, target, top=trials, capacity=capacity_bytes, devices=devices,
-                     one_per_layout=trials > 1, log=say)
+                     spread=trials > 1, log=say)
     say(report.header(plan))
     say(report.table(plan))
     if plan.chosen is None:
         raise ConfigError(f"mesh.auto: {report.no_fit(plan)}")
+    # The trials: the compiled rows that fit, `trials` at most (with trials > 1 they are a
+    # spread of the near-tied meshes, jaxscale/plan/planner.py spread_order).
     timed = [r for r in plan.rows if r.executable is not None and plan.fits(r)][:trials]
     if len(timed) > 1:
         plan.chosen = fastest_measured(timed, config, devices, say)

@@ -6,6 +6,11 @@ round (on an H100, `llama_1b` with remat none was predicted 3% faster than save_
 6% slower; benchmarks/RESULTS.md). When the run's own devices are the target, a few steps of each
 compiled candidate settle it: each is run from random parameters on random tokens, and the
 fastest step wins.
+
+A trial is one candidate compiled and timed here (`seconds_per_step`: a warm-up step, then the
+median of `STEPS_TIMED`); `mesh.auto_trials` bounds how many are timed. Which candidates they are
+(a spread of distinct meshes among the near-ties, then the ranked order) is the planner's
+choice: `jaxscale.plan.planner.spread_order`.
 """
 
 from __future__ import annotations

@@ -11,11 +11,18 @@ inputs, nothing allocated) and judged by the compiler's own bytes per device and
 in their HLO; when none of them fits, the next ones are compiled, up to `top` more; (4) the
 fastest compiled candidate that fits is chosen, the simpler one on a near-tie. GPU targets have
 no compiler here: steps (3)-(4) use the estimates, and the report says so.
+
+When the compiled candidates are to be timed (`spread=True`, what `mesh.auto` does with
+`mesh.auto_trials` > 1), step (3) compiles a spread of distinct mesh shapes first: of the
+candidates estimated within `TIMING_TIE` of the fastest, the best-ranked one of each mesh, in the
+order `spread_order` gives (the fastest first, then each time the mesh farthest from those
+already taken); then, as before, the rest in ranked order, one per mesh and remat policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Callable
@@ -36,6 +43,12 @@ from jaxscale.plan.targets import Target, target_devices
 from jaxscale.training.state import model_spec
 
 FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input
+# Candidates whose estimated step time is within this fraction of the fastest's are near-ties for
+# timing: the model cannot be trusted to order them. It has been wrong by more: on one H100 a
+# layout it put 3% ahead ran 6% behind; on 8 CPU devices it puts the configs/tiny.py meshes
+# without pipeline stages within 5% of each other, and they ran up to 1.2 times apart
+# (docs/planning.md).
+TIMING_TIE = 0.10
 # CPUs have no chip entry: their times are computed at these nominal rates, good for ranking only.
 NOMINAL_CPU = Chip("CPU (nominal)", 0, 1e12, 100e9, 10e9, "memory", 1)
 
@@ -124,14 +137,16 @@ def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices
 
 def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3,
               capacity: int | None = None, compile_references: bool = False, devices=None,
-              one_per_layout: bool = False, log: Callable[[str], None] = lambda line: None
+              spread: bool = False, log: Callable[[str], None] = lambda line: None
               ) -> Plan:
     """Plans `config` for `target`; `capacity` overrides the chip's memory per device (bytes).
     `compile_references`: also compile the pure-data and FSDP-only rows that the estimate fits
-    (for comparisons). `devices`: compile for these (default: the target's). `one_per_layout`:
-    compile no second candidate of a mesh and remat policy that already fits, one differing only
-    in accumulation or optimizer-state layout (which the step-time model rarely tells apart),
-    so that the `top` compiled are different layouts to time."""
+    (for comparisons). `devices`: compile for these (default: the target's). `spread`: the
+    compiled candidates are to be timed, so compile different layouts: first distinct mesh
+    shapes among the near-ties (`spread_order`), then no second candidate of a mesh and remat
+    policy that already fits, one differing only in accumulation or optimizer-state layout
+    (which the step-time model rarely tells apart). Either way `top` are compiled, and up to
+    `top` more only while none of those fits."""
     start = time.perf_counter()
     chip = target.chip or NOMINAL_CPU
     capacity = capacity or (chip.hbm_bytes if target.chip else None)
@@ -162,12 +177,19 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
     judged: dict[Candidate, Row] = {}  # compiled (or, for GPUs, the estimates' best)
     if target.compiles:
         devices = devices if devices is not None else target_devices(target)
-        for row in promising:
+        order = promising
+        if spread and promising:
+            order = spread_order(promising)
+            tied = len({_mesh(r.candidate) for r in near_ties(promising)})
+            log(f"{tied} mesh shapes estimated within {TIMING_TIE:.0%} of the fastest: "
+                f"compiling a spread of them to time, {top} at most" if tied > 1 else
+                f"one mesh shape estimated within {TIMING_TIE:.0%} of the fastest: compiling "
+                f"its best-ranked candidates to time, {top} at most")
+        for row in order:
             fitting = [r for r in judged.values() if r.error is None and r.bytes <= budget]
             if len(judged) >= top and (fitting or len(judged) >= 2 * top):
                 break
-            if one_per_layout and _layout(row.candidate) in {_layout(r.candidate)
-                                                             for r in fitting}:
+            if spread and _layout(row.candidate) in {_layout(r.candidate) for r in fitting}:
                 continue
             judged[row.candidate] = _compile(row, config, devices, chip, log)
         for ref in references if compile_references else ():
@@ -192,6 +214,50 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
 def _layout(c: Candidate) -> Candidate:
     """`c` with one accumulation step and the optimizer state with the parameters."""
     return dataclasses.replace(c, microbatches=1, optimizer_state="params")
+
+
+def _mesh(c: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`c`'s mesh shape: its axes' sizes inside a slice or node and across them."""
+    return c.ici, c.dcn
+
+
+def mesh_distance(a: Candidate, b: Candidate) -> float:
+    """How far apart two mesh shapes are: the sum over the axes (inside and across slices or
+    nodes) of |log2 of the ratio of their sizes|: twice the factors of 2 of the devices moved
+    from one axis to another. fsdp=8 to data=8: 6; fsdp=8 to fsdp=4 tensor=2: 2; equal: 0."""
+    return sum(abs(math.log2(x) - math.log2(y))
+               for x, y in zip((*a.ici, *a.dcn), (*b.ici, *b.dcn)))
+
+
+def near_ties(ranked: list[Row]) -> list[Row]:
+    """The rows of `ranked` (fastest first) whose estimated step time is within `TIMING_TIE`
+    of the first's."""
+    if not ranked:
+        return []
+    limit = ranked[0].time.total * (1 + TIMING_TIE)
+    return [r for r in ranked if r.time.total <= limit]
+
+
+def spread_order(ranked: list[Row]) -> list[Row]:
+    """The order in which to compile candidates that are to be timed: the near-ties' distinct
+    meshes, each represented by its best-ranked row, as a spread (the fastest first; then,
+    each time, the mesh whose `mesh_distance` to the nearest of those already taken is the
+    largest, the better-ranked on a tie), followed by every other row of `ranked` in its order.
+    With one mesh among the near-ties (a clear winner), this is `ranked` itself. Deterministic:
+    every process of a run orders alike."""
+    first: dict[tuple, Row] = {}  # a mesh -> its best-ranked near-tie, in ranked order
+    for row in near_ties(ranked):
+        first.setdefault(_mesh(row.candidate), row)
+    left = list(first.values())
+    order = left[:1]
+    del left[:1]
+    while left:
+        far = max(range(len(left)),  # max keeps the first of equals: the better-ranked
+                  key=lambda i: min(mesh_distance(left[i].candidate, o.candidate)
+                                    for o in order))
+        order.append(left.pop(far))
+    taken = {r.candidate for r in order}
+    return order + [r for r in ranked if r.candidate not in taken]
 
 
 def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, log) -> Row:
