@@ -116,8 +116,8 @@ def default_config() -> ml_collections.ConfigDict:
         # Mixture of experts (jaxscale/models/moe.py): every `every`-th layer's feed-forward is
         # `experts` SwiGLU experts of mlp_dim, each token routed to its top_k (0: all dense).
         # Each expert takes capacity_factor x an even share of a sequence's tokens; the rest
-        # are dropped. The training loss adds aux_loss_weight x the load-balancing loss and
-        # z_loss_weight x the router z-loss.
+        # are dropped (0: dropless, grouped matmuls over every assignment). The training loss
+        # adds aux_loss_weight x the load-balancing loss and z_loss_weight x the router z-loss.
         moe=dict(experts=0, top_k=2, capacity_factor=1.25, every=0, aux_loss_weight=0.01,
                  z_loss_weight=0.001),
     )
@@ -138,6 +138,12 @@ def default_config() -> ml_collections.ConfigDict:
     )
     c.precision = dict(
         compute_dtype="bfloat16",  # matmuls and activations; params/optimizer stay float32
+        # The dtype the attention, dense feed-forward and head weights' gradients are made and
+        # summed over the data-parallel devices in: bfloat16 (2 bytes a parameter on the wire,
+        # each partial sum rounded to bfloat16) | float32 (4 bytes, twice the traffic). Moot with
+        # float32 compute; float32 either way with float16 compute. bfloat16 moved tiny's loss
+        # less than reordering float32 sums does: docs/performance.md.
+        grad_reduce_dtype="bfloat16",
         # Dynamic loss scaling, used only with float16 compute.
         loss_scale_init=2.0 ** 15,
         loss_scale_growth_interval=2000,
@@ -234,7 +240,7 @@ NUMBERS = {
     "model.loss_chunk_len": whole("[0, inf)", {0: "the whole sequence at once"}),
     "model.moe.experts": whole("[0, inf)"),
     "model.moe.top_k": _SIZE,
-    "model.moe.capacity_factor": real("(0, inf)"),
+    "model.moe.capacity_factor": real("[0, inf)", {0: "dropless"}),
     "model.moe.every": whole("[0, inf)", {0: "no MoE layers"}),
     "model.moe.aux_loss_weight": real("[0, inf)", _OFF),
     "model.moe.z_loss_weight": real("[0, inf)", _OFF),
@@ -326,6 +332,9 @@ def check_settings(config: ml_collections.ConfigDict) -> None:
     if config.precision.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")
+    if config.precision.grad_reduce_dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"precision.grad_reduce_dtype={config.precision.grad_reduce_dtype!r} "
+                          "is unknown; use 'float32' or 'bfloat16'")
     if config.sharding.optimizer_state not in OPTIMIZER_STATE_LAYOUTS:
         raise ConfigError(f"sharding.optimizer_state={config.sharding.optimizer_state!r} is "
                           f"unknown; use one of {OPTIMIZER_STATE_LAYOUTS} ('data' is ZeRO-1)")
@@ -345,6 +354,13 @@ def _check_moe(m: ml_collections.ConfigDict) -> None:
     if e.top_k > e.experts:
         raise ConfigError(f"model.moe.top_k={e.top_k} must be between 1 and model.moe.experts="
                           f"{e.experts} (the experts each token is routed to)")
+    if e.capacity_factor > e.experts / e.top_k:
+        # Past experts / top_k every expert already has a slot for every token of a row: more
+        # slots only cost memory, and 0 (dropless) says "drop nothing" without the buffers.
+        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} gives every expert "
+                          f"more slots than a row has tokens (experts / top_k = "
+                          f"{e.experts / e.top_k:g}); set at most {e.experts / e.top_k:g}, or 0 "
+                          "for dropless")
     if m.n_layers % e.every:
         raise ConfigError(f"model.moe.every={e.every} does not divide model.n_layers="
                           f"{m.n_layers}; pick a divisor of {m.n_layers} (1: every layer MoE)")

@@ -7,6 +7,7 @@ and activation is annotated with logical axis names only; the trainer's rules de
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -32,9 +33,49 @@ LayerFn = Callable[..., jax.Array]
 Stack = Callable[..., jax.Array]
 
 
-def weight_matmul(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """`jnp.einsum(spec, x, weight)`, its output named for the remat policies."""
-    return checkpoint_name(jnp.einsum(spec, x, weight), WEIGHT_MATMUL)
+def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
+                  out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """`jnp.einsum(spec, x, weight)` with the weight cast to x's dtype (the compute dtype), its
+    output in `out_dtype` (default x's) and named for the remat policies.
+
+    The weight's gradient is made in the dtype `weight` comes in, x's in x's dtype. Under data
+    parallelism each device's weight gradient is a partial sum over its own rows, which XLA adds
+    up across the data axes after the matmul that makes it, in that matmul's output dtype: the
+    dtype the caller passes the weight in is the dtype its gradient crosses the wire in
+    (`precision.grad_reduce_dtype`). Plain autodiff of a cast-then-einsum would make and reduce
+    it in the compute dtype whatever the master's.
+    """
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    return checkpoint_name(_matmul(spec, jnp.dtype(weight.dtype), out_dtype, x, weight),
+                           WEIGHT_MATMUL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(spec, grad_dtype, out_dtype, x, weight):
+    return jnp.einsum(spec, x, weight.astype(x.dtype), preferred_element_type=out_dtype)
+
+
+def _matmul_forward(spec, grad_dtype, out_dtype, x, weight):
+    # The residuals are plain autodiff's: x and the weight already cast (under FSDP, gathered).
+    return _matmul(spec, grad_dtype, out_dtype, x, weight), (x, weight.astype(x.dtype))
+
+
+def _matmul_backward(spec, grad_dtype, out_dtype, residuals, grad):
+    x, compute_weight = residuals
+    x_axes, rest = spec.split(",")
+    weight_axes, out_axes = rest.split("->")
+    grad_x = jnp.einsum(f"{out_axes},{weight_axes}->{x_axes}", grad, compute_weight,
+                        preferred_element_type=out_dtype).astype(x.dtype)
+    # preferred_element_type makes the partial sums, so the all-reduce or reduce-scatter after
+    # them, grad_dtype. Operands are widened only where XLA:CPU lacks the float16 product.
+    grad_weight = jnp.einsum(f"{x_axes},{out_axes}->{weight_axes}",
+                             x.astype(float32_accumulating(x.dtype)),
+                             grad.astype(float32_accumulating(grad.dtype)),
+                             preferred_element_type=grad_dtype)
+    return grad_x, grad_weight
+
+
+_matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 def scan_layers(layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax.Array:
@@ -78,11 +119,13 @@ def float32_accumulating(dtype: jnp.dtype) -> jnp.dtype:
 
 class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary embeddings; `implementation` names the
-    kernel (jaxscale.parallel.attention.IMPLEMENTATIONS)."""
+    kernel (jaxscale.parallel.attention.IMPLEMENTATIONS). `grad_dtype`: the dtype the weights'
+    gradients are made and reduced in (`weight_matmul`; None: `dtype`)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
-                 rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0):
+                 rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0,
+                 grad_dtype: jnp.dtype | None = None):
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                        0.02)
@@ -93,6 +136,7 @@ class Attention(nnx.Module):
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
         self.dtype = dtype
+        self.grad_dtype = jnp.dtype(grad_dtype or dtype)
         self.implementation = implementation
         self.max_segments = max_segments
 
@@ -121,10 +165,10 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array,
                 positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) in the compute dtype, q and k rotated to their positions."""
-        dt = self.dtype
-        q = weight_matmul("btd,dnh->btnh", x, self.q[...].astype(dt))
-        k = weight_matmul("btd,dkh->btkh", x, self.k[...].astype(dt))
-        v = weight_matmul("btd,dkh->btkh", x, self.v[...].astype(dt))
+        gt = self.grad_dtype
+        q = weight_matmul("btd,dnh->btnh", x, self.q[...].astype(gt))
+        k = weight_matmul("btd,dkh->btkh", x, self.k[...].astype(gt))
+        v = weight_matmul("btd,dkh->btkh", x, self.v[...].astype(gt))
         q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
@@ -134,8 +178,8 @@ class Attention(nnx.Module):
 
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' outputs [batch, length, heads, head_dim] -> [batch, length, d_model]."""
-        dt = self.dtype
-        return weight_matmul("btnh,nhd->btd", out.astype(dt), self.o[...].astype(dt))
+        return weight_matmul("btnh,nhd->btd", out.astype(self.dtype),
+                             self.o[...].astype(self.grad_dtype))
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
@@ -169,18 +213,19 @@ def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); x in the compute dtype. `grad_dtype`:
+    the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`)."""
 
     def __init__(self, d_model: int, mlp_dim: int, out_stddev: float, dtype: jnp.dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None):
         self.gate = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.up = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.down = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), out_stddev)
-        self.dtype = dtype
+        self.grad_dtype = jnp.dtype(grad_dtype or dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
-        gate = weight_matmul("btd,df->btf", x, self.gate[...].astype(dt))
-        up = weight_matmul("btd,df->btf", x, self.up[...].astype(dt))
+        gt = self.grad_dtype
+        gate = weight_matmul("btd,df->btf", x, self.gate[...].astype(gt))
+        up = weight_matmul("btd,df->btf", x, self.up[...].astype(gt))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return weight_matmul("btf,fd->btd", hidden, self.down[...].astype(dt))
+        return weight_matmul("btf,fd->btd", hidden, self.down[...].astype(gt))

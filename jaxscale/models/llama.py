@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, LayerFn,
-                                    RMSNorm, Stack, float32_accumulating, param, scan_layers)
+                                    RMSNorm, Stack, float32_accumulating, param, scan_layers,
+                                    weight_matmul)
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
@@ -57,7 +58,16 @@ class LlamaConfig:
     # attention take packed rows in cuDNN's packed layout.
     max_segments: int = 0
     dtype: str = "bfloat16"  # compute dtype
+    grad_reduce_dtype: str = "bfloat16"  # see `grad_dtype`
     moe: MoEConfig | None = None  # None: every feed-forward is dense
+
+    @property
+    def grad_dtype(self) -> jnp.dtype:
+        """The dtype the gradients of the attention, dense feed-forward and head weights are made
+        and reduced across devices in (`weight_matmul`): `grad_reduce_dtype` or the compute
+        dtype, whichever is wider; float32 for float16 compute, which neither bfloat16 nor
+        float16 holds the other of."""
+        return jnp.promote_types(self.dtype, self.grad_reduce_dtype)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -105,12 +115,14 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
-                              rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments)
+                              rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments,
+                              grad_dtype=cfg.grad_dtype)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
         else:
-            self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs)
+            self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs,
+                           grad_dtype=cfg.grad_dtype)
 
     def __call__(self, x, positions, segment_ids):
         return self.with_stats(x, positions, segment_ids)[0]
@@ -266,12 +278,13 @@ class Llama(nnx.Module):
         return logits_from(features, self.head_weight(), self.cfg)
 
     def head_weight(self) -> jax.Array:
-        """The output head [d_model, padded_vocab_size] in the compute dtype: its own parameter,
-        or the embedding's transpose when they are tied. Cast while still in the parameter's
-        layout, so that a sharded head is gathered in the compute dtype, not in float32."""
+        """The output head [d_model, padded_vocab_size] as `logits_from` takes it: its own
+        parameter, or the embedding's transpose when they are tied, in the dtype its gradient is
+        reduced in (`LlamaConfig.grad_dtype`) and the parameter's layout. `logits_from` casts it
+        to the compute dtype in that layout, so a sharded head is gathered in the compute dtype,
+        not in float32, whichever the reduction's."""
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        return constrain(head.astype(float32_accumulating(jnp.dtype(self.cfg.dtype))),
-                         HEAD_AXES)
+        return constrain(head.astype(self.cfg.grad_dtype), HEAD_AXES)
 
 
 HEAD_AXES = ("embed", "vocab")
@@ -283,8 +296,7 @@ def logits_from(features: jax.Array, head: jax.Array, cfg: LlamaConfig) -> jax.A
     the real vocabulary. A pure function of its arrays, so the loss can differentiate it a slice
     of the sequence at a time."""
     wide = float32_accumulating(jnp.dtype(cfg.dtype))
-    logits = jnp.einsum("...d,dv->...v", features.astype(wide), head.astype(wide),
-                        preferred_element_type=jnp.float32)
+    logits = weight_matmul("...d,dv->...v", features.astype(wide), head, jnp.float32)
     if cfg.padded_vocab_size > cfg.vocab_size:
         is_real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         logits = jnp.where(is_real, logits, jnp.finfo(jnp.float32).min)

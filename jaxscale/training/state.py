@@ -47,7 +47,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
         max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
         max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
-        moe=moe_config(m.moe))
+        grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe))
 
 
 def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
