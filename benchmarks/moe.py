@@ -3,10 +3,12 @@ model of the same active parameters (`configs/tiny.py`, width 768), on 8 devices
 
     python benchmarks/moe.py [--rounds=3] [--steps=3] [--config.KEY=VALUE ...]
 
-Three sides, batch 16 x 128, XLA attention: dense on data=8, tiny_moe on data=8 (expert=1: every
-device holds every expert) and tiny_moe on expert=8 (one expert per device, tokens exchanged by
-all-to-all). Each is compiled for two targets and reports the compiled train step's memory per
-device (`memory_analysis()`: arguments + outputs - aliased + temporaries): 8 simulated CPU
+Five sides, batch 16 x 128, XLA attention: dense on data=8, tiny_moe on data=8 (expert=1: every
+device holds every expert), tiny_moe on expert=8 (one expert per device, tokens exchanged by
+all-to-all), and dropless tiny_moe (model.moe.capacity_factor=0: grouped matmuls, nothing
+dropped) on the same two meshes (on expert=8 the weights are gathered to the tokens). Each is
+compiled for two targets and reports the compiled train step's memory per device
+(`memory_analysis()`: arguments + outputs - aliased + temporaries): 8 simulated CPU
 devices, where it also runs (tokens/s, in alternating rounds keeping each side's best), and a TPU
 v5p:2x2x2 slice (8 chips, compiled with libtpu, no TPU needed).
 
@@ -42,19 +44,22 @@ from jaxscale.training.state import model_spec  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402
 
-SIDES = {  # name -> (config file, mesh)
-    "dense (data=8)": ("tiny.py", dict(data=8, expert=1)),
-    "tiny_moe (expert=1)": ("tiny_moe.py", dict(data=8, expert=1)),
-    "tiny_moe (expert=8)": ("tiny_moe.py", dict(data=1, expert=8)),
+DROPLESS = ["--config.model.moe.capacity_factor=0"]
+SIDES = {  # name -> (config file, mesh, overrides)
+    "dense (data=8)": ("tiny.py", dict(data=8, expert=1), []),
+    "tiny_moe (expert=1)": ("tiny_moe.py", dict(data=8, expert=1), []),
+    "tiny_moe (expert=8)": ("tiny_moe.py", dict(data=1, expert=8), []),
+    "dropless (expert=1)": ("tiny_moe.py", dict(data=8, expert=1), DROPLESS),
+    "dropless (expert=8)": ("tiny_moe.py", dict(data=1, expert=8), DROPLESS),
 }
 EXPERT_WEIGHTS = ("['gate']", "['up']", "['down']")
 
 
-def config_for(config_file: str, mesh: dict, overrides: list[str]):
+def config_for(config_file: str, mesh: dict, side: list[str], overrides: list[str]):
     config, _ = parse_train_flags(
         ["moe", f"--config={REPO}/configs/{config_file}", "--config.train.batch_size=16",
          "--config.model.attention=xla",
-         *(f"--config.mesh.{axis}={size}" for axis, size in mesh.items()), *overrides])
+         *(f"--config.mesh.{axis}={size}" for axis, size in mesh.items()), *side, *overrides])
     return config
 
 
@@ -111,9 +116,11 @@ def main() -> None:
         active = spec.config.active_params(spec.num_params)
         print(f"{name:>20}: {spec.num_params / 1e6:6.2f}M parameters ({active / 1e6:.2f}M "
               f"active), {t.batch_size * t.seq_len / best[name]:6.0f} tokens/s; {memory.line()}")
-    dense, moe1, moe8 = (best[name] for name in SIDES)
+    dense, moe1, moe8, dropless1, dropless8 = (best[name] for name in SIDES)
     print(f"tokens/s tiny_moe / dense: expert=1 {dense / moe1:.3f}, expert=8 {dense / moe8:.3f}")
-    one, eight = list(SIDES)[1:]
+    print(f"tokens/s dropless / capacity: expert=1 {moe1 / dropless1:.3f}, "
+          f"expert=8 {moe8 / dropless8:.3f}")
+    one, eight = list(SIDES)[1:3]
     cpu_one, cpu_eight = sides[one][3].total, sides[eight][3].total
     print(f"CPU: expert=8 / expert=1 total per device {cpu_eight / cpu_one:.4f}")
     saved = 7 / 8 * 16 * expert_params(configs[one])

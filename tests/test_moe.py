@@ -73,10 +73,12 @@ def reference_moe(params, x, chosen):
     return y, aux, z
 
 
-def test_layer_output_loss_and_gradients_equal_a_dense_per_token_reference():
+# capacity_factor experts / top_k: every expert has a slot for every token, none dropped; 0:
+# dropless, the grouped matmuls (jax.lax.ragged_dot) over the tokens sorted by expert.
+@pytest.mark.parametrize("capacity_factor", [2.0, 0.0], ids=["capacity", "dropless"])
+def test_layer_output_loss_and_gradients_equal_a_dense_per_token_reference(capacity_factor):
     experts, top_k = 4, 2
-    # capacity_factor experts / top_k: every expert has a slot for every token, none dropped.
-    layer = moe_layer(experts=experts, top_k=top_k, capacity_factor=experts / top_k)
+    layer = moe_layer(experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     set_params(layer, router=randn(16, experts), gate=randn(experts, 16, 24, scale=0.3),
                up=randn(experts, 16, 24, scale=0.3), down=randn(experts, 24, 16, scale=0.3))
     x, probe = randn(2, 6, 16), randn(2, 6, 16)
@@ -160,6 +162,43 @@ def test_padding_takes_no_slot_and_is_left_out_of_the_statistics():
     assert float(stats.dropped_fraction) == pytest.approx(1 / 8)
     np.testing.assert_allclose(stats.expert_load, [4 / 8, 2 / 8, 2 / 8, 0])
     np.testing.assert_array_equal(y[0, :2], 0.0)
+
+
+def test_dropless_drops_nothing_where_capacity_mode_drops():
+    """The hand-routed row (expert 0 chosen 6 times, 3 slots at capacity_factor 1, 4 drops):
+    dropless keeps all 12 assignments and every token equals the per-token reference."""
+    x = hand_routed_tokens()
+    capacity, dropless = (moe_layer(d_model=4, mlp_dim=6, capacity_factor=f) for f in (1.0, 0.0))
+    weights = dict(router=np.eye(4), gate=randn(4, 4, 6), up=randn(4, 4, 6), down=randn(4, 6, 4))
+    set_params(capacity, **weights)
+    set_params(dropless, **weights)
+    (y_capacity, dropped), (y, stats) = capacity(x), dropless(x)
+    assert float(dropped.dropped_fraction) == pytest.approx(4 / 12)
+    assert float(stats.dropped_fraction) == 0.0
+    np.testing.assert_allclose(stats.expert_load, [6 / 12, 4 / 12, 2 / 12, 0])
+    chosen = np.array([list(zip(FIRST, SECOND))])
+    want, _, _ = reference_moe({k: jnp.asarray(v, jnp.float32) for k, v in weights.items()}, x,
+                               chosen)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(y_capacity, want, atol=1e-3)  # the drops the reference does not have
+
+
+def test_dropless_padding_routes_nowhere_and_is_left_out_of_the_statistics():
+    """The hand-routed row with t0 and t1 padding, dropless: the 8 real assignments all run
+    (expert 0: t2, t3 first, t4, t5 second; expert 1: t4, t5; expert 2: t2, t3), padding
+    outputs zero, and real tokens' outputs are those of the row without its padding."""
+    layer = moe_layer(d_model=4, experts=4, top_k=2, capacity_factor=0.0)
+    set_params(layer, router=np.eye(4))
+    x = hand_routed_tokens()
+    valid = jnp.asarray([[False, False, True, True, True, True]])
+    y, stats = layer(x, valid)
+    assert float(stats.dropped_fraction) == 0.0
+    np.testing.assert_allclose(stats.expert_load, [4 / 8, 2 / 8, 2 / 8, 0])
+    np.testing.assert_array_equal(y[0, :2], 0.0)
+    alone, alone_stats = layer(x[:, 2:])
+    np.testing.assert_allclose(y[:, 2:], alone, rtol=1e-6, atol=1e-7)
+    for a, b in zip(stats, alone_stats):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_what_padding_holds_changes_no_real_tokens_output_or_statistic():
@@ -330,6 +369,19 @@ def test_expert_meshes_give_one_devices_loss_and_gradients(tmp_path):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
 
 
+def test_dropless_on_an_expert_mesh_gives_one_devices_loss_and_gradients(tmp_path):
+    """Dropless on expert=2 x fsdp=2 x data=2 (the weights gathered to the tokens) equals capacity
+    mode on one device with a slot for every token: nothing is dropped either way."""
+    want = loss_and_gradients_on_mesh(expert_config(), tmp_path / "one")
+    config = expert_config(expert=2, fsdp=2, data=2)
+    config.model.moe.capacity_factor = 0.0
+    got = loss_and_gradients_on_mesh(config, tmp_path / "mesh")
+    np.testing.assert_allclose(got.loss, want.loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+                 got.grads, want.grads)
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(got.grads)) > 1e-3
+
+
 def test_the_compiled_train_step_exchanges_tokens_by_all_to_all(tmp_path):
     compiled, _ = mesh_trainer(expert_config(expert=4, data=2), tmp_path).compile_train_step()
     assert "all-to-all" in compiled.as_text()
@@ -428,8 +480,10 @@ def test_cli_trains_on_expert_meshes_and_restores_across_expert_degrees(tmp_path
 BAD_MOE = [
     (["--config.model.moe.experts=4", "--config.model.moe.top_k=5"], "top_k=5"),
     (["--config.model.moe.experts=4", "--config.model.moe.every=3"], "every=3"),
-    (["--config.model.moe.experts=4", "--config.model.moe.capacity_factor=0"],
-     "capacity_factor=0"),
+    (["--config.model.moe.experts=4", "--config.model.moe.capacity_factor=3"],
+     "capacity_factor=3"),
+    (["--config.model.moe.experts=4", "--config.model.moe.capacity_factor=-1"],
+     "capacity_factor=-1"),
     (["--config.model.moe.experts=1"], "experts=1"),
     (["--config.model.moe.every=-1"], "every=-1"),
     (["--config.model.moe.experts=4", "--config.model.moe.aux_loss_weight=-0.1"],

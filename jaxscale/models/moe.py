@@ -17,6 +17,13 @@ and the weighted sum combines a token's choices. No [tokens, experts, capacity] 
 With the experts split over devices (the `experts` logical axis), the buffers travel to their
 experts' devices and back by all-to-all (`jaxscale.parallel.experts`).
 
+Dropless (`capacity_factor` 0, MaxText's default; decoding always): nothing is dropped and there
+are no buffers. Each device sorts its own tokens' assignments by expert, gathers them into one
+[assignments, d_model] array and runs the experts as grouped matmuls (`jax.lax.ragged_dot`, one
+group of rows per expert); a gather by the inverse permutation brings each assignment's output
+back for the same weighted sum. With the experts split over devices, the weights come to the
+tokens instead (`on_token_shards`, which says why).
+
 The layer also returns `RouterStats`, over the whole batch: the load-balancing loss (Switch
 Transformer, eq. 4) `experts * sum_e f_e * P_e`, with f_e expert e's share of the top_k
 assignments (the f sum to 1) and P_e its mean router probability: 1 when both are even, more as
@@ -39,7 +46,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import param, weight_matmul
-from jaxscale.parallel.experts import constrain_experts, to_experts, to_tokens
+from jaxscale.parallel.experts import (constrain_experts, on_token_shards, to_experts,
+                                       to_tokens)
 
 BUFFERS = ("batch", "experts", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
 
@@ -50,7 +58,7 @@ class MoEConfig:
     weights of the router statistics are the train step's (`training.step.router_penalty`)."""
     experts: int
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # 0: dropless
     every: int = 1  # every n-th layer's feed-forward is an MoE layer (the last of each n)
 
     def capacity(self, tokens: int) -> int:
@@ -137,6 +145,26 @@ def combine(expert_out: jax.Array, routing: Routing, top_k: int) -> jax.Array:
     return jnp.sum(weighted.reshape(top_k, -1, d), axis=0)
 
 
+def grouped_swiglu(x: jax.Array, expert: jax.Array, weight: jax.Array, real: jax.Array,
+                   gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """Dropless: tokens x [batch, tokens, d], their assignments (expert, weight, real: [batch,
+    tokens, top_k]) and the stacked expert weights -> float32 [batch, tokens, d], every
+    assignment through its expert. Padding's assignments sort last, past every group, where
+    `ragged_dot` writes zeros."""
+    batch, tokens, d = x.shape
+    top_k, experts = expert.shape[-1], gate.shape[0]
+    # Token-major: assignment i is token i // top_k's (its (i % top_k)-th choice).
+    group = jnp.where(real, expert, experts).reshape(-1)
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=experts + 1)[:experts].astype(jnp.int32)
+    rows = x.reshape(batch * tokens, d)[order // top_k]
+    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes))
+              * jax.lax.ragged_dot(rows, up, sizes))
+    out = jax.lax.ragged_dot(hidden, down, sizes)[jnp.argsort(order)].astype(jnp.float32)
+    weighted = out.reshape(batch, tokens, top_k, d) * jnp.where(real, weight, 0.0)[..., None]
+    return jnp.sum(weighted, axis=2)
+
+
 def router_stats(logits: jax.Array, probs: jax.Array, routing: Routing,
                  valid: jax.Array) -> RouterStats:
     """One layer's statistics over the real tokens of the whole batch (`valid` bool
@@ -174,11 +202,12 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, valid: jax.Array | None = None,
                  dropless: bool = False) -> tuple[jax.Array, RouterStats]:
         """x [batch, tokens, d_model] in the compute dtype; `valid` (bool [batch, tokens], default
-        all) marks the real tokens, padding being neither routed nor counted. `dropless` gives
-        every expert a slot for every token of the row, so nothing is dropped: decoding uses it
-        (one new token per row, or a prompt), where a dropped choice would make the output depend
-        on the batch."""
+        all) marks the real tokens, padding being neither routed nor counted. `dropless` (or
+        capacity_factor 0) drops nothing: decoding uses it (one new token per row, or a prompt),
+        where a dropped choice would make the output depend on the batch."""
         cfg = self.cfg
+        dropless = dropless or cfg.capacity_factor == 0
+        # Dropless routes with a slot for every token of the row: nothing counts as dropped.
         capacity = x.shape[1] if dropless else cfg.capacity(x.shape[1])
         if valid is None:
             valid = jnp.ones(x.shape[:2], bool)
@@ -186,6 +215,9 @@ class MoE(nnx.Module):
         probs = jax.nn.softmax(logits, axis=-1)
         routing = jax.vmap(functools.partial(route, top_k=cfg.top_k, capacity=capacity))(
             probs, valid=valid)
+        if dropless:
+            out = self.grouped_experts(x, routing)
+            return out.astype(x.dtype), router_stats(logits, probs, routing, valid)
         # Dispatch and combine stay with the rows; the experts run where their weights are
         # (with an expert mesh axis, an all-to-all each way: jaxscale/parallel/experts.py).
         buffers = to_experts(jax.vmap(dispatch)(x, routing), BUFFERS)
@@ -201,3 +233,13 @@ class MoE(nnx.Module):
         up = weight_matmul("becd,edf->becf", buffers, self.up[...].astype(dt))
         hidden = constrain_experts(jax.nn.silu(gate) * up, ("batch", "experts", None, "mlp"))
         return weight_matmul("becf,efd->becd", hidden, self.down[...].astype(dt))
+
+    def grouped_experts(self, x: jax.Array, routing: Routing) -> jax.Array:
+        """Dropless: every assignment of x [batch, tokens, d_model] through its expert, on each
+        device's own tokens (`grouped_swiglu`) -> float32 [batch, tokens, d_model]."""
+        dt, k = self.dtype, self.cfg.top_k
+        # Routing is choice-major per row; the grouped matmuls take [batch, tokens, top_k].
+        per_token = lambda a: jnp.swapaxes(a.reshape(a.shape[0], k, -1), 1, 2)
+        tokens = (x, per_token(routing.expert), per_token(routing.weight), per_token(routing.real))
+        weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        return on_token_shards(grouped_swiglu, tokens, weights)

@@ -11,14 +11,25 @@ two with one all-to-all over the expert axes, inside `shard_map`, and `to_tokens
 back: each device sends every other one the slots that its experts hold and receives its own
 experts' slots of the other devices' rows.
 
-Model code names logical axes only: `to_experts(x, logical)`, `to_tokens`, `constrain_experts`;
-without active rules (a plain call of the model) they return x unchanged.
+Dropless MoE (`model.moe.capacity_factor=0`) moves weights, not tokens: `on_token_shards` runs
+the grouped matmuls inside `shard_map` on each device's own rows and positions (the `batch` and
+`length` rules), with the layer's expert weights gathered whole on every device (an all-gather of
+(degree - 1) / degree of 3 x experts x d_model x mlp_dim compute-dtype values per device and
+layer; their gradients come back by a reduce-scatter of the same size). The token exchange a
+dropless all-to-all needs has per-device sizes known only at run time (`ragged_all_to_all`),
+which XLA's CPU backend does not implement; a fixed-size all-to-all would have to reserve every
+expert a slot for every token (experts / top_k times the assignments' bytes). Each device still
+computes only its own tokens' top_k experts, and the parameters and optimizer state stay split.
+
+Model code names logical axes only: `to_experts(x, logical)`, `to_tokens`, `constrain_experts`,
+`on_token_shards`; without active rules (a plain call of the model) they return x unchanged or
+call the function as is.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import ml_collections
@@ -79,6 +90,24 @@ def to_tokens(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     """The experts' outputs from the expert layout back to the token layout (`to_experts`'s
     inverse)."""
     return _exchange(x, logical, to_experts=False)
+
+
+def on_token_shards(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
+                    weights: Sequence[jax.Array]) -> jax.Array:
+    """`fn(*tokens, *weights)` on each device's own tokens: every array of `tokens` has the
+    logical axes (`batch`, `length`, ...) and is split by their rules, as is the output; the
+    weights are gathered whole. Without active rules, or with a shape the mesh does not divide
+    (a decoding batch), a plain call that XLA partitions as it can."""
+    active = active_mesh_and_rules()
+    if active is None:
+        return fn(*tokens, *weights)
+    mesh, rules = active
+    spec = logical_to_mesh(("batch", "length"), rules)
+    sizes = [math.prod(mesh.shape[a] for a in spec_axes(entry)) for entry in spec]
+    if any(x.shape[i] % size for x in tokens for i, size in enumerate(sizes)):
+        return fn(*tokens, *weights)
+    in_specs = (spec,) * len(tokens) + (P(),) * len(weights)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec)(*tokens, *weights)
 
 
 def constrain_experts(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
