@@ -62,8 +62,8 @@ def default_config() -> ml_collections.ConfigDict:
                   # optimizer-state layout at start-up (docs/planning.md), planning for
                   # auto_memory_gib GiB per device (0: the capacity the memory check uses,
                   # performance.device_memory_gib or what the device reports; CPUs have none),
-                  # and times its auto_trials fastest-ranked candidates that fit for a few steps
-                  # on the devices (1: trusts its ranking).
+                  # and times auto_trials candidates that fit for a few steps on the devices, a
+                  # spread of the meshes its estimate cannot tell apart (1: trusts its ranking).
                   auto=False, auto_memory_gib=0.0, auto_trials=3)
     # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
     c.sharding = dict(
