@@ -641,3 +641,23 @@ def test_only_xla_refusing_a_program_is_a_candidates_verdict(monkeypatch, raised
         return
     rows = [r for r in plan().rows if r.error]
     assert rows and all(r.error.startswith(str(raised).split(":")[0]) for r in rows)
+
+
+@pytest.mark.parametrize("sizes", [{"data": 8}, {"data": 2, "fsdp": 4}])
+def test_gradient_collectives_are_counted_in_the_dtype_gradients_are_reduced_in(sizes):
+    """bfloat16 compute: the weights' gradients cross the wire in precision.grad_reduce_dtype, so
+    float32 reduction counts twice the bytes of bfloat16's; the FSDP all-gathers of the weights
+    stay in the compute dtype either way."""
+    def moved(grad_reduce_dtype):
+        config = tiny()
+        config.precision.grad_reduce_dtype = grad_reduce_dtype
+        c = Candidate(*layout(sizes), "none", 1, "params")
+        found = rank.analytic_collectives(config, model_spec(config), c, 1)
+        return {kind: sum(f.bytes * f.count for f in found if f.kind == kind)
+                for kind in ("all-reduce", "reduce-scatter", "all-gather")}
+
+    bf16, f32 = moved("bfloat16"), moved("float32")
+    assert bf16["all-reduce"] > 0 and f32["all-reduce"] == pytest.approx(2 * bf16["all-reduce"],
+                                                                          rel=1e-6)
+    assert f32["reduce-scatter"] == pytest.approx(2 * bf16["reduce-scatter"], rel=1e-6)
+    assert f32["all-gather"] == bf16["all-gather"]

@@ -93,8 +93,9 @@ def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, candidat
 
 def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
                          candidate: Candidate, granules: int) -> list[Collective]:
-    """The collectives a candidate's step makes, counted from the model's shapes (in the
-    compute dtype, as the compiled programs move them): per microbatch, FSDP gathers every
+    """The collectives a candidate's step makes, counted from the model's shapes (weights in the
+    compute dtype, gradients in `LlamaConfig.grad_dtype` but the experts' in the compute dtype,
+    as the compiled programs move them): per microbatch, FSDP gathers every
     weight twice (forward, backward) and reduce-scatters its gradient; tensor parallelism
     all-reduces a layer's [tokens, d_model] activations twice per pass (after attention and after
     the MLP) over forward, backward and any remat recomputation; the gradients are all-reduced
@@ -116,6 +117,7 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     fsdp, tensor = shape["fsdp"], shape["tensor"]
     dcn = dict(zip(DCN_AXES, candidate.dcn))
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
+    grad = jnp.dtype(spec.config.grad_dtype).itemsize  # precision.grad_reduce_dtype's effect
     accumulation = candidate.microbatches  # each accumulation step runs a pipeline's whole loop
     k, layers, layer_params = accumulation, m.n_layers, _layer_params(spec)
     stage_layer_params = layer_params
@@ -137,12 +139,14 @@ def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
     experts = _expert_params(spec)
     params = spec.num_params - layer_params + stage_layer_params - experts
     weights = (params + experts / shape["expert"]) * compute / tensor
+    gradients = (params * grad + experts / shape["expert"] * compute) / tensor
     activations = rows * t.seq_len // context * m.d_model * compute
     found = []
     if fsdp > 1:
         found += [Collective("all-gather", int(weights), 2 * k, ("fsdp",), fsdp, dcn["fsdp"] > 1),
-                  Collective("reduce-scatter", int(weights), k, ("fsdp",), fsdp, dcn["fsdp"] > 1)]
-    found += _gradient_reductions(params * compute / tensor / fsdp,
+                  Collective("reduce-scatter", int(gradients), k, ("fsdp",), fsdp,
+                             dcn["fsdp"] > 1)]
+    found += _gradient_reductions(params * grad / tensor / fsdp,
                                   experts / shape["expert"] * compute / tensor / fsdp,
                                   gradient_reductions, shape, dcn)
     if tensor > 1:
