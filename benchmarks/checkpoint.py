@@ -115,8 +115,8 @@ def save_and_restore(model: dict, workdir: str, repeats: int) -> float:
     config = make_config(model)
     config.checkpoint.compilation_cache = False  # this process's compiles are not measured
     trainer = Trainer(config, workdir)
-    state = jax.block_until_ready(trainer.init_state(0))
-    data_state = make_input(config, "train", trainer.batch_sharding).get_state()
+    state = jax.block_until_ready(trainer.program.init_state(0))
+    data_state = make_input(config, "train", trainer.program.batch_sharding).get_state()
     print(f"state: {state_megabytes(state):.0f} MB on {jax.device_count()} "
           f"{jax.devices()[0].device_kind} device(s); checkpoints in {workdir}")
 
@@ -127,7 +127,7 @@ def save_and_restore(model: dict, workdir: str, repeats: int) -> float:
     print(f"  async save: blocking {async_block:.3f} s, total {median['async']['total']:.3f} s")
 
     with Checkpoints(config, workdir) as checkpoints:
-        restored = checkpoints.restore_newest(trainer.abstract_state)
+        restored = checkpoints.restore_newest(trainer.program.abstract_state)
     print(f"  restore: {restored.seconds:.3f} s ({restored.path})")
     return async_block / sync_save
 

@@ -73,9 +73,10 @@ def losses(config, steps: int) -> np.ndarray:
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir, devices=jax.devices()[:config.mesh.data])
         step, _ = trainer.compile_train_step()
-        state = trainer.init_state(config.train.seed)
+        state = trainer.program.init_state(config.train.seed)
         found = []
-        with contextlib.closing(make_input(config, "train", trainer.batch_sharding)) as batches:
+        sharding = trainer.program.batch_sharding
+        with contextlib.closing(make_input(config, "train", sharding)) as batches:
             for _ in range(steps):
                 state, metrics = step(state, next(batches))
                 # One step at a time: with many queued, XLA:CPU's 8 simulated devices can wait

@@ -65,7 +65,7 @@ def main() -> None:
     config.data.tokenizer = "byte"
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
-        sharding = trainer.batch_sharding
+        sharding = trainer.program.batch_sharding
         print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, batch "
               f"{config.train.batch_size} x {config.train.seq_len} tokens", flush=True)
 

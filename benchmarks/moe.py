@@ -74,8 +74,8 @@ def build(config, workdir: str):
     """[compiled step, state, batch, memory] on the CPU devices, after one step (the compile)."""
     trainer = Trainer(config, workdir)
     compiled, memory = trainer.compile_train_step()
-    state = trainer.init_state(0)
-    batch = jax.device_put(random_batch(config), trainer.batch_sharding)
+    state = trainer.program.init_state(0)
+    batch = jax.device_put(random_batch(config), trainer.program.batch_sharding)
     state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     return [compiled, state, batch, memory]

@@ -54,9 +54,9 @@ def measure(flags: list[str], steps: int) -> tuple[float, float]:
     config, _ = parse_train_flags(["pipeline", *MODEL, *flags])
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
-        state = trainer.init_state(0)
-        batch = jax.device_put(random_batch(config), trainer.batch_sharding)
-        compiled = trainer.train_step.lower(state, batch).compile()
+        state = trainer.program.init_state(0)
+        batch = jax.device_put(random_batch(config), trainer.program.batch_sharding)
+        compiled = trainer.program.train_step.lower(state, batch).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes / MIB
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)

@@ -85,17 +85,17 @@ def main() -> None:
 
     start = time.perf_counter()
     trainer = Trainer(config, tempfile.mkdtemp(), devices=device)
-    state = trainer.init_state(0)
-    batch = jax.device_put(batch_np, trainer.batch_sharding)
-    state, metrics = trainer.train_step(state, batch)
+    state = trainer.program.init_state(0)
+    batch = jax.device_put(batch_np, trainer.program.batch_sharding)
+    state, metrics = trainer.program.train_step(state, batch)
     jax.block_until_ready(metrics)
     jaxscale_first = time.perf_counter() - start
 
     start = time.perf_counter()
-    bare = bare_step_fn(config, trainer.tx)
+    bare = bare_step_fn(config, trainer.program.tx)
     model = create_model(model_config(config), 0)
     params = jax.device_put(nnx.to_pure_dict(nnx.split(model)[1]), device[0])
-    opt_state = trainer.tx.init(params)
+    opt_state = trainer.program.tx.init(params)
     bare_batch = jax.device_put(batch_np, device[0])
     params, opt_state, loss = bare(params, opt_state, bare_batch)
     jax.block_until_ready(loss)
@@ -103,7 +103,7 @@ def main() -> None:
 
     def jaxscale_step():
         nonlocal state
-        state, m = trainer.train_step(state, batch)
+        state, m = trainer.program.train_step(state, batch)
         return m
 
     def bare_step():
@@ -118,7 +118,8 @@ def main() -> None:
         jaxscale_times.append(time_steps(jaxscale_step, args.steps))
         bare_times.append(time_steps(bare_step, args.steps))
     ours, theirs = min(jaxscale_times), min(bare_times)
-    print(f"device: {jax.devices()[0].device_kind}, model {trainer.model.num_params / 1e6:.2f}M "
+    num_params = trainer.program.model.num_params
+    print(f"device: {jax.devices()[0].device_kind}, model {num_params / 1e6:.2f}M "
           f"params, batch {config.train.batch_size}x{config.train.seq_len}, "
           f"{config.precision.compute_dtype}")
     print(f"jaxscale step: {ours * 1e3:.2f} ms  (time to first step {jaxscale_first:.1f} s)")

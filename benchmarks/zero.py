@@ -80,8 +80,8 @@ def cpu_side(layout: str, overrides: list[str], workdir: str):
     config = config_for(CPU, layout, overrides)
     trainer = Trainer(config, workdir)
     compiled, memory = trainer.compile_train_step()
-    state = trainer.init_state(0)
-    batch = jax.device_put(random_batch(config), trainer.batch_sharding)
+    state = trainer.program.init_state(0)
+    batch = jax.device_put(random_batch(config), trainer.program.batch_sharding)
     state, metrics = compiled(state, batch)  # the first run, outside the clock
     jax.block_until_ready(metrics)
     return [compiled, state, batch, memory.total,

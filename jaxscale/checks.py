@@ -1,6 +1,7 @@
 """A config checked whole, for the devices it will run on, before anything is compiled or written.
 
     ici, dcn = validate(config, num_devices, num_slices)   # ConfigError on the first problem
+    mesh = checked_mesh(config, devices)                  # the same, then the devices' own checks
 
 config.py checks the schema and the rules between its own values; each component checks its own
 section (the model's remat and attention names, the data, the profile window, the XLA flags, the
@@ -12,19 +13,21 @@ names, so that config.py imports none of them.
 from __future__ import annotations
 
 import ml_collections
+from jax.sharding import Mesh
 
 from jaxscale.config import check_settings
 from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.observe.profiling import check_window
-from jaxscale.parallel.attention import IMPLEMENTATIONS
+from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
 from jaxscale.parallel.context import check_context
 from jaxscale.parallel.experts import check_experts
-from jaxscale.parallel.mesh import MESH_AXES, resolve_mesh_shape
+from jaxscale.parallel.mesh import MESH_AXES, build_mesh, dcn_granules, resolve_mesh_shape
 from jaxscale.parallel.pipeline import check_pipeline
 from jaxscale.parallel.sharding import check_rules
 from jaxscale.runtime.xla_flags import check_setting
+from jaxscale.training import offload
 from jaxscale.training.optim import check_memory_options
 from jaxscale.training.state import check_optimizer_layout, logical_axis_sizes
 
@@ -34,12 +37,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
     `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
     check_settings(config)
-    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
-    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    # From the components down to the mesh, each checking its own section.
+    # Then each component its own section, from the data down to the mesh's axes.
     check_data(config)
     check_memory_options(config.optim)
-    check_optimizer_layout(config, mesh_shape)
     sizes = logical_axis_sizes(config)
     check_window(config.profile, config.train.steps)
     m = config.model
@@ -50,8 +50,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
         raise ConfigError(f"model.attention={m.attention!r} is unknown; use one of "
                           f"{IMPLEMENTATIONS}")
     check_setting(config.performance.xla_flags)
-    check_pipeline(config, mesh_shape)  # first: its errors name the pipeline's own keys
+    ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_slices)
+    mesh_shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    check_optimizer_layout(config, mesh_shape)
+    check_pipeline(config, mesh_shape)  # first of the axes: its errors name the pipeline's keys
     check_experts(config, mesh_shape)
     check_context(config, mesh_shape)
     check_rules(config.sharding.rules, mesh_shape, sizes)
     return ici, dcn
+
+
+def checked_mesh(config: ml_collections.ConfigDict, devices: list) -> Mesh:
+    """The mesh `config` runs on over `devices`, once the config is checked whole for them
+    (`validate`) and for their kind: the attention kernel, host offload."""
+    ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
+    check_attention(config, devices[0])
+    if config.optim.offload_state:
+        offload.check_supported(devices)
+    return build_mesh(ici, dcn, devices)

@@ -1,7 +1,8 @@
 """Training, readable top to bottom: config -> mesh -> model -> shardings -> state -> step -> loop.
 
-`Trainer(config, workdir)` validates the config and builds everything that needs no compilation
-(mesh, model spec, optimizer, shardings, the jitted steps). `run()` then
+`Trainer(config, workdir)` checks the config for the devices, builds the mesh and the training
+program on it (jaxscale/training/program.py: model, optimizer, shardings, the jitted steps;
+nothing compiled yet). `run()` then
 
   1. opens the inputs and checks the data (and the eval split);
   2. checks that the checkpoint and compilation-cache folders can be written;
@@ -24,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -37,34 +37,25 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale.observe import metrics as metrics_lib
-from jaxscale.training import offload
-from jaxscale.training.bad_steps import BadSteps
 from jaxscale.checkpoint import Checkpoints, Restored, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
-from jaxscale.checks import validate
+from jaxscale.checks import checked_mesh
 from jaxscale.data import Input, check_splits, make_input
-from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
-                                            memory_metrics, step_memory)
 from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
                              TransientError)
-from jaxscale.training.optim import make_optimizer
-from jaxscale.parallel.attention import check_attention
-from jaxscale.parallel.mesh import build_mesh, dcn_granules
-from jaxscale.parallel.pipeline import config_pipeline
-from jaxscale.parallel.sharding import (batch_sharding, rules_from_config, tree_shardings,
-                                        use_rules)
+from jaxscale.observe import metrics as metrics_lib
+from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
+                                            memory_metrics)
 from jaxscale.observe.profiling import ProfileWindow
-from jaxscale.training.state import (TrainState, init_state, model_spec, moment_specs,
-                            state_shardings)
-from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
+from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
 from jaxscale.runtime.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
-                              set_aside_earlier_start)
-
+                                      set_aside_earlier_start)
+from jaxscale.training.bad_steps import BadSteps
+from jaxscale.training.program import TrainProgram
+from jaxscale.training.state import TrainState
 
 # Room for a failing start-up check's message in the agreement; a longer one is cut.
 _AGREED_MESSAGE_BYTES = 4096
@@ -210,86 +201,26 @@ class Trainer:
                               "jaxscale.plan.auto.planned_config(config, devices) and pass its "
                               "config and step to Trainer(config, workdir, planned_step=step)")
         self._planned_step = planned_step
-        ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
-        check_attention(config, devices[0])
-        offloaded = config.optim.offload_state
-        if offloaded:
-            offload.check_supported(devices)
+        mesh = checked_mesh(config, devices)
         self.config, self.workdir = config, workdir
         self.is_primary = jax.process_index() == 0
         check_workdir(workdir)
-
-        self.mesh = build_mesh(ici, dcn, devices)
-        self.rules = rules_from_config(config.sharding.rules)
-        self.model = model_spec(config)
-        self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
-                                                self.model.logical_specs)
-
-        init = functools.partial(init_state, config, self.tx)
-        abstract_state = jax.eval_shape(init, 0)
-        param_shardings = tree_shardings(self.model.logical_specs, self.mesh, self.rules)
-        zero1 = config.sharding.optimizer_state == "data"
-        moments = jax.tree.map(
-            lambda spec: NamedSharding(self.mesh, spec),
-            moment_specs(self.model, self.rules, self.mesh.shape, config.sharding.optimizer_state),
-            is_leaf=lambda x: isinstance(x, PartitionSpec))
-        self.state_shardings = state_shardings(
-            abstract_state, param_shardings, offload.on_host(moments) if offloaded else moments,
-            self.tx, self.mesh)
-        # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
-        # that wrote it.
-        self.abstract_state = jax.tree.map(
-            lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-            abstract_state, self.state_shardings)
-        self.batch_sharding = batch_sharding(self.mesh, self.rules)
-        batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
-        self.init_state = jax.jit(init, out_shardings=self.state_shardings)
-        train_step = make_train_step(config, self.model.graphdef, self.tx, self.schedule,
-                                     grad_shardings=moments if zero1 else None)
-        if offloaded:
-            train_step = offload.moments_to_device(train_step, self.state_shardings.opt_state)
-        self.train_step = jax.jit(
-            self._with_rules(train_step),
-            in_shardings=(self.state_shardings, batch_shardings),
-            out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self.eval_step = jax.jit(
-            self._with_rules(make_eval_step(config, self.model.graphdef)),
-            in_shardings=(self.state_shardings.params, batch_shardings))
-
+        self.program = TrainProgram(config, mesh)
         # This process's devices, whose memory the metrics report.
-        self.local_devices = [d for d in self.mesh.devices.flat
+        self.local_devices = [d for d in mesh.devices.flat
                               if d.process_index == jax.process_index()]
-        t = config.train
+        model = self.program.model
         self.speed = Speed(
-            flops_per_token=self.model.config.flops_per_token(self.model.num_params, t.seq_len),
-            num_devices=self.mesh.size,
-            peak_flops_per_device=peak_flops_per_device(devices_kind(self.mesh)))
-
-    def _with_rules(self, fn):
-        """Traces `fn` with this run's mesh and rules active, so the model's `constrain` works."""
-        @functools.wraps(fn)
-        def wrapped(*args):
-            with use_rules(self.mesh, self.rules):
-                return fn(*args)
-        return wrapped
+            flops_per_token=model.config.flops_per_token(model.num_params, config.train.seq_len),
+            num_devices=mesh.size, peak_flops_per_device=peak_flops_per_device(devices_kind(mesh)))
 
     def compile_train_step(self) -> tuple[jax.stages.Compiled, StepMemory]:
         """The train step compiled for this run's abstract state and batch, and what it needs per
-        device. The loop calls this compiled step, so nothing compiles twice; the planner and
-        benchmarks/memory.py compile for devices they do not have with it. With mesh.auto it is
-        the planner's compiled step: the same config on the same devices, so the same program."""
+        device; the loop calls it, so nothing compiles twice. With mesh.auto it is the planner's
+        compiled step: the same config on the same devices, so the same program."""
         if self._planned_step is not None:
             return self._planned_step
-        compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
-        return compiled, step_memory(compiled)
-
-    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """A batch's shapes, dtypes and sharding, with nothing allocated: what the step compiles
-        for."""
-        t = self.config.train
-        dtypes = {"loss_mask": jax.numpy.float32}
-        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jax.numpy.int32),
-                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+        return self.program.compile_train_step()
 
     def say(self, message: str) -> None:
         if self.is_primary:
@@ -305,16 +236,16 @@ class Trainer:
         compilation cache and the checkpoint manager opened. Every process reaches the same
         verdict (`agreed_checks`): a check that fails on one host stops them all, with its error.
         """
-        config, t = self.config, self.config.train
+        config, t, program = self.config, self.config.train, self.program
         with contextlib.ExitStack() as stack:
             with agreed_checks():  # each process's own checks: no collective in this block
                 train_input = stack.enter_context(
-                    contextlib.closing(make_input(config, "train", self.batch_sharding)))
+                    contextlib.closing(make_input(config, "train", program.batch_sharding)))
                 held_out = None
                 if t.eval_every:
                     check_splits(config, ("eval",))
                     held_out = stack.enter_context(
-                        contextlib.closing(HeldOut(config, self.batch_sharding)))
+                        contextlib.closing(HeldOut(config, program.batch_sharding)))
                 checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
                 checkpoints.check_writable()
                 if cache_dir := compilation_cache_dir(config, self.workdir):
@@ -338,10 +269,10 @@ class Trainer:
                         "train.steps, or start from its parameters only with "
                         "checkpoint.restore_params_only=True")
 
-                self.say(f"jaxscale: {self.model.num_params / 1e6:.2f}M parameters, mesh "
-                         f"{dict(self.mesh.shape)} on {self.mesh.size} {devices_kind(self.mesh)} "
+                self.say(f"jaxscale: {program.model.num_params / 1e6:.2f}M parameters, mesh "
+                         f"{dict(program.mesh.shape)} on {program.mesh.size} {devices_kind(program.mesh)} "
                          f"device(s), {jax.process_count()} process(es)")
-                if pipeline := config_pipeline(config, self.mesh.shape["pipeline"]):
+                if pipeline := config_pipeline(config, program.mesh.shape["pipeline"]):
                     self.say(pipeline.summary())
                 cache = stack.enter_context(contextlib.closing(CompilationCache(cache_dir)))
                 train_step, memory = self.compile_train_step()
@@ -385,12 +316,12 @@ class Trainer:
         `train_input`. Reads only: a checkpoint that does not fit raises before anything is
         written."""
         c = self.config.checkpoint
-        own = checkpoints.restore_newest(self.abstract_state)
+        own = checkpoints.restore_newest(self.program.abstract_state)
         restored = own
         if own is None and c.restore_from:
-            restored = restore_from(c.restore_from, self.abstract_state,
+            restored = restore_from(c.restore_from, self.program.abstract_state,
                                     params_only=c.restore_params_only,
-                                    model_config=self.model.config)
+                                    model_config=self.program.model.config)
         if restored is not None and restored.train is not None:
             train_input.set_state(restored.data_state)
         return own, restored
@@ -399,11 +330,11 @@ class Trainer:
                     own: Restored | None) -> tuple[TrainState, StepWindow]:
         """The state the loop starts from (restored, or a fresh sharded init), with the window that
         times the steps from here on."""
-        seed = self.config.train.seed
+        init_state, seed = self.program.init_state, self.config.train.seed
         run_clock = RunClock(self.workdir, enabled=self.is_primary)
         if restored is None:
-            return self.init_state(seed), StepWindow(self.speed, run_clock, self.start_time,
-                                                     restarts=run_clock.restarts)
+            return init_state(seed), StepWindow(self.speed, run_clock, self.start_time,
+                                                restarts=run_clock.restarts)
         self.say(f"restored {restored.path} in {restored.seconds:.1f}s"
                  f"{' (params only)' if restored.train is None else ''}")
         # Another run's productive time is not this run's.
@@ -411,14 +342,14 @@ class Trainer:
                             restore_seconds=restored.seconds,
                             productive_seconds=own.meta["productive_seconds"] if own else 0.0)
         if restored.train is None:  # fine-tuning: fresh optimizer from step 0, data from the start
-            return self.init_state(seed)._replace(params=restored.params), window
+            return init_state(seed)._replace(params=restored.params), window
         return TrainState(params=restored.params, **restored.train), window
 
     def evaluate(self, params, held_out: HeldOut) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
         total, tokens = 0.0, 0.0
         for batch in held_out.first_batches(self.config.train.eval_batches):
-            batch_loss, batch_tokens = self.eval_step(params, batch)
+            batch_loss, batch_tokens = self.program.eval_step(params, batch)
             total, tokens = total + batch_loss, tokens + batch_tokens
         loss = float(total / max(float(tokens), 1.0))
         return {"loss": loss, "perplexity": float(np.exp(loss))}

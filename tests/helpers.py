@@ -113,18 +113,18 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
     from jaxscale.parallel.context import length_shards, load_balanced
     from jaxscale.training.step import loss_and_grad
 
-    trainer = mesh_trainer(config, workdir)
-    params = trainer.init_state(config.train.seed).params
+    program = mesh_trainer(config, workdir).program
+    params = program.init_state(config.train.seed).params
     batch = random_batch(config) if batch is None else batch
-    shards = length_shards(trainer.batch_sharding, batch["inputs"].shape)
+    shards = length_shards(program.batch_sharding, batch["inputs"].shape)
     assert shards == config.mesh.context  # the sequences are split over the context axis alone
-    batch = jax.device_put(load_balanced(batch, shards), trainer.batch_sharding)
+    batch = jax.device_put(load_balanced(batch, shards), program.batch_sharding)
 
     def mean_loss_and_grad(params, batch):
         tokens = jnp.sum(batch["loss_mask"])
-        total, grads = loss_and_grad(config, trainer.model.graphdef, params, batch, 1 / tokens)
+        total, grads = loss_and_grad(config, program.model.graphdef, params, batch, 1 / tokens)
         return total / tokens, grads
     # Compiled ahead of time and called as compiled: one compilation gives the HLO and the values.
-    compiled = jax.jit(trainer._with_rules(mean_loss_and_grad)).lower(params, batch).compile()
+    compiled = jax.jit(program.with_rules(mean_loss_and_grad)).lower(params, batch).compile()
     loss, grads = jax.device_get(compiled(params, batch))
     return MeshLossAndGradients(loss, grads, compiled.as_text())

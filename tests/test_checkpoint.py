@@ -34,8 +34,8 @@ def make_config(**mesh):
 
 def trained_state(trainer):
     """A state after one step, so the optimizer moments are not all zero."""
-    batch = jax.device_put(random_batch(trainer.config), trainer.batch_sharding)
-    state, _ = trainer.train_step(trainer.init_state(0), batch)
+    batch = jax.device_put(random_batch(trainer.config), trainer.program.batch_sharding)
+    state, _ = trainer.program.train_step(trainer.program.init_state(0), batch)
     return state
 
 
@@ -57,7 +57,7 @@ def saved(tmp_path_factory):
         workdir = tmp_path_factory.mktemp(name)
         config = make_config(**mesh)
         trainer = Trainer(config, str(workdir))
-        train_input = make_input(config, "train", trainer.batch_sharding)
+        train_input = make_input(config, "train", trainer.program.batch_sharding)
         next(train_input)
         data_state = train_input.get_state()
         state = trained_state(trainer)
@@ -79,14 +79,14 @@ def test_full_state_round_trips_onto_any_mesh(saved, tmp_path, written_on, mesh,
     config.checkpoint.dir = str(source / "checkpoints")
     trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:num_devices])
     with Checkpoints(config, str(tmp_path)) as checkpoints:
-        restored = checkpoints.restore_newest(trainer.abstract_state)
+        restored = checkpoints.restore_newest(trainer.program.abstract_state)
     assert restored.path.endswith("/2")
     assert restored.data_state == json.loads(json.dumps(data_state))  # tuples come back as lists
     assert restored.meta == {"step": 2, "productive_seconds": 1.5}
     state = restored_state(restored)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), expected)
     shardings = jax.tree.map(lambda a: a.sharding, state)
-    assert shardings == trainer.state_shardings
+    assert shardings == trainer.program.state_shardings
 
 
 def damage(step_dir, how):
@@ -114,7 +114,7 @@ def test_damaged_newest_checkpoint_is_set_aside_with_a_warning(saved, tmp_path, 
     damage(tmp_path / "checkpoints" / "2", how)
 
     with caplog.at_level(logging.WARNING), Checkpoints(config, str(tmp_path)) as checkpoints:
-        restored = checkpoints.restore_newest(trainer.abstract_state)
+        restored = checkpoints.restore_newest(trainer.program.abstract_state)
     assert restored.meta["step"] == 1
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert names[0] == "1" and names[1].startswith("2.corrupt-"), names
@@ -132,7 +132,7 @@ def test_a_run_with_only_damaged_checkpoints_stops_and_renames_none(saved, tmp_p
     with Checkpoints(config, str(tmp_path)) as checkpoints:
         with pytest.raises(JaxscaleError, match=r"every checkpoint in .* is damaged \(2: .*; 1: "
                                                 r".*\); none was renamed"):
-            checkpoints.restore_newest(trainer.abstract_state)
+            checkpoints.restore_newest(trainer.program.abstract_state)
     assert listing(tmp_path) == before
 
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_that_does_not_fit_names_the_first_mismatching_parameter(sa
         with pytest.raises(ConfigError, match=r"parameter 'blocks/mlp/down' is "
                                               r"float32\[2, 128, 64\] in the checkpoint but "
                                               r"float32\[2, 256, 64\] with this config"):
-            checkpoints.restore_newest(trainer.abstract_state)
+            checkpoints.restore_newest(trainer.program.abstract_state)
     assert listing(source) == before
 
 
@@ -180,7 +180,7 @@ def test_a_new_run_starts_from_another_runs_checkpoint(saved, tmp_path, params_o
     trainer = Trainer(config, str(tmp_path))
     with Checkpoints(config, str(tmp_path)) as checkpoints:
         own, restored = trainer.restore(checkpoints, make_input(config, "train",
-                                                                trainer.batch_sharding))
+                                                                trainer.program.batch_sharding))
         assert own is None
         state, _ = trainer.start_state(restored, own)
     state = jax.device_get(state)
@@ -319,7 +319,7 @@ def test_too_many_bad_steps_in_a_row_stop_the_run_and_keep_the_last_good_checkpo
         trainer.run()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
     with Checkpoints(config, str(tmp_path)) as checkpoints:
-        restored = checkpoints.restore_newest(trainer.abstract_state)
+        restored = checkpoints.restore_newest(trainer.program.abstract_state)
     assert int(restored.train["step"]) == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(restored.params)))
 
@@ -376,7 +376,7 @@ def test_restore_from_a_relative_path(saved, tmp_path, monkeypatch, mlp_dim, mes
     config.checkpoint.restore_from = source.name  # relative to the working directory
     trainer = Trainer(config, str(tmp_path))
     with Checkpoints(config, str(tmp_path)) as checkpoints:
-        train_input = make_input(config, "train", trainer.batch_sharding)
+        train_input = make_input(config, "train", trainer.program.batch_sharding)
         if message is None:
             _, restored = trainer.restore(checkpoints, train_input)
             assert restored.path == str(source / "checkpoints" / "2")

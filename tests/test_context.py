@@ -39,13 +39,13 @@ def references(tmp_path_factory):
     """jax.grad of the plain model on one device, in the natural token order, per batch kind."""
     config = context_config()
     trainer = mesh_trainer(config, tmp_path_factory.mktemp("ref"))
-    params = trainer.init_state(config.train.seed).params
+    params = trainer.program.init_state(config.train.seed).params
     out = {}
     for kind, make_batch in BATCHES.items():
         batch = make_batch(config)
 
         def mean_loss(p, batch=batch):
-            total, tokens = summed_loss(trainer.model.graphdef, p, batch)
+            total, tokens = summed_loss(trainer.program.model.graphdef, p, batch)
             return total / tokens
         out[kind] = jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
     return out
@@ -104,7 +104,7 @@ def test_attention_all_gathers_keys_and_values_over_the_context_axis(tmp_path):
     all 32 positions, 2 kv heads, 16] are all-gathered within the 4 devices of a context group."""
     config = context_config(context=4, fsdp=2)
     trainer = mesh_trainer(config, tmp_path)
-    hlo = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
+    hlo, _ = trainer.program.compile_train_step()
     gathers = [line for line in hlo.as_text().splitlines()
                if "= f32[4,32,2,16]" in line and " all-gather(" in line]
     assert len(gathers) >= 2, "no all-gather of K/V over the context axis"

@@ -225,8 +225,8 @@ def test_restore_from_another_run_is_transient_when_unavailable_and_renames_no_d
     trainer = mesh_trainer(config_for(STEPS), str(tmp_path / "new"))
 
     def restore():
-        return restore_from(str(workdir), trainer.abstract_state, params_only=False,
-                            model_config=trainer.model.config)
+        return restore_from(str(workdir), trainer.program.abstract_state, params_only=False,
+                            model_config=trainer.program.model.config)
     failing(monkeypatch, "open", errno.EIO, lambda path, mode="r": path.startswith(str(workdir)))
     before = snapshot(workdir / "checkpoints")
     with pytest.raises(TransientError, match=rf"checkpoint.restore_from='{workdir}' could not be "
@@ -241,8 +241,9 @@ def test_restore_from_another_run_is_transient_when_unavailable_and_renames_no_d
                                             r"missing\); point checkpoint.restore_from at another"):
         restore()
     assert snapshot(workdir / "checkpoints") == before
-    assert int(restore_from(str(workdir / "checkpoints" / "2"), trainer.abstract_state,
-                            params_only=False, model_config=trainer.model.config).meta["step"]) == 2
+    program = trainer.program
+    assert int(restore_from(str(workdir / "checkpoints" / "2"), program.abstract_state,
+                            params_only=False, model_config=program.model.config).meta["step"]) == 2
 
 
 @pytest.mark.parametrize("refusal", ["EACCES", "gcsfs 403"])

@@ -116,13 +116,14 @@ def adam_count(opt_state) -> int:
 
 def test_the_logged_rate_is_the_applied_rate_and_skips_do_not_delay_the_schedule(tmp_path):
     trainer = Trainer(sign_adam_config(), str(tmp_path))
-    state = trainer.init_state(0)
+    state = trainer.program.init_state(0)
     for step in range(STEPS):
         batch = random_batch(trainer.config, seed=step)
         if step in SKIPPED:
             batch = overflowing(batch)
         before = jax.device_get((state.params, state.opt_state))
-        state, metrics = trainer.train_step(state, jax.device_put(batch, trainer.batch_sharding))
+        state, metrics = trainer.program.train_step(
+            state, jax.device_put(batch, trainer.program.batch_sharding))
         params, opt_state = jax.device_get((state.params, state.opt_state))
         moves = jax.tree.leaves(jax.tree.map(
             lambda new, old: np.max(np.abs(new.astype(np.float64) - old)), params, before[0]))
@@ -169,7 +170,7 @@ def test_a_resumed_run_continues_the_schedule_and_the_counts(tmp_path, monkeypat
     states = []
     for workdir in (whole, resumed):
         with Checkpoints(config, str(workdir)) as checkpoints:
-            restored = checkpoints.restore_newest(trainer.abstract_state)
+            restored = checkpoints.restore_newest(trainer.program.abstract_state)
         states.append(jax.device_get((restored.params, restored.train)))
     (params, train), (params_again, train_again) = states
     assert int(train["step"]) == int(train_again["step"]) == STEPS

@@ -394,22 +394,22 @@ def device_bytes(tree, device):
 
 def test_each_device_holds_a_quarter_of_the_experts_and_their_optimizer_state(tmp_path):
     trainer = mesh_trainer(expert_config(expert=4, data=2), tmp_path)
-    state = trainer.init_state(0)
+    state = trainer.program.init_state(0)
     experts = lambda tree: [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
                             if jax.tree_util.keystr(path[-1:]) in ("['gate']", "['up']",
                                                                    "['down']")]
     params, moments = experts(state.params), experts(state.opt_state)
     assert len(params) == 3 and len(moments) == 6  # Adam's mu and nu of each
-    axis = trainer.mesh.axis_names.index("expert")
+    axis = trainer.program.mesh.axis_names.index("expert")
     for leaf in params + moments:  # [layers, experts, ...]: 2 experts on each expert index
         for shard in leaf.addressable_shards:
-            index = np.argwhere(trainer.mesh.devices == shard.device)[0][axis]
+            index = np.argwhere(trainer.program.mesh.devices == shard.device)[0][axis]
             assert shard.index[1] == slice(2 * index, 2 * index + 2)
-    device = trainer.mesh.devices.flat[0]
+    device = trainer.program.mesh.devices.flat[0]
     whole = sum(leaf.nbytes for leaf in params + moments)
     assert device_bytes(params + moments, device) == whole // 4
     # The dense layers are split over the expert axis too (as data parallelism), not replicated.
-    batch_spec = trainer.batch_sharding.spec[0]
+    batch_spec = trainer.program.batch_sharding.spec[0]
     assert "expert" in batch_spec
 
 

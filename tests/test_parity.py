@@ -16,13 +16,13 @@ def train(config, tmp_path, devices=None, batches=None):
     # One batch repeated, so that the loss must fall if the steps really train.
     batches = batches or [random_batch(config)] * STEPS
     trainer = Trainer(config, str(tmp_path), devices=devices)
-    state = trainer.init_state(config.train.seed)
-    first_batch = jax.device_put(batches[0], trainer.batch_sharding)
+    state = trainer.program.init_state(config.train.seed)
+    first_batch = jax.device_put(batches[0], trainer.program.batch_sharding)
     grads = jax.device_get(initial_gradients(trainer, state.params, first_batch))
     losses, grad_norms = [], []
     for i in range(STEPS):
-        batch = jax.device_put(batches[i], trainer.batch_sharding)
-        state, metrics = trainer.train_step(state, batch)
+        batch = jax.device_put(batches[i], trainer.program.batch_sharding)
+        state, metrics = trainer.program.train_step(state, batch)
         losses.append(float(metrics["loss"]))
         grad_norms.append(float(metrics["grad_norm"]))
     return np.array(losses), np.array(grad_norms), jax.device_get(state.params), grads
@@ -31,9 +31,9 @@ def train(config, tmp_path, devices=None, batches=None):
 def initial_gradients(trainer, params, batch):
     """Gradient of the mean token loss, computed under the trainer's mesh and rules."""
     def mean_loss(p):
-        total, tokens = summed_loss(trainer.model.graphdef, p, batch)
+        total, tokens = summed_loss(trainer.program.model.graphdef, p, batch)
         return total / tokens
-    return jax.jit(trainer._with_rules(jax.grad(mean_loss)))(params)
+    return jax.jit(trainer.program.with_rules(jax.grad(mean_loss)))(params)
 
 
 def assert_same_training(run, reference):

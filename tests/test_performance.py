@@ -203,11 +203,11 @@ def test_an_offloaded_step_equals_one_on_the_device(tmp_path):
         config = small_config(data=4, fsdp=2)
         config.optim.offload_state = offloaded
         trainer = Trainer(config, str(tmp_path))
-        state = trainer.init_state(0)
-        batch = {k: jax.device_put(v, trainer.batch_sharding)
+        state = trainer.program.init_state(0)
+        batch = {k: jax.device_put(v, trainer.program.batch_sharding)
                  for k, v in random_batch(config).items()}
         for _ in range(2):
-            state, _ = trainer.train_step(state, batch)
+            state, _ = trainer.program.train_step(state, batch)
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state[1][0].mu)}
         assert kinds == {"pinned_host" if offloaded else "device"}
         states.append(jax.device_get(state))

@@ -32,11 +32,11 @@ def plain_loss_and_grads(config, workdir):
     """The mean loss and its gradient of `config`'s model with no pipeline, on one device,
     differentiated by jax.grad."""
     trainer = Trainer(config, str(workdir), devices=jax.devices()[:1])
-    params = trainer.init_state(config.train.seed).params
+    params = trainer.program.init_state(config.train.seed).params
     batch = random_batch(config)
 
     def mean_loss(p):
-        total, tokens = summed_loss(trainer.model.graphdef, p, batch)
+        total, tokens = summed_loss(trainer.program.model.graphdef, p, batch)
         return total / tokens
     return jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
 
@@ -135,7 +135,7 @@ def test_low_precision_pipelines_train_like_the_plain_model(schedule, dtype, tmp
 def test_each_device_holds_only_its_stages_layers(tmp_path):
     config = pipeline_config(pipeline=4, data=2)
     trainer = mesh_trainer(config, tmp_path)
-    state = trainer.init_state(config.train.seed)
+    state = trainer.program.init_state(config.train.seed)
     layers = config.model.n_layers
     for leaf in jax.tree.leaves(state.params["blocks"]) + jax.tree.leaves(
             state.opt_state):
@@ -144,14 +144,14 @@ def test_each_device_holds_only_its_stages_layers(tmp_path):
         for shard in leaf.addressable_shards:
             layer_slice = shard.index[0]
             assert layer_slice.stop - layer_slice.start == layers // 4
-            where = np.argwhere(trainer.mesh.devices == shard.device)[0]
-            device_stage = where[trainer.mesh.axis_names.index("pipeline")]
+            where = np.argwhere(trainer.program.mesh.devices == shard.device)[0]
+            device_stage = where[trainer.program.mesh.axis_names.index("pipeline")]
             assert layer_slice.start == device_stage * layers // 4
     # Parameter bytes per device: a quarter of the layer stack plus everything outside it.
     def bytes_on(device, tree):
         return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
                    for s in leaf.addressable_shards if s.device == device)
-    device = trainer.mesh.devices.flat[0]
+    device = trainer.program.mesh.devices.flat[0]
     stack = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params["blocks"]))
     outside = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)) - stack
     assert bytes_on(device, state.params) == stack // 4 + outside

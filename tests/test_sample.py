@@ -179,9 +179,9 @@ def test_the_cli_prints_the_greedy_continuation_of_a_trained_run(trained_workdir
     assert result.returncode == 0, result.stderr.decode()[-3000:]
 
     # Independently: the checkpoint's params, full forward passes, the byte tokenizer by hand.
-    restored = restore_from(workdir, trainer.abstract_state, params_only=True,
-                            model_config=trainer.model.config)
-    model = nnx.merge(trainer.model.graphdef, restored.params)
+    restored = restore_from(workdir, trainer.program.abstract_state, params_only=True,
+                            model_config=trainer.program.model.config)
+    model = nnx.merge(trainer.program.model.graphdef, restored.params)
     tokenizer = ByteTokenizer()
     ids = np.concatenate([[tokenizer.bos_id], tokenizer.encode(prompt)]).astype(np.int32)[None]
     new = full_forward_greedy(model, ids, 12)[0]

@@ -36,12 +36,12 @@ def expected_shards(shape, spec, mesh_shape):
 def test_state_is_born_sharded_by_the_rules(mesh, tmp_path):
     config = small_config(**mesh)
     trainer = Trainer(config, str(tmp_path))
-    state = trainer.init_state(0)
-    mesh_shape = dict(trainer.mesh.shape)
+    state = trainer.program.init_state(0)
+    mesh_shape = dict(trainer.program.mesh.shape)
 
     wq = state.params["blocks"]["attn"]["q"]  # [layers, embed, heads, head_dim]
     assert wq.sharding.spec == logical_to_mesh(("layers", "embed", "heads", "head_dim"),
-                                               trainer.rules)
+                                               trainer.program.rules)
     for path, array in jax.tree_util.tree_leaves_with_path(state.params):
         spec = array.sharding.spec
         for shard in array.addressable_shards:

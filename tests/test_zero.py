@@ -86,10 +86,10 @@ def three_steps(layout, tmp_path, **mesh):
     config.sharding.optimizer_state = layout
     config.checkpoint.compilation_cache = False
     trainer = Trainer(config, str(tmp_path / layout))
-    state, losses = trainer.init_state(0), []
+    state, losses = trainer.program.init_state(0), []
     for seed in range(3):
-        batch = jax.device_put(random_batch(config, seed), trainer.batch_sharding)
-        state, metrics = trainer.train_step(state, batch)
+        batch = jax.device_put(random_batch(config, seed), trainer.program.batch_sharding)
+        state, metrics = trainer.program.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     return trainer, state, losses
 
@@ -124,11 +124,11 @@ def test_zero1_state_restores_into_the_other_layout(tmp_path):
     config.checkpoint.compilation_cache = False
     other = Trainer(config, str(tmp_path / "run"))  # optimizer_state="params"
     with Checkpoints(config, str(tmp_path / "run")) as checkpoints:
-        restored = checkpoints.restore_newest(other.abstract_state)
+        restored = checkpoints.restore_newest(other.program.abstract_state)
     jax.tree.map(np.testing.assert_array_equal, restored.train["opt_state"],
                  jax.device_get(state.opt_state))
     restored_layout = [x.sharding for x in jax.tree.leaves(restored.train["opt_state"])]
-    assert restored_layout == jax.tree.leaves(other.state_shardings.opt_state)
+    assert restored_layout == jax.tree.leaves(other.program.state_shardings.opt_state)
 
 
 def test_zero1_that_cannot_split_a_parameter_is_one_config_error():

@@ -3,21 +3,19 @@ and what the compiler says it needs per device; and which compiler errors mean "
 
 from __future__ import annotations
 
-import tempfile
-
 import jax
 import ml_collections
 
+from jaxscale.checks import checked_mesh
 from jaxscale.observe.device_memory import StepMemory
-from jaxscale.trainer import Trainer
+from jaxscale.training.program import TrainProgram
 
 
 def compile_train_step(config: ml_collections.ConfigDict,
                        devices) -> tuple[jax.stages.Compiled, StepMemory]:
     """The train step of `config` compiled for `devices` (real, or a TPU topology's), and its
     memory per device."""
-    with tempfile.TemporaryDirectory() as workdir:
-        return Trainer(config, workdir, devices=devices).compile_train_step()
+    return TrainProgram(config, checked_mesh(config, devices)).compile_train_step()
 
 
 # The statuses with which XLA refuses a program for good: it does not fit the device's memory, or

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import gc
 import statistics
-import tempfile
 import time
 
 import jax
 import ml_collections
 import numpy as np
 
-from jaxscale.trainer import Trainer
+from jaxscale.checks import checked_mesh
+from jaxscale.training.program import TrainProgram
 from jaxscale.training.step import BATCH_KEYS
 
 STEPS_TIMED = 3  # after one warm-up step; the median is kept
@@ -48,18 +48,19 @@ def seconds_per_step(config: ml_collections.ConfigDict, devices,
                      executable: jax.stages.Compiled) -> float:
     """The median time of `executable`, the train step of `config` compiled for `devices`, over
     `STEPS_TIMED` steps after a warm-up one. Every process of a multi-host run takes part."""
-    with tempfile.TemporaryDirectory() as workdir:
-        trainer = Trainer(config, workdir, devices=devices)
-        state = trainer.init_state(config.train.seed)
-        batch = {k: jax.make_array_from_callback(v.shape, trainer.batch_sharding,
-                                                 lambda index, v=v: v[index])
-                 for k, v in random_batch(config).items()}
-        times = []
-        for _ in range(STEPS_TIMED + 1):
-            start = time.perf_counter()
-            state = jax.block_until_ready(executable(state, batch))[0]
-            times.append(time.perf_counter() - start)
-        del state, batch, trainer
+    tokens = random_batch(config)
+    mesh = checked_mesh(config, devices)
+    program = TrainProgram(config, mesh)
+    state = program.init_state(config.train.seed)
+    batch = {k: jax.make_array_from_callback(v.shape, program.batch_sharding,
+                                             lambda index, v=v: v[index])
+             for k, v in tokens.items()}
+    times = []
+    for _ in range(STEPS_TIMED + 1):
+        start = time.perf_counter()
+        state = jax.block_until_ready(executable(state, batch))[0]
+        times.append(time.perf_counter() - start)
+    del state, batch, program
     gc.collect()  # frees this candidate's state before the next one is allocated
     return statistics.median(times[1:])
 

@@ -1,0 +1,92 @@
+"""A config's training program on a mesh: what the trainer runs and the planner compiles.
+
+    program = TrainProgram(config, mesh)         # nothing compiled, nothing allocated
+    compiled, memory = program.compile_train_step()
+
+From the config and the mesh it builds, in order: the model's abstract form, the optimizer, where
+every array lives (parameters, optimizer moments, the batch), the abstract train state that a
+checkpoint is restored into, and the jitted init, train and eval steps with those shardings. The
+trainer (jaxscale/trainer.py) adds the workdir, the data, checkpoints and the loop; the planner
+(jaxscale/plan/) compiles a program per candidate layout for devices it may not have.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale.observe.device_memory import StepMemory, step_memory
+from jaxscale.parallel.sharding import batch_sharding, rules_from_config, tree_shardings, use_rules
+from jaxscale.training import offload
+from jaxscale.training.optim import make_optimizer
+from jaxscale.training.state import init_state, model_spec, moment_specs, state_shardings
+from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
+
+
+class TrainProgram:
+    """The train and eval steps of `config` on `mesh`, jitted with their shardings (the config
+    checked for the mesh's devices first: jaxscale.checks.checked_mesh)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh):
+        self.config, self.mesh = config, mesh
+        self.model = model_spec(config)
+        self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
+                                                self.model.logical_specs)
+        self.rules = rules_from_config(config.sharding.rules)
+        init = functools.partial(init_state, config, self.tx)
+        abstract_state = jax.eval_shape(init, 0)
+        # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
+        moments = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            moment_specs(self.model, self.rules, mesh.shape, config.sharding.optimizer_state),
+            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        offloaded = config.optim.offload_state
+        self.state_shardings = state_shardings(
+            abstract_state, tree_shardings(self.model.logical_specs, mesh, self.rules),
+            offload.on_host(moments) if offloaded else moments, self.tx, mesh)
+        # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
+        # that wrote it.
+        self.abstract_state = jax.tree.map(
+            lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+            abstract_state, self.state_shardings)
+        self.batch_sharding = batch_sharding(mesh, self.rules)
+        batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
+        self.init_state = jax.jit(init, out_shardings=self.state_shardings)
+        zero1 = config.sharding.optimizer_state == "data"
+        train_step = make_train_step(config, self.model.graphdef, self.tx, self.schedule,
+                                     grad_shardings=moments if zero1 else None)
+        if offloaded:
+            train_step = offload.moments_to_device(train_step, self.state_shardings.opt_state)
+        self.train_step = jax.jit(
+            self.with_rules(train_step),
+            in_shardings=(self.state_shardings, batch_shardings),
+            out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self.eval_step = jax.jit(
+            self.with_rules(make_eval_step(config, self.model.graphdef)),
+            in_shardings=(self.state_shardings.params, batch_shardings))
+
+    def with_rules(self, fn):
+        """`fn`, traced with this program's mesh and rules active, so the model's `constrain`
+        works."""
+        @functools.wraps(fn)
+        def wrapped(*args):
+            with use_rules(self.mesh, self.rules):
+                return fn(*args)
+        return wrapped
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """A batch's shapes, dtypes and sharding, with nothing allocated: what the step compiles
+        for."""
+        t = self.config.train
+        dtypes = {"loss_mask": jax.numpy.float32}
+        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jax.numpy.int32),
+                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+
+    def compile_train_step(self) -> tuple[jax.stages.Compiled, StepMemory]:
+        """The train step compiled ahead of time for the abstract state and batch (for the mesh's
+        devices, real or a TPU topology's), and what it needs per device."""
+        compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+        return compiled, step_memory(compiled)
