@@ -20,6 +20,7 @@ from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.observe.profiling import check_window
+from jaxscale.observe.trackers import check_trackers
 from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
 from jaxscale.parallel.context import check_context
 from jaxscale.parallel.experts import check_experts
@@ -42,6 +43,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     check_memory_options(config.optim)
     sizes = logical_axis_sizes(config)
     check_window(config.profile, config.train.steps)
+    check_trackers(config)
     m = config.model
     if m.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "

@@ -172,6 +172,13 @@ def default_config() -> ml_collections.ConfigDict:
     # A jax.profiler trace of steps start_step .. start_step + steps - 1 in <workdir>/profile/
     # (docs/performance.md); steps=0: off. Process 0 only unless all_processes.
     c.profile = dict(start_step=10, steps=0, all_processes=False)
+    # Where process 0 sends the metrics besides the console (docs: README, Reading the metrics):
+    # any of jsonl (<workdir>/metrics.jsonl), tensorboard, wandb, mlflow (pip install
+    # 'jaxscale[wandb]' / 'jaxscale[mlflow]'). `project` is the W&B project and the MLflow
+    # experiment; wandb_mode: online | offline | "" (W&B's own: WANDB_MODE, else online);
+    # mlflow_tracking_uri: "" -> MLFLOW_TRACKING_URI, else file://<workdir>/mlruns.
+    c.metrics = dict(trackers=("jsonl", "tensorboard"), project="jaxscale", wandb_mode="",
+                     mlflow_tracking_uri="")
     # XLA flags: "auto" (a tuned set on NVIDIA GPUs; jaxscale/runtime/xla_flags.py), "none", or a
     # string of "--xla_...=..." flags. Flags already in the XLA_FLAGS environment variable win.
     # device_memory_gib: what one device holds, which the train step's compiled memory must fit

@@ -295,7 +295,7 @@ class Trainer:
             cache.open()
             checkpoints.open_for_saving()
             writer = stack.enter_context(metrics_lib.MetricsWriter(
-                self.workdir, enabled=self.is_primary, total_steps=t.steps))
+                self.workdir, enabled=self.is_primary, total_steps=t.steps, config=config))
             signals = stack.enter_context(StopSignals())
             state, window = self.start_state(restored, own)
             window.first_line.update(step_memory_gib=memory.total / GIB,

@@ -1,19 +1,20 @@
-"""Training throughput (tokens/s, model FLOPs, MFU) and the metric writers used by process 0.
+"""Training throughput (tokens/s, model FLOPs, MFU) and the metric writer used by process 0.
 
-A `MetricsWriter` sends each step's scalars to three places: a compact line on the console, one
-JSON object per line in `<workdir>/metrics.jsonl` (easy to load with pandas, survives a crash), and
-TensorBoard event files in `<workdir>/tensorboard/`. A vector metric (an MoE layer's per-expert
-load) goes to the JSON line as a list and to TensorBoard as a histogram over its index.
+A `MetricsWriter` prints each logged step's scalars as a compact line on the console and hands the
+step to the trackers `metrics.trackers` chooses (jaxscale/observe/trackers.py): by default
+`<workdir>/metrics.jsonl` (one JSON object per line, easy to load with pandas, survives a crash)
+and TensorBoard event files in `<workdir>/tensorboard/`; W&B and MLflow when asked for.
 """
 
-import json
 import os
 import sys
 from time import monotonic
 
+import ml_collections
 import numpy as np
-import tensorboardX
 
+from jaxscale.config import default_config
+from jaxscale.observe import trackers as trackers_lib
 from jaxscale.observe.progress import StatusLine
 
 _BAR_WIDTH = 30
@@ -64,57 +65,45 @@ def _to_scalar(value) -> float | int:
 
 
 class MetricsWriter:
-    """Writes metrics to the console, `metrics.jsonl` and TensorBoard; a no-op when not enabled.
+    """Writes metrics to the console and the chosen trackers; a no-op when not enabled.
 
     Only process 0 should pass `enabled=True`: the files are shared by all hosts of a run.
+    `config` is the run's: its `metrics` section chooses the trackers, and W&B and MLflow record
+    it. Without one, the default trackers (JSONL and TensorBoard, which record no config).
     """
 
-    def __init__(self, workdir: str, *, enabled: bool, total_steps: int, stream=sys.stdout):
+    def __init__(self, workdir: str, *, enabled: bool, total_steps: int,
+                 config: ml_collections.ConfigDict | None = None, stream=sys.stdout):
         self._enabled = enabled
         self._total_steps = total_steps
         self._stream = stream
         self._bar = StatusLine(stream, _BAR_MIN_INTERVAL)
         self._bar_start = None  # (step, time) of the first progress() call
+        self._trackers = []
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        # Append, so a resumed run keeps the lines of the run it continues.
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
-        self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+        try:
+            for tracker in trackers_lib.open_trackers(
+                    workdir, default_config() if config is None else config):
+                self._trackers.append(tracker)
+        except BaseException:
+            self._close_trackers(failed=True)  # those already open: a W&B run, an open file
+            raise
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
-        """Record `metrics` at `step`; keys get `prefix` (e.g. "eval_") in the console and JSONL."""
+        """Record `metrics` at `step`; keys get `prefix` (e.g. "eval_") in the console and JSONL
+        (`eval/` in TensorBoard, W&B and MLflow)."""
         if not self._enabled:
             return
-        vectors = {name: [float(x) for x in value] for name, value in metrics.items()
-                   if np.ndim(value)}
-        scalars = {prefix + name: _to_scalar(value) for name, value in metrics.items()
-                   if name not in vectors}
+        values = {name: [float(x) for x in value] if np.ndim(value) else _to_scalar(value)
+                  for name, value in metrics.items()}
         self._bar.clear()
-        fields = [f"step {step}"] + [f"{k} {_format_value(k, v)}" for k, v in scalars.items()]
+        fields = [f"step {step}"] + [f"{prefix}{k} {_format_value(k, v)}"
+                                     for k, v in values.items() if not isinstance(v, list)]
         print(" | ".join(fields), file=self._stream, flush=True)
-        lists = {prefix + name: value for name, value in vectors.items()}
-        self._jsonl.write(json.dumps({"step": step, **scalars, **lists}) + "\n")
-        self._jsonl.flush()  # a crash must not lose the lines before it
-        tag_group = prefix.rstrip("_") or "train"
-        for name in metrics:
-            if name in vectors:
-                self._add_histogram(f"{tag_group}/{name}", vectors[name], step)
-            else:
-                self._tensorboard.add_scalar(f"{tag_group}/{name}", scalars[prefix + name], step)
-        self._tensorboard.flush()
-
-    def _add_histogram(self, tag: str, values: list[float], step: int) -> None:
-        """`values` as a histogram whose x axis is their index: bucket [i, i + 1) holds
-        values[i] (expert i's share of the load), so the chart shows the load expert by
-        expert."""
-        index = np.arange(len(values), dtype=np.float64)
-        weights = np.asarray(values, np.float64)
-        self._tensorboard.add_histogram_raw(
-            tag, min=0.0, max=float(len(values)), num=float(weights.sum()),
-            sum=float(index @ weights), sum_squares=float((index ** 2) @ weights),
-            bucket_limits=(index + 1).tolist(), bucket_counts=weights.tolist(),
-            global_step=step)
+        for tracker in self._trackers:
+            tracker.write(step, values, prefix)
 
     def progress(self, step: int) -> None:
         """Redraw the one-line progress bar; only on a terminal, so logs stay free of `\\r`."""
@@ -140,17 +129,21 @@ class MetricsWriter:
             eta = "?"
         return f"[{bar}] {step}/{self._total_steps} | {rate:.2f} steps/s | ETA {eta}"
 
-    def close(self) -> None:
-        """Flush and close the files; safe to call twice."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the trackers, marking their runs failed if `failed`; safe to call
+        twice."""
         if not self._enabled:
             return
         self._bar.finish()  # leave the finished bar on screen, the prompt below it
-        self._jsonl.close()
-        self._tensorboard.close()
+        self._close_trackers(failed)
         self._enabled = False
+
+    def _close_trackers(self, failed: bool) -> None:
+        while self._trackers:
+            self._trackers.pop().close(failed)
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(failed=exc_type is not None)
