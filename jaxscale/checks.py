@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jaxscale.config import check_settings
 from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
+from jaxscale.inference.samples import check_samples
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.observe.profiling import check_window
 from jaxscale.observe.trackers import check_trackers
@@ -44,6 +45,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     sizes = logical_axis_sizes(config)
     check_window(config.profile, config.train.steps)
     check_trackers(config)
+    check_samples(config)
     m = config.model
     if m.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "

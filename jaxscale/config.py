@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from jaxscale.errors import ConfigError
-from jaxscale.kinds import Number, real, whole
+from jaxscale.kinds import real, whole
 
 # Multi-process runs: how long `jax.distributed.initialize` waits for every process to join, and
 # the seconds without a heartbeat after which JAX declares a process dead and stops the others
@@ -53,6 +53,11 @@ def default_config() -> ml_collections.ConfigDict:
         # Multi-host: warn when the slowest host makes each step this much longer (metrics:
         # step_time_max_host_s, slowest_host, host_time_*).
         straggler_ratio=1.2,
+        # Every sample_every steps (0: never), the greedy continuation of each prompt, sample_tokens
+        # new tokens, logged as text to every tracker (<workdir>/samples.jsonl, TensorBoard, ...).
+        sample_every=0,
+        sample_prompts=(),
+        sample_tokens=32,
     )
     # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
     # across slices / hosts connected by the data-centre network.
@@ -223,6 +228,8 @@ NUMBERS = {
     "train.eval_batches": _SIZE,  # an eval of no batches would log a loss of 0
     "train.max_bad_steps": _SIZE,
     "train.straggler_ratio": real("(1, inf)", {1.2: "warn when a host makes steps 20% longer"}),
+    "train.sample_every": whole("[0, inf)", {0: "no samples"}),
+    "train.sample_tokens": _SIZE,
     **{f"mesh.{axis}": _MESH_SIZE for axis in _MESH_AXIS_KEYS},
     **{f"mesh.dcn.{axis}": _SIZE for axis in _MESH_AXIS_KEYS},
     "mesh.auto_memory_gib": real("[0, inf)", {0: "the capacity the memory check uses"}),

@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 
-from jaxscale.cli import fail, fail_with, folder_flag, number_flag
+from jaxscale.cli import fail_with, folder_flag, number_flag
 from jaxscale.kinds import whole
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError, TransientError

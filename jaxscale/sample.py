@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxscale.cli import fail, fail_with, folder_flag, number_flag
+from jaxscale.cli import fail_with, folder_flag, number_flag
 from jaxscale.config import NUMBERS
 from jaxscale.kinds import real, whole
 from jaxscale.runtime.tpu_host import quiet_libtpu
@@ -73,12 +73,10 @@ def run_config(workdir: str):
 def prompt_ids(tokenizer, config, text: str, max_new_tokens: int):
     """[1, length] ids of `text`, after BOS when the run framed documents with one; ConfigError
     when the prompt and the tokens to generate do not fit in model.max_seq_len."""
-    import numpy as np
+    from jaxscale.inference.sampler import encode_prompt
 
     max_seq_len = config.model.max_seq_len
-    ids = tokenizer.encode(text)
-    if config.data.add_bos:
-        ids = np.concatenate([[tokenizer.bos_id], ids])
+    ids = encode_prompt(tokenizer, config, text)
     if not len(ids):
         raise ConfigError("--prompt='' is empty and the tokenizer adds no BOS token; give some "
                           "text to continue")
@@ -87,18 +85,18 @@ def prompt_ids(tokenizer, config, text: str, max_new_tokens: int):
                           f" {len(ids) + max_new_tokens} positions, more than the model's "
                           f"max_seq_len={max_seq_len}; shorten the prompt or lower "
                           "--max_new_tokens")
-    return np.asarray(ids, np.int32)[None]
+    return ids[None]
 
 
 def continuation(args: argparse.Namespace) -> str:
     """The text that follows `args.prompt`."""
     import jax
-    import numpy as np
 
     from jaxscale.config import default_config
     from jaxscale.data.tokenizers import tokenizer_from_config
     from jaxscale.parallel.sharding import rules_from_config
-    from jaxscale.inference.sampler import Sampler, restored_model, sampling_mesh
+    from jaxscale.inference.sampler import (Sampler, decode_continuation, restored_model,
+                                            sampling_mesh)
 
     if args.workdir is not None:
         config, source = run_config(args.workdir)
@@ -116,8 +114,7 @@ def continuation(args: argparse.Namespace) -> str:
     tokens = Sampler(model, mesh, rules).generate(
         prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, seed=args.seed)[0]
-    ends = np.flatnonzero(tokens == tokenizer.eos_id) if config.data.add_eos else []
-    return tokenizer.decode(tokens[:ends[0]] if len(ends) else tokens)
+    return decode_continuation(tokenizer, config, tokens)
 
 
 def main(argv: list[str]) -> None:

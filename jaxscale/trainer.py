@@ -44,6 +44,7 @@ from jaxscale.checks import checked_mesh
 from jaxscale.data import Input, check_splits, make_input
 from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
                              TransientError)
+from jaxscale.inference.samples import TrainingSamples
 from jaxscale.observe import metrics as metrics_lib
 from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
                                             memory_metrics)
@@ -305,8 +306,10 @@ class Trainer:
             # a window cut short is still written.
             profile = stack.enter_context(contextlib.closing(ProfileWindow(config.profile,
                                                                            self.workdir)))
-            loop = _Loop(self, train_step, checkpoints, train_input, held_out, window, writer,
-                         signals, profile)
+            samples = (TrainingSamples(config, program.model.graphdef, program.mesh,
+                                       program.rules) if t.sample_every else None)
+            loop = _Loop(self, train_step, checkpoints, train_input, held_out, samples, window,
+                         writer, signals, profile)
             return loop.run(state)
 
     def restore(self, checkpoints: Checkpoints,
@@ -393,12 +396,13 @@ class _Loop:
     step -> stop check -> checkpoint when due -> metrics on logging steps -> eval on eval steps."""
 
     def __init__(self, trainer: Trainer, train_step, checkpoints: Checkpoints,
-                 train_input: Input, held_out: HeldOut | None, window: StepWindow,
-                 writer: metrics_lib.MetricsWriter, signals: StopSignals,
+                 train_input: Input, held_out: HeldOut | None, samples: TrainingSamples | None,
+                 window: StepWindow, writer: metrics_lib.MetricsWriter, signals: StopSignals,
                  profile: ProfileWindow):
         self.trainer, self.t = trainer, trainer.config.train
         self.train_step, self.profile = train_step, profile
         self.checkpoints, self.train_input, self.held_out = checkpoints, train_input, held_out
+        self.samples = samples
         self.window, self.writer, self.signals = window, writer, signals
         self.bad_steps = BadSteps(self.t.max_bad_steps)
         self.last_saved: int | None = None
@@ -454,6 +458,10 @@ class _Loop:
                     eval_metrics = trainer.evaluate(state.params, self.held_out)
                 self.writer.write(done, eval_metrics, prefix="eval_")
                 logged.update({f"eval_{k}": v for k, v in eval_metrics.items()})
+            if self.samples and done % t.sample_every == 0:
+                with window.paused():
+                    continuations = self.samples(state.params)
+                self.writer.write_samples(done, continuations)
             self.writer.progress(done)
         self.checkpoints.wait()
         final_save = self.checkpoints.take_metrics()  # the last save's total time, known only now

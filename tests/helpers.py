@@ -8,6 +8,7 @@ import sys
 from typing import Any, NamedTuple
 
 import numpy as np
+import pytest
 
 from jaxscale.config import default_config
 from jaxscale.parallel.mesh import MESH_AXES
@@ -47,6 +48,15 @@ def small_config(**mesh):
 
 
 TEXTS = [f"document {i}: " + "abc" * (i % 17) for i in range(120)]
+
+
+def one_line_error(error_type, build):
+    """The message of the `error_type` that `build()` raises, checked to be one line."""
+    with pytest.raises(error_type) as raised:
+        build()
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
 
 
 def config_with(*specs, **data):

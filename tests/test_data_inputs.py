@@ -17,16 +17,8 @@ from jaxscale.checks import validate
 from jaxscale.data import check_splits, formats, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
-from tests.helpers import TEXTS, config_with
+from tests.helpers import TEXTS, config_with, one_line_error
 
-
-
-def one_line_error(error_type, build):
-    with pytest.raises(error_type) as raised:
-        build()
-    message = str(raised.value)
-    assert "\n" not in message
-    return message
 
 
 def documents_of(config, split="train"):

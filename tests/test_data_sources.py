@@ -15,7 +15,7 @@ from jaxscale.config import default_config
 from jaxscale.data import make_input, pipeline, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
-from tests.helpers import TEXTS, config_with, model_attention_mask
+from tests.helpers import TEXTS, config_with, model_attention_mask, one_line_error
 
 
 
@@ -162,13 +162,6 @@ def test_a_malformed_record_is_skipped_and_counted(tmp_path, caplog):
                                          ByteTokenizer(), config)
     with pytest.raises(JaxscaleError, match="2 malformed records.*max_bad_records=1"):
         [documents[i] for i in range(len(documents))]
-
-
-def one_line_error(error_type, build):
-    with pytest.raises(error_type) as raised:
-        build()
-    assert "\n" not in str(raised.value)
-    return str(raised.value)
 
 
 def documents_of(config, split="train"):

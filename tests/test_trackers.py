@@ -291,3 +291,61 @@ def test_a_fresh_start_over_an_earlier_one_gets_a_new_tracker_run(tmp_path):
     earlier = set_aside_earlier_start(str(tmp_path))
     assert (tmp_path / earlier / trackers.TRACKER_RUN_ID_FILE).read_text().strip() == first
     assert trackers._run_id(str(tmp_path)) != first
+
+
+def read_tensorboard_texts(path):
+    """{(tag, step): text} of the text summaries in a TFRecord event file."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    texts = {}
+    data = open(path, "rb").read()
+    offset = 0
+    while offset < len(data):
+        (length,) = struct.unpack("<Q", data[offset:offset + 8])
+        event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+        offset += 12 + length + 4
+        for value in event.summary.value:
+            if value.metadata.plugin_data.plugin_name == "text":
+                tag = value.tag.removesuffix("/text_summary")  # tensorboardX's suffix
+                texts[(tag, event.step)] = value.tensor.string_val[0].decode()
+    return texts
+
+
+def test_every_tracker_gets_the_samples(tmp_path, offline):
+    """train.sample_every's continuations: a line per step in samples.jsonl (metrics.jsonl keeps
+    numbers only), a text per prompt in TensorBoard, a table in W&B, an artifact in MLflow."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    config = tracker_config("jsonl", "tensorboard", "wandb", "mlflow")
+    samples = {2: {"Once upon": " a time", "def f(": "x):"}, 4: {"Once upon": " a hill",
+                                                                 "def f(": "):"}}
+    with MetricsWriter(str(tmp_path), enabled=True, total_steps=4, config=config,
+                       stream=io.StringIO()) as writer:
+        for step, texts in samples.items():
+            writer.write(step, {"loss": 1.0})
+            writer.write_samples(step, texts)
+
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert lines == [{"step": step, "samples": texts} for step, texts in samples.items()]
+    assert all("samples" not in line for line in read_jsonl(tmp_path))
+
+    (events,) = event_files(str(tmp_path))
+    assert read_tensorboard_texts(events) == {
+        ("samples/0", 2): "**Once upon** a time", ("samples/1", 2): "**def f(**x):",
+        ("samples/0", 4): "**Once upon** a hill", ("samples/1", 4): "**def f(**):"}
+
+    (records,) = wandb_runs(tmp_path)
+    folder = [p for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-")][0]
+    for step, row in wandb_history(records).items():
+        # The table's rows are in the file the history row names (W&B's own JSON table format).
+        table = json.loads((folder / "files" / row["samples.path"]).read_text())
+        assert table["columns"] == ["prompt", "continuation"]
+        assert table["data"] == [list(item) for item in samples[step].items()]
+
+    client, run = mlflow_run(tmp_path)
+    for step, texts in samples.items():
+        path = client.download_artifacts(run.info.run_id, f"samples/step_{step:08d}.md",
+                                         str(tmp_path / "download"))
+        assert open(path).read() == "\n\n".join(f"**{p}**{t}" for p, t in texts.items())

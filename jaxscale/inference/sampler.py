@@ -88,13 +88,29 @@ class Sampler:
                                  static_argnames=("max_new_tokens", "temperature", "top_p"))
 
     def generate(self, prompt, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0):
+                 top_p: float = 1.0, seed: int = 0, params=None):
         """int32 numpy [batch, max_new_tokens] continuing `prompt` (int [batch, length], every
-        row as long)."""
-        tokens = self._generate(self.params, np.asarray(prompt, np.int32),
+        row as long). `params`: these instead of the model's, the same tree on the same mesh (a
+        training run samples the parameters it has now, with one compiled program)."""
+        tokens = self._generate(self.params if params is None else params,
+                                np.asarray(prompt, np.int32),
                                 jax.random.key(seed), max_new_tokens=max_new_tokens,
                                 temperature=float(temperature), top_p=float(top_p))
         return np.asarray(tokens)
+
+
+def encode_prompt(tokenizer, config: ml_collections.ConfigDict, text: str) -> np.ndarray:
+    """The ids of `text` as the run framed its documents: after BOS when it added one."""
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    if config.data.add_bos:
+        ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), ids])
+    return ids
+
+
+def decode_continuation(tokenizer, config: ml_collections.ConfigDict, tokens) -> str:
+    """The text of generated `tokens`, up to the first EOS when the run ended documents with one."""
+    ends = np.flatnonzero(tokens == tokenizer.eos_id) if config.data.add_eos else []
+    return tokenizer.decode(tokens[:ends[0]] if len(ends) else tokens)
 
 
 def restored_model(config: ml_collections.ConfigDict, source: str, mesh: Mesh,

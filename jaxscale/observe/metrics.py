@@ -105,6 +105,17 @@ class MetricsWriter:
         for tracker in self._trackers:
             tracker.write(step, values, prefix)
 
+    def write_samples(self, step: int, samples: dict[str, str]) -> None:
+        """Record `samples` (prompt -> continuation) at `step`: a console line each, and text in
+        every tracker."""
+        if not self._enabled:
+            return
+        self._bar.clear()
+        for prompt, text in samples.items():
+            print(f"step {step} | sample {prompt!r} -> {text!r}", file=self._stream, flush=True)
+        for tracker in self._trackers:
+            tracker.write_samples(step, samples)
+
     def progress(self, step: int) -> None:
         """Redraw the one-line progress bar; only on a terminal, so logs stay free of `\\r`."""
         if not (self._enabled and self._bar.interactive):

@@ -32,7 +32,7 @@ import numpy as np
 import tensorboardX
 
 from jaxscale.errors import ConfigError, TransientError
-from jaxscale.runtime.workdir import TRACKER_RUN_ID_FILE
+from jaxscale.runtime.workdir import SAMPLES_FILE, TRACKER_RUN_ID_FILE
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Each is also the module the tracker imports and the jaxscale extra that installs it.
@@ -51,6 +51,9 @@ Metrics = dict[str, float | int | list[float]]
 
 class Tracker(Protocol):
     def write(self, step: int, metrics: Metrics, prefix: str) -> None: ...
+
+    def write_samples(self, step: int, samples: dict[str, str]) -> None:
+        """`samples`: prompt -> the model's continuation (train.sample_every)."""
 
     def close(self, failed: bool) -> None: ...
 
@@ -117,6 +120,10 @@ def _tag(name: str, prefix: str) -> str:
     return f"{prefix.rstrip('_') or 'train'}/{name}"
 
 
+def _markdown_sample(prompt: str, continuation: str) -> str:
+    return f"**{prompt}**{continuation}"
+
+
 def flat_config(config: ml_collections.ConfigDict) -> dict:
     """`config` as {dotted key: JSON value}, e.g. {"train.steps": 200, "data.sources": [...]}."""
     flat = {}
@@ -137,12 +144,18 @@ class Jsonl:
     lines of the run it continues, and flushed per line, so a crash loses none before it."""
 
     def __init__(self, workdir: str):
+        self._workdir = workdir
         self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Metrics, prefix: str) -> None:
         line = {"step": step, **{prefix + name: value for name, value in metrics.items()}}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
+
+    def write_samples(self, step: int, samples: dict[str, str]) -> None:
+        # A file of their own: metrics.jsonl stays numbers only, for pandas and latest_metrics.
+        with open(os.path.join(self._workdir, SAMPLES_FILE), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
     def close(self, failed: bool) -> None:
         self._file.close()
@@ -173,6 +186,11 @@ class TensorBoard:
             sum=float(index @ weights), sum_squares=float((index ** 2) @ weights),
             bucket_limits=(index + 1).tolist(), bucket_counts=weights.tolist(),
             global_step=step)
+
+    def write_samples(self, step: int, samples: dict[str, str]) -> None:
+        for i, (prompt, text) in enumerate(samples.items()):  # markdown: the prompt in bold
+            self._writer.add_text(f"samples/{i}", _markdown_sample(prompt, text), step)
+        self._writer.flush()
 
     def close(self, failed: bool) -> None:
         self._writer.close()
@@ -211,6 +229,11 @@ class Wandb:
         # A restart from a checkpoint logs again the steps after it; W&B keeps the first values
         # of a step it has already seen and warns.
         self._run.log(data, step=step)
+
+    def write_samples(self, step: int, samples: dict[str, str]) -> None:
+        table = self._wandb.Table(columns=["prompt", "continuation"],
+                                  data=[[prompt, text] for prompt, text in samples.items()])
+        self._run.log({"samples": table}, step=step)
 
     def close(self, failed: bool) -> None:
         self._run.finish(exit_code=1 if failed else 0)
@@ -267,6 +290,11 @@ class Mlflow:
             else:
                 batch.append(self._Metric(tag, value, now_ms, step))
         self._client.log_batch(self._run_id, metrics=batch)
+
+    def write_samples(self, step: int, samples: dict[str, str]) -> None:
+        """An artifact per sampling step, samples/step_<step>.md (MLflow has no text metric)."""
+        text = "\n\n".join(_markdown_sample(prompt, t) for prompt, t in samples.items())
+        self._client.log_text(self._run_id, text, f"samples/step_{step:08d}.md")
 
     def close(self, failed: bool) -> None:
         self._client.set_terminated(self._run_id, "FAILED" if failed else "FINISHED")

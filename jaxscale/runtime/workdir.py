@@ -23,12 +23,14 @@ from jaxscale.config import default_config
 from jaxscale.errors import ConfigError, TransientError
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # train.sample_every's continuations, a line per sampling step
 CONFIG_FILE = "config.json"
 # The W&B / MLflow run a restart continues (jaxscale/observe/trackers.py).
 TRACKER_RUN_ID_FILE = "tracker_run_id"
 # What a start from step 0 sets aside when an earlier start left them but no checkpoint: a fresh
 # start then also opens a new tracker run rather than logging its steps again into the old one.
-_EARLIER_START_FILES = (METRICS_FILE, "tensorboard", "run.json", TRACKER_RUN_ID_FILE)
+_EARLIER_START_FILES = (METRICS_FILE, SAMPLES_FILE, "tensorboard", "run.json",
+                        TRACKER_RUN_ID_FILE)
 # Write errors only the user can resolve besides a refusal (`access_denied`): a folder that cannot
 # hold files (/proc), a file where a folder belongs, a bad name, a missing file. Any other (EIO,
 # ENOSPC, EDQUOT, a timeout) is the storage failing for now.
@@ -155,9 +157,10 @@ def latest_metrics(workdir: str) -> dict:
 
 
 def set_aside_earlier_start(workdir: str) -> str | None:
-    """Moves the metrics, TensorBoard files, run record and tracker run id of an earlier start
-    that left no checkpoint into `<workdir>/earlier-<time>/`, so a run starting again from step 0 does not
-    log the same steps twice into one file; returns that folder, or None when there was none."""
+    """Moves the metrics, samples, TensorBoard files, run record and tracker run id of an earlier
+    start that left no checkpoint into `<workdir>/earlier-<time>/`, so a run starting again from
+    step 0 does not log the same steps twice into one file; returns that folder, or None when
+    there was none."""
     found = [name for name in _EARLIER_START_FILES
              if os.path.exists(os.path.join(workdir, name))]
     if METRICS_FILE not in found:
