@@ -17,8 +17,8 @@
    and collectives on a CPU, not on accelerators.
 2. Estimated, for TPU slices (no TPU needed): each plan compiles the fastest candidates the
    memory estimate fits (--top of them) with the TPU compiler on this host; the figures are the
-   compiler's GiB per chip and the model's estimated step time and MFU (compute at peak,
-   communication from the compiled HLO; docs/planning.md). Nothing runs; those times are the
+   compiler's GiB per chip and the model's estimated step time and MFU (compute at peak, memory
+   traffic and communication from the compiled HLO; docs/planning.md). Nothing runs; those times are the
    planner's own estimates, not measurements.
 
 The last line is `ratio: X` = the chosen layout's measured s/step / the fastest standard

@@ -59,7 +59,8 @@ class Collective:
         return self.bytes * share * (2 if self.kind == "all-reduce" else 1)
 
 
-def _shapes_bytes(text: str) -> list[int]:
+def shapes_bytes(text: str) -> list[int]:
+    """The bytes of each array shape written in `text` (`bf16[4,2048]{1,0}`: 16384)."""
     return [_DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
             for dtype, dims in _SHAPE.findall(text)]
 
@@ -132,18 +133,15 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return bodies, entry
 
 
-def parse_collectives(hlo: str, mesh_shape: Mapping[str, int],
-                      ici_shape: Mapping[str, int] | None = None) -> list[Collective]:
-    """The collectives of `hlo` (a `compiled.as_text()`) on a mesh of `mesh_shape` (axis -> size
-    over the whole mesh, in the mesh's axis order); `ici_shape` gives each axis's size inside a
-    granule (default: all of it). Identical collectives are merged, their counts added."""
-    ici_shape = ici_shape or mesh_shape
+def executions(hlo: str) -> tuple[dict[str, list[str]], collections.Counter]:
+    """The computations of `hlo` (name -> instruction lines) and how many times each runs per
+    step: the ENTRY once, a while loop's body and condition once per trip (the compiler's
+    `known_trip_count`, else the bound of a scan's `i < N` condition: scans count from 0 by 1;
+    else 1), anything else as often as its caller. Empty when `hlo` has no ENTRY."""
     bodies, entry = _computations(hlo)
-    runs: collections.Counter = collections.Counter()  # computation -> executions per step
+    runs: collections.Counter = collections.Counter()
 
     def trip_count(line: str) -> int:
-        """A while loop's iterations: the compiler's known_trip_count, else the bound of a
-        scan's `i < N` condition (scans count from 0 by 1), else 1."""
         if t := _TRIP_COUNT.search(line):
             return int(t.group(1))
         condition = bodies.get(c.group(1), ()) if (c := _WHILE_CONDITION.search(line)) else ()
@@ -162,9 +160,18 @@ def parse_collectives(hlo: str, mesh_shape: Mapping[str, int],
                 if callee in bodies:
                     visit(callee, times * (trips if callee == body else 1))
 
-    if entry is None:
-        return []
-    visit(entry, 1)
+    if entry is not None:
+        visit(entry, 1)
+    return bodies, runs
+
+
+def parse_collectives(hlo: str, mesh_shape: Mapping[str, int],
+                      ici_shape: Mapping[str, int] | None = None) -> list[Collective]:
+    """The collectives of `hlo` (a `compiled.as_text()`) on a mesh of `mesh_shape` (axis -> size
+    over the whole mesh, in the mesh's axis order); `ici_shape` gives each axis's size inside a
+    granule (default: all of it). Identical collectives are merged, their counts added."""
+    ici_shape = ici_shape or mesh_shape
+    bodies, runs = executions(hlo)
     merged: collections.Counter = collections.Counter()
     for name, times in runs.items():
         for line in bodies[name]:
@@ -174,7 +181,7 @@ def parse_collectives(hlo: str, mesh_shape: Mapping[str, int],
             kind = m.group(2)
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
                 kind = "reduce-scatter"
-            sizes = _shapes_bytes(m.group(1))
+            sizes = shapes_bytes(m.group(1))
             if m.group(3) and kind == "all-gather":  # (operands, outputs): the gathered one
                 size = max(sizes)
             elif m.group(3) and kind == "collective-permute":  # (operand, output, contexts)

@@ -1,9 +1,9 @@
 """`mesh.auto_trials`: the planner's compiled candidates timed on the devices at hand.
 
-The planner ranks layouts by a model (FLOPs at peak, collectives over the links) that has no
-term for memory traffic, so two layouts within a few percent of each other can rank the wrong way
-round (on an H100, `llama_1b` with remat none was predicted 3% faster than save_dots and measured
-6% slower; benchmarks/RESULTS.md). When the run's own devices are the target, a few steps of each
+The planner ranks layouts by a model (FLOPs at peak, memory traffic over the HBM bandwidth as one
+roofline over the whole program, collectives over the links), so two layouts within a few
+percent of each other can rank the wrong way round (on an H100, `llama_1b` with remat none was
+predicted 3% faster than save_dots and measured 6% slower; benchmarks/RESULTS.md). When the run's own devices are the target, a few steps of each
 compiled candidate settle it: each is run from random parameters on random tokens, and the
 fastest step wins.
 

@@ -8,9 +8,10 @@ Steps: (1) `search.candidates` lists every layout `config.validate` accepts; (2)
 analytic memory estimate and step time; (3) the `top` fastest whose estimate fits in
 `FIT_FRACTION` of the chip's memory are compiled ahead of time for the target's devices (abstract
 inputs, nothing allocated) and judged by the compiler's own bytes per device and the collectives
-in their HLO; when none of them fits, the next ones are compiled, up to `top` more; (4) the
-fastest compiled candidate that fits is chosen, the simpler one on a near-tie. GPU targets have
-no compiler here: steps (3)-(4) use the estimates, and the report says so.
+in their HLO, their step time gaining the memory traffic of the program (rank.py); when none of
+them fits, the next ones are compiled, up to `top` more; (4) the fastest compiled candidate that
+fits is chosen, the simpler one on a near-tie. GPU targets have no compiler here: steps (3)-(4)
+use the estimates, without memory traffic, and the report says so.
 
 When the compiled candidates are to be timed (`spread=True`, what `mesh.auto` does with
 `mesh.auto_trials` > 1), step (3) compiles a spread of distinct mesh shapes first: of the
@@ -40,6 +41,7 @@ from jaxscale.plan.compiled import compile_train_step, refused_by_xla
 from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
 from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
+from jaxscale.plan.traffic import bytes_accessed
 from jaxscale.training.state import model_spec
 
 FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input
@@ -50,7 +52,7 @@ FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmenta
 # (docs/planning.md).
 TIMING_TIE = 0.10
 # CPUs have no chip entry: their times are computed at these nominal rates, good for ranking only.
-NOMINAL_CPU = Chip("CPU (nominal)", 0, 1e12, 100e9, 10e9, "memory", 1)
+NOMINAL_CPU = Chip("CPU (nominal)", 0, 1e12, 100e9, 100e9, 10e9, "memory", 1)
 
 
 @dataclasses.dataclass
@@ -278,9 +280,10 @@ def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, l
         return out
     out.compile_seconds = time.perf_counter() - start
     out.executable = compiled
-    out.collectives = parse_collectives(compiled.as_text(), c.mesh_shape, c.sizes()[0])
+    hlo = compiled.as_text()
+    out.collectives = parse_collectives(hlo, c.mesh_shape, c.sizes()[0])
     out.time = rank.step_time(c_config, model_spec(c_config), c, out.collectives, chip,
-                              len(devices))
+                              len(devices), bytes_accessed(hlo))
     log(f"  {out.compiled.total / GIB:.2f} GiB per device (estimate "
         f"{row.estimate.total / GIB:.2f}), {out.time.total:.3g} s per step, compiled in "
         f"{out.compile_seconds:.0f} s")

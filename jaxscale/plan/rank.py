@@ -1,5 +1,6 @@
-"""Estimated step time of a candidate: compute at the chip's peak plus communication over the
-links, and the order the planner prefers.
+"""Estimated step time of a candidate: compute at the chip's peak or memory traffic at its HBM
+bandwidth, whichever is longer, plus communication over the links; and the order the planner
+prefers.
 
 Compute is the model's FLOPs (`LlamaConfig.flops_per_token`, not `cost_analysis()`, which counts
 a scanned layer once) plus what the remat policy recomputes, at peak bf16 FLOP/s: an upper bound
@@ -11,6 +12,19 @@ divided by 1 - bubble (`Pipeline.bubble_fraction`, equal stage times assumed). 1
 stage's forward again in its backward tick (+1 forward: a third more than forward + backward),
 on top of what remat recomputes inside that backward. The output head and loss are not split
 over the stages: every stage computes them for its rows (1F1B inside its loop, in every tick).
+
+Memory traffic, for a compiled candidate, is the bytes its program reads and writes in device
+memory per step (`traffic.bytes_accessed`, loops counted once per trip) at the chip's HBM
+bandwidth. Compute at peak misses what remat trades: keeping every activation (remat none) does
+the fewest FLOPs but writes and reads the most memory; on one H100 it ran 6% slower than
+save_dots, which the FLOPs alone put 3% behind it (benchmarks/RESULTS.md). The step is a
+roofline over the whole program: compute and traffic overlap and the longer counts (`max`). That
+is a bound, simple and optimistic: kernels run one after another, each bound by its own longer
+side, so a program can be slower than both totals; the term moves a ranking only where traffic
+outweighs compute over the whole step. A candidate not compiled has no program to count: its
+memory term is None and the report shows `-`; the planner chooses among compiled candidates
+only, so every candidate it compares has the term (GPU targets planned from another machine have
+none).
 
 Communication comes from the compiled HLO's collectives when there is one (`collectives.py`),
 else from the analytic counts below (GPU targets, and the pre-ranking before compiling). Each
@@ -24,7 +38,7 @@ matmuls (each needs the previous one's output), those over `pipeline` between a 
 ticks (the next stage needs the activations sent), an MoE layer's all-to-alls over `expert`
 between its router and its experts, and a layer's key/value gathers over `context` before its
 attention, so their time adds in full (`_exposed`):
-    step = max(compute, overlapped communication) + exposed communication.
+    step = max(compute, memory traffic, overlapped communication) + exposed communication.
 The gradients' all-reduces count as overlapped over whichever axes hold replicas (data, context,
 expert).
 """
@@ -59,10 +73,11 @@ class StepTime:
     exposed: float  # tensor, pipeline, expert and context communication, on the critical path
     model_flops: float  # per step, all devices (no recomputation): MFU's numerator
     bubble: float = 0.0  # the share of the layers' compute a pipeline spends idle
+    memory: float | None = None  # seconds of HBM traffic; None: not compiled, so not counted
 
     @property
     def total(self) -> float:
-        return max(self.compute, self.overlapped) + self.exposed
+        return max(self.compute, self.memory or 0.0, self.overlapped) + self.exposed
 
     def mfu(self, num_devices: int, peak: float) -> float:
         return self.model_flops / (self.total * num_devices * peak)
@@ -205,7 +220,10 @@ def _expert_params(spec: ModelSpec) -> int:
 
 
 def step_time(config: ml_collections.ConfigDict, spec: ModelSpec, candidate: Candidate,
-              collectives: Sequence[Collective], chip: Chip, num_devices: int) -> StepTime:
+              collectives: Sequence[Collective], chip: Chip, num_devices: int,
+              bytes_accessed: int | None = None) -> StepTime:
+    """`bytes_accessed`: what the compiled program reads and writes per device per step (None
+    when not compiled: no memory term)."""
     compute, model_flops = compute_seconds(config, spec, candidate, num_devices,
                                            chip.peak_bf16_flops)
     overlapped = exposed = 0.0
@@ -217,7 +235,8 @@ def step_time(config: ml_collections.ConfigDict, spec: ModelSpec, candidate: Can
         else:
             overlapped += seconds
     bubble = candidate.pipeline.bubble_fraction() if candidate.pipeline else 0.0
-    return StepTime(compute, overlapped, exposed, model_flops, bubble)
+    memory = None if bytes_accessed is None else bytes_accessed / chip.hbm_bandwidth
+    return StepTime(compute, overlapped, exposed, model_flops, bubble, memory)
 
 
 def _exposed(c: Collective) -> bool:

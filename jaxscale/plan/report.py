@@ -30,7 +30,7 @@ def header(plan: Plan) -> str:
     memory = (f"{plan.capacity / GIB:.1f} GiB per device, fits below {plan.budget / GIB:.1f}"
               if plan.capacity else "memory per device unknown (pass --hbm_gib)")
     how = ("compiled for the target" if t.compiles
-           else "estimates only: no compiler for this platform here")
+           else "estimates only: no compiler for this platform here, so no memory traffic")
     return (f"plan for {t.name}: {t.num_devices} x {chip.name}"
             f"{f' in {t.granules} nodes' if t.granules > 1 else ''}, {memory}; "
             f"{plan.searched} candidates, {how}, {plan.seconds:.0f} s")
@@ -39,9 +39,11 @@ def header(plan: Plan) -> str:
 def table(plan: Plan) -> str:
     """One line per shown candidate: its layout, memory (compiler's and estimated), the bytes
     each kind of collective moves per device per step (GiB; from the HLO when compiled, else
-    counted from the shapes), the estimated step time and MFU, and the verdict."""
+    counted from the shapes), the seconds of compute at peak and of memory traffic (compiled
+    only: "-" where not), the estimated step time and MFU, and the verdict."""
     columns = ["mesh", "pipeline", "bubble", "remat", "accum", "opt", "GiB/dev", "est GiB",
-               *(_SHORT[k] for k in KINDS), "step s", "MFU@peak", "verdict"]
+               *(_SHORT[k] for k in KINDS), "flops s", "HBM s", "step s", "MFU@peak",
+               "verdict"]
     lines = [columns]
     for row in plan.rows:
         c = row.candidate
@@ -53,6 +55,8 @@ def table(plan: Plan) -> str:
             "zero1" if c.optimizer_state == "data" else "params",
             _gib(row.compiled.total) if row.compiled else "-", _gib(row.estimate.total),
             *(f"{moved[k] / GIB:.2f}" if moved[k] else "-" for k in KINDS),
+            f"{row.time.compute:.3g}",
+            "-" if row.time.memory is None else f"{row.time.memory:.3g}",
             f"{row.time.total:.3g}", _percent(_mfu(plan, row)), verdict])
     widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
@@ -97,6 +101,7 @@ def as_json(plan: Plan) -> dict:
             collective_bytes=bytes_by_kind(row.collectives),
             collectives_from="hlo" if row.compiled else "estimate",
             step_seconds=row.time.total, compute_seconds=row.time.compute,
+            memory_seconds=row.time.memory,
             overlapped_comm_seconds=row.time.overlapped, exposed_comm_seconds=row.time.exposed,
             mfu=_mfu(plan, row),
             compile_seconds=row.compile_seconds, error=row.error, role=row.role or None,

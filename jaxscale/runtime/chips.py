@@ -1,4 +1,5 @@
-"""The accelerators jaxscale knows: memory, peak speed and link bandwidths per chip, in one table.
+"""The accelerators jaxscale knows: memory, peak speed, memory and link bandwidths per chip, in one
+table.
 
 The metrics (MFU) and the planner (what fits, how fast) both read it. Figures are the vendors'
 datasheet values; where a page gives a range or none, the comment says what was assumed.
@@ -17,6 +18,7 @@ class Chip:
     name: str
     hbm_bytes: int  # memory per chip
     peak_bf16_flops: float  # dense (no sparsity) bf16 FLOP/s per chip
+    hbm_bandwidth: float  # bytes/s between the chip and its memory (HBM)
     # Bidirectional bandwidth of the fast links per chip (TPU ICI, all ports; NVLink), bytes/s.
     fast_link_bidir: float
     # The slow network per chip (TPU DCN, GPU node NICs), bytes/s in one direction.
@@ -34,30 +36,31 @@ class Chip:
 
 GB = 1e9
 CHIPS = {c.name: c for c in (
-    # cloud.google.com/tpu/docs/v4: 32 GiB HBM2, 275 TFLOP/s; ICI 2400 Gbps = 300 GB/s per chip.
-    # DCN per chip is not published for v4; assumed as v5p's 50 Gbps.
-    Chip("TPU v4", 32 * GIB, 275e12, 300 * GB, 50e9 / 8, "ICI", 4),
-    # cloud.google.com/tpu/docs/v5e: 16 GB HBM, 197 TFLOP/s, ICI 400 GB/s bidirectional per chip;
-    # 2 x 100 Gbps NICs per 8-chip host = 25 Gbps per chip.
-    Chip("TPU v5e", 16 * GIB, 197e12, 400 * GB, 25e9 / 8, "ICI", 8),
-    # cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e, 459 TFLOP/s, ICI 1200 GB/s bidirectional per
-    # chip, DCN 50 Gbps per chip.
-    Chip("TPU v5p", 95 * GIB, 459e12, 1200 * GB, 50e9 / 8, "ICI", 4),
-    # cloud.google.com/tpu/docs/v6e: 32 GB HBM, 918 TFLOP/s, ICI 800 GB/s bidirectional per chip;
-    # DCN assumed 4 x 200 Gbps NICs per 8-chip host = 100 Gbps per chip.
-    Chip("TPU v6e", 32 * GIB, 918e12, 800 * GB, 100e9 / 8, "ICI", 8),
-    # NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 900 GB/s; network
-    # one 400 Gbps ConnectX-7 NIC per GPU (DGX H100, GCP A3 Ultra).
-    Chip("H100 SXM", 80 * GIB, 989e12, 900 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
-    # H100 PCIe: 80 GB, 756 TFLOP/s; NVLink bridge 600 GB/s between pairs, PCIe otherwise; the
-    # planner has no target for it (metrics only).
-    Chip("H100 PCIe", 80 * GIB, 756e12, 600 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
-    # NVIDIA H200 datasheet: 141 GB HBM3e (140 GiB usable, nvidia-smi), same compute and NVLink
-    # as H100 SXM; 400 Gbps per GPU (DGX H200, GCP A3 Ultra).
-    Chip("H200", 140 * GIB, 989e12, 900 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
-    # NVIDIA A100 datasheet (SXM4 80 GB): 312 TFLOP/s bf16, NVLink 600 GB/s; 200 Gbps HDR NIC
-    # per GPU (DGX A100).
-    Chip("A100", 80 * GIB, 312e12, 600 * GB, 200e9 / 8, "NVLink", 8, "8.0"),
+    # cloud.google.com/tpu/docs/v4: 32 GiB HBM2 at 1200 GBps, 275 TFLOP/s; ICI 2400 Gbps = 300 GB/s
+    # per chip. DCN per chip is not published for v4; assumed as v5p's 50 Gbps.
+    Chip("TPU v4", 32 * GIB, 275e12, 1200 * GB, 300 * GB, 50e9 / 8, "ICI", 4),
+    # cloud.google.com/tpu/docs/v5e: 16 GB HBM2 at 819 GBps, 197 TFLOP/s, ICI 400 GB/s
+    # bidirectional per chip; 2 x 100 Gbps NICs per 8-chip host = 25 Gbps per chip.
+    Chip("TPU v5e", 16 * GIB, 197e12, 819 * GB, 400 * GB, 25e9 / 8, "ICI", 8),
+    # cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e at 2765 GBps, 459 TFLOP/s, ICI 1200 GB/s
+    # bidirectional per chip, DCN 50 Gbps per chip.
+    Chip("TPU v5p", 95 * GIB, 459e12, 2765 * GB, 1200 * GB, 50e9 / 8, "ICI", 4),
+    # cloud.google.com/tpu/docs/v6e: 32 GB HBM at 1640 GBps (1638 in one revision of the page),
+    # 918 TFLOP/s, ICI 800 GB/s bidirectional per chip; DCN assumed 4 x 200 Gbps NICs per 8-chip
+    # host = 100 Gbps per chip.
+    Chip("TPU v6e", 32 * GIB, 918e12, 1640 * GB, 800 * GB, 100e9 / 8, "ICI", 8),
+    # NVIDIA H100 datasheet (SXM5): 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s dense bf16, NVLink
+    # 900 GB/s; network one 400 Gbps ConnectX-7 NIC per GPU (DGX H100, GCP A3 Ultra).
+    Chip("H100 SXM", 80 * GIB, 989e12, 3350 * GB, 900 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
+    # H100 PCIe: 80 GB HBM2e at 2 TB/s, 756 TFLOP/s; NVLink bridge 600 GB/s between pairs, PCIe
+    # otherwise; the planner has no target for it (metrics only).
+    Chip("H100 PCIe", 80 * GIB, 756e12, 2000 * GB, 600 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
+    # NVIDIA H200 datasheet: 141 GB HBM3e (140 GiB usable, nvidia-smi) at 4.8 TB/s, same compute
+    # and NVLink as H100 SXM; 400 Gbps per GPU (DGX H200, GCP A3 Ultra).
+    Chip("H200", 140 * GIB, 989e12, 4800 * GB, 900 * GB, 400e9 / 8, "NVLink", 8, "9.0"),
+    # NVIDIA A100 datasheet (SXM4 80 GB): HBM2e at 2039 GB/s, 312 TFLOP/s bf16, NVLink 600 GB/s;
+    # 200 Gbps HDR NIC per GPU (DGX A100).
+    Chip("A100", 80 * GIB, 312e12, 2039 * GB, 600 * GB, 200e9 / 8, "NVLink", 8, "8.0"),
 )}
 
 # `jax.Device.device_kind` strings -> table keys, searched in order (the more specific first:
