@@ -7,12 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale.training.loss import chunk_length, summed_cross_entropy
+from jaxscale.training.loss import chunk_length, summed_cross_entropy, vocab_tiles
 from jaxscale.models import create_model
 from jaxscale.training.state import model_config
 from jaxscale.training.step import summed_loss
 from flax import nnx
 from tests.helpers import random_batch, small_config
+
+
+def test_vocab_tiles_are_the_fewest_that_divide_the_vocabulary_within_the_limit():
+    assert vocab_tiles(128256) == 8  # Llama 3: 8 tiles of 16032
+    assert vocab_tiles(32000) == 2
+    assert vocab_tiles(384, 128) == 3
+    assert vocab_tiles(384, 100) == 4  # 96 each: 128 is too many, 3 does not fit
+    assert vocab_tiles(50, 10) == 5
+    assert vocab_tiles(256, 16384) == 1
 
 
 def test_chunk_length_is_the_largest_divisor_not_above_the_limit():
@@ -24,10 +33,12 @@ def test_chunk_length_is_the_largest_divisor_not_above_the_limit():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("chunk_len", [1, 6, 8])
-def test_chunked_loss_and_gradients_equal_the_plain_ones(dtype, chunk_len):
-    """Scanning over sequence slices (recomputing logits in the backward pass) gives the plain
-    float32 cross-entropy of the whole [batch, length, vocab] logits, and the same gradients."""
+@pytest.mark.parametrize("chunk_len, vocab_tile", [(1, 1024), (6, 1024), (8, 1024), (6, 10),
+                                                   (0, 25), (8, 7)])
+def test_chunked_loss_and_gradients_equal_the_plain_ones(dtype, chunk_len, vocab_tile):
+    """Scanning over sequence slices and vocabulary tiles (recomputing logits in the backward
+    pass) gives the plain float32 cross-entropy of the whole [batch, length, vocab] logits, and
+    the same gradients."""
     rng = np.random.default_rng(0)
     batch, length, d, vocab = 3, 24, 16, 50
     features = jnp.asarray(rng.standard_normal((batch, length, d)), dtype)
@@ -35,7 +46,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(dtype, chunk_len):
     targets = jnp.asarray(rng.integers(0, vocab, (batch, length)), jnp.int32)
     mask = jnp.asarray(rng.random((batch, length)) > 0.3, jnp.float32)
 
-    def logits_fn(features, head):
+    def logits_fn(features, head, vocab_ids=None):
         return jnp.einsum("...d,dv->...v", features.astype(dtype), head.astype(dtype),
                           preferred_element_type=jnp.float32)
 
@@ -47,9 +58,10 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(dtype, chunk_len):
 
     def chunked(features, head):
         return summed_cross_entropy(logits_fn, head, ("embed", "vocab"), features, targets,
-                                    mask, chunk_len)
+                                    mask, chunk_len, vocab_tile)
 
-    assert chunk_length(length, chunk_len) < length  # the scanned path is what is tested
+    # A scanned path is what is tested.
+    assert chunk_length(length, chunk_len) < length or vocab_tiles(vocab, vocab_tile) > 1
     want, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(features, head)
     got, got_grads = jax.value_and_grad(chunked, argnums=(0, 1))(features, head)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -118,3 +130,46 @@ def test_chunked_loss_on_a_sharded_mesh_equals_one_device():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  got_grads, want_grads)
+
+
+def test_vocabulary_tiles_on_a_sharded_mesh_equal_one_device_and_skip_the_padding():
+    """The model's logits (259 real ids padded to 384) in 3 strided tiles of 128 under data x
+    fsdp x tensor sharding: the loss and gradients of the single-device plain loss, and the
+    compiled program never holds a whole [d, vocab] head gradient before its reduction."""
+    import functools
+
+    from jaxscale.models.llama import logits_from
+    from jaxscale.parallel.mesh import build_mesh
+    from jaxscale.parallel.sharding import rules_from_config, use_rules
+
+    config = small_config()
+    cfg = model_config(config)
+    rng = np.random.default_rng(0)
+    features = jnp.asarray(rng.standard_normal((8, 16, cfg.d_model)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((cfg.d_model, cfg.padded_vocab_size)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (8, 16)), jnp.int32)
+    mask = jnp.asarray(rng.random((8, 16)) > 0.3, jnp.float32)
+    logits_fn = functools.partial(logits_from, cfg=cfg)
+
+    def loss(features, head, chunk_len, vocab_tile):
+        return summed_cross_entropy(logits_fn, head, ("embed", "vocab"), features, targets,
+                                    mask, chunk_len, vocab_tile)
+
+    assert vocab_tiles(cfg.padded_vocab_size, 128) == 3
+    want, want_grads = jax.value_and_grad(loss, argnums=(0, 1))(features, head, 0, 1024)
+    mesh = build_mesh(dict(data=2, fsdp=2, tensor=2, pipeline=1),
+                      dict(data=1, fsdp=1, tensor=1, pipeline=1), jax.devices()[:8])
+    with use_rules(mesh, rules_from_config(config.sharding.rules)):
+        tiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+        got, got_grads = tiled(features, head, 8, 128)
+        hlo = tiled.lower(features, head, 8, 128).compile().as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    assert float(jnp.max(jnp.abs(got_grads[1][:, cfg.vocab_size:]))) == 0.0  # padding: no grad
+    # The head gradient is reduced over the data axes a tile at a time: [d, 128 / tensor], never
+    # this device's whole vocabulary share [d, 384 / tensor] (what the untiled loss reduces).
+    reductions = [line for line in hlo.splitlines() if " all-reduce(" in line
+                  or " reduce-scatter(" in line]
+    assert any(f"f32[{cfg.d_model},64]" in line for line in reductions)
+    assert not any(f"f32[{cfg.d_model},192]" in line for line in reductions)

@@ -290,14 +290,16 @@ class Llama(nnx.Module):
 HEAD_AXES = ("embed", "vocab")
 
 
-def logits_from(features: jax.Array, head: jax.Array, cfg: LlamaConfig) -> jax.Array:
-    """[..., d_model] features x head [d_model, padded_vocab_size] -> float32 logits. The padding
-    rows (ids no tokenizer makes) get the lowest float32, so softmax, loss and sampling see exactly
-    the real vocabulary. A pure function of its arrays, so the loss can differentiate it a slice
-    of the sequence at a time."""
+def logits_from(features: jax.Array, head: jax.Array, cfg: LlamaConfig,
+                vocab_ids: jax.Array | None = None) -> jax.Array:
+    """[..., d_model] features x head [d_model, padded_vocab_size] -> float32 logits; or, with
+    `vocab_ids` [v], x those columns of the head [d_model, v] (a tile of the vocabulary). The
+    padding rows (ids no tokenizer makes) get the lowest float32, so softmax, loss and sampling
+    see exactly the real vocabulary. A pure function of its arrays, so the loss can
+    differentiate it a slice of the sequence and a tile of the vocabulary at a time."""
     wide = float32_accumulating(jnp.dtype(cfg.dtype))
     logits = weight_matmul("...d,dv->...v", features.astype(wide), head, jnp.float32)
     if cfg.padded_vocab_size > cfg.vocab_size:
-        is_real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-        logits = jnp.where(is_real, logits, jnp.finfo(jnp.float32).min)
+        ids = jnp.arange(cfg.padded_vocab_size) if vocab_ids is None else vocab_ids
+        logits = jnp.where(ids < cfg.vocab_size, logits, jnp.finfo(jnp.float32).min)
     return constrain(logits, ("batch", "length", "vocab")[-logits.ndim:])

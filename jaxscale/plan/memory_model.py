@@ -13,7 +13,8 @@ What it counts, per device:
     policy, plus one layer's working set during its backward pass, plus the attention scores
     where the XLA path materialises them (CPUs, a context axis, GPUs without cuDNN's kernel; TPUs
     use splash). Not counted: the workspace of cuDNN's packed layout (`data.max_segments`);
-  - the loss: float32 logits of `model.loss_chunk_len` positions at a time (training/loss.py).
+  - the loss: float32 logits of `model.loss_chunk_len` positions and one vocabulary tile at a
+    time (training/loss.py).
 MoE layers (jaxscale/models/moe.py) add their dispatch buffers [rows, experts, capacity, d_model]
 in both layouts, the experts' hidden activations and the router's logits (`_moe_row`); the
 expert axis splits the experts' weights and moments (their sharding specs say so) and the rows.
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.training.loss import chunk_length
+from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, logical_to_mesh, rules_from_config, spec_axes
 from jaxscale.training.state import ModelSpec, moment_specs
@@ -141,7 +142,8 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
             stage_rows * tokens * m.d_model * compute)
 
     chunk = chunk_length(t.seq_len, m.loss_chunk_len) // context
-    vocab = cfg.padded_vocab_size // shards("vocab")
+    # The loss holds one vocabulary tile's logits at a time (training/loss.py).
+    vocab = cfg.padded_vocab_size // vocab_tiles(cfg.padded_vocab_size) // shards("vocab")
     # 1F1B computes the loss inside its loop, a microbatch at a time; otherwise after the layers.
     loss_rows = stage_rows if pipeline and pipeline.schedule == "1f1b" else rows
     # A chunk's float32 logits, and half as much again for their gradient (fused with the
