@@ -156,7 +156,8 @@ def default_config() -> ml_collections.ConfigDict:
     # See docs/data.md for the source formats and their keys.
     c.data = dict(
         # A tuple of dicts, mixed by `weight`: stdlib (this Python's own .py files), synthetic
-        # (random tokens), text, jsonl, parquet, array_record, tokens (from jaxscale.data.prepare).
+        # (random tokens), text, jsonl, parquet, array_record, tokens (from jaxscale.data.prepare),
+        # chat (conversations or prompt/completion pairs: the loss on the replies only).
         sources=(dict(format="stdlib"),),
         tokenizer="byte",  # byte | a SentencePiece .model | a Hugging Face tokenizer.json
         add_bos=True,  # frame each document as BOS + text + EOS

@@ -9,9 +9,10 @@
     check_splits(config, ("train", "eval"))  # at start: JaxscaleError if a split has no documents
     check_data(config)  # the data section, reading no document: ConfigError on the first problem
 
-Batch keys: `inputs`, `targets` (int32 next-token pairs), `loss_mask` (float32, 0 on padding),
-`segment_ids` (int32, 1, 2, ... per packed document, 0 on padding), `positions` (int32, from 0 in
-each document). See docs/data.md.
+Batch keys: `inputs`, `targets` (int32 next-token pairs), `loss_mask` (float32, 0 on padding;
+in chat data, 1 only where the target is an assistant's or a completion's token), `segment_ids`
+(int32, 1, 2, ... per packed document, 0 on padding), `positions` (int32, from 0 in each
+document). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxscale.data.chat import ChatEncoder
 from jaxscale.data.packing import METHODS
 from jaxscale.data.pipeline import local_batches, local_rows
 from jaxscale.data.sources import SkippedRecords, check_splits, source_specs
@@ -151,12 +153,22 @@ def make_input(config: ml_collections.ConfigDict, split: str,
 
 def check_data(config: ml_collections.ConfigDict) -> None:
     """ConfigError on the first problem of the data section: its sources' specs, the packing
-    method, and a tokenizer with more ids than the model's vocabulary."""
+    method, a tokenizer with more ids than the model's vocabulary, and for chat sources, their
+    templates, the packing and the tokenizer they need."""
     d, m = config.data, config.model
-    source_specs(config)
+    specs = source_specs(config)
     if d.packing not in METHODS:
         raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {METHODS}")
-    vocab = tokenizer_from_config(config).vocab_size
+    tokenizer = tokenizer_from_config(config)
+    vocab = tokenizer.vocab_size
     if vocab > m.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
                           f"{vocab} ids; set model.vocab_size >= {vocab}")
+    for spec in specs:
+        if spec["format"] != "chat":
+            continue
+        # concat would cut conversations at row ends; first_fit keeps each whole in one row.
+        if d.packing != "first_fit":
+            raise ConfigError(f"data.packing={d.packing!r} cuts conversations where rows end; "
+                              f"{spec['name']} is chat data: set data.packing='first_fit'")
+        ChatEncoder(spec, tokenizer, config)  # its template compiles, its tokenizer fits

@@ -1,7 +1,7 @@
 """Random access to the records (documents) stored in files of each supported format.
 
 A reader maps a record index over all its files to the document's raw content: text (`bytes` or
-`str`) or token ids (`np.ndarray`). Everything a run could trip over later — a missing field, a
+`str`), token ids (`np.ndarray`) or a chat record (`dict`, see `ChatLines`). Everything a run could trip over later — a missing field, a
 truncated file — is checked when the reader is built, so it fails at start-up with one line.
 A single bad record found while reading raises `MalformedRecord`, which the pipeline skips and
 counts. Readers open files lazily in whichever process reads, so they pickle cheaply to grain
@@ -26,7 +26,9 @@ class MalformedRecord(Exception):
     """One record cannot be read or parsed; the rest of the data is fine.
 
     `kind` says what is wrong: "unreadable", "json" (not JSON), "shape" (JSON but not an object),
-    "field" (no such field) or "type" (the field is not a string).
+    "field" (no such field), "type" (the field is not what it should be), "template" (a chat
+    template cannot render it) or "long" (a chat document longer than a row: not malformed, but
+    skipped and counted the same way).
     """
 
     def __init__(self, message: str, kind: str = "unreadable"):
@@ -199,19 +201,24 @@ class JsonLines(Lines):
         tried = (f"none of the first {len(problems)} lines has one" if len(problems) > 1
                  else "it is the only line")
         objects = [e for e in problems if e.kind in ("field", "type")]
-        if objects:  # JSON objects, but not with a string in text_field
-            raise JaxscaleError(f"{objects[0]} and {tried}; set {source}.text_field to the "
-                                "field that holds the text") from None
+        if objects:  # JSON objects, but not with what a record needs
+            raise JaxscaleError(f"{objects[0]} and {tried}; {self._fix(source)}") from None
         tried = (f"nor is any of the first {len(problems)} lines" if len(problems) > 1
                  else "and it is the only line")
         raise JaxscaleError(f"{problems[0]}, {tried}; a JSONL file holds one JSON object per "
-                            'line, e.g. {"text": "..."}: fix the file, or read plain text with '
+                            f"line, e.g. {self._example}: fix the file, or read plain text with "
                             f"{source}.format='text'") from None
+
+    _example = '{"text": "..."}'
+
+    def _fix(self, source: str) -> str:
+        return f"set {source}.text_field to the field that holds the text"
 
     def has_content(self, indices: np.ndarray) -> None:
         return None  # a non-empty line may hold an empty text
 
-    def read(self, file: int, record: int) -> str:
+    def json_object(self, file: int, record: int, holding: str) -> dict:
+        """The JSON object on the line of `record`; `holding` says what it should hold."""
         where = self.where(file, record)
         try:
             value = json.loads(self.line(file, record))
@@ -219,7 +226,12 @@ class JsonLines(Lines):
             raise MalformedRecord(f"{where} is not JSON ({e})", "json") from e
         if not isinstance(value, dict):
             raise MalformedRecord(f"{where} is a JSON {type(value).__name__}, not an object "
-                                  f"with a {self.text_field!r} field", "shape")
+                                  f"with {holding}", "shape")
+        return value
+
+    def read(self, file: int, record: int) -> str:
+        where = self.where(file, record)
+        value = self.json_object(file, record, f"a {self.text_field!r} field")
         if self.text_field not in value:
             raise MalformedRecord(f"{where} has no text field {self.text_field!r} (has "
                                   f"{sorted(value)})", "field")
@@ -228,6 +240,65 @@ class JsonLines(Lines):
             raise MalformedRecord(f"{where}: field {self.text_field!r} is "
                                   f"{type(text).__name__}, not a string", "type")
         return text
+
+
+# The roles a chat message may have; the chat template decides how each is rendered.
+ROLES = ("system", "user", "assistant")
+
+
+class ChatLines(JsonLines):
+    """One conversation per line of JSON, either
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]} (other keys
+    of a message go to the template as they are; keys whose value is null are dropped, as
+    `transformers` does) or {"prompt": "...", "completion": "..."}. The content is checked here;
+    jaxscale/data/chat.py turns it into tokens."""
+
+    _example = '{"messages": [{"role": "user", "content": "..."}, ...]}'
+
+    def __init__(self, files: Sequence[str], keys: Sequence[str], source: str = "the source"):
+        super().__init__(files, keys, "messages", source)
+
+    def _fix(self, source: str) -> str:
+        return (f"each line of {source} needs \"messages\": a list of {{\"role\": one of {ROLES}, "
+                '"content": a string}, or "prompt" and "completion" strings')
+
+    def read(self, file: int, record: int) -> dict:
+        where = self.where(file, record)
+        value = self.json_object(file, record, '"messages", or "prompt" and "completion"')
+        if "messages" in value:
+            messages = value["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise MalformedRecord(f"{where}: \"messages\" is {_short(messages)}, not a "
+                                      "non-empty list of messages", "type")
+            return {"messages": [_message(m, f"{where} message {i}")
+                                 for i, m in enumerate(messages)]}
+        if "prompt" in value and "completion" in value:
+            for key in ("prompt", "completion"):
+                if not isinstance(value[key], str):
+                    raise MalformedRecord(f"{where}: {key!r} is {type(value[key]).__name__}, "
+                                          "not a string", "type")
+            return {"prompt": value["prompt"], "completion": value["completion"]}
+        raise MalformedRecord(f'{where} has no "messages", nor "prompt" and "completion" (has '
+                              f"{sorted(value)})", "field")
+
+
+def _message(message, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise MalformedRecord(f"{where} is {_short(message)}, not an object with a role and "
+                              "content", "type")
+    message = {k: v for k, v in message.items() if v is not None}
+    if message.get("role") not in ROLES:
+        raise MalformedRecord(f"{where} has role {_short(message.get('role'))}; a role is one "
+                              f"of {ROLES}", "type")
+    if not isinstance(message.get("content"), str):
+        raise MalformedRecord(f"{where}: content is {_short(message.get('content'))}, not a "
+                              "string", "type")
+    return message
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class ArrayRecords(RecordReader):

@@ -3,10 +3,13 @@
 A row holds `inputs`/`targets` (next-token pairs), `segment_ids` (1, 2, ... per document in the
 row; 0 is padding), `positions` (restarting at 0 per document) and `loss_mask` (0 on padding).
 Documents are shifted into (input, target) pairs *before* packing, so no target crosses from one
-document into the next and nothing but padding needs masking.
+document into the next and nothing but padding needs masking — except in chat data, whose
+documents say which tokens are learned (`TrainedTokens`); their mask is packed with them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import grain
 import numpy as np
@@ -14,24 +17,47 @@ import numpy as np
 METHODS = ("concat", "first_fit")
 # The features packed together; grain adds `<name>_segment_ids` and `<name>_positions` for each.
 _PACKED = ("inputs", "targets")
+_MASKED = _PACKED + ("loss_mask",)
+
+
+class TrainedTokens(NamedTuple):
+    """A framed document whose tokens are not all learned (chat data, jaxscale/data/chat.py):
+    `learned[i]` says whether the loss falls on predicting `tokens[i]`."""
+
+    tokens: np.ndarray  # int32[n], BOS/EOS included
+    learned: np.ndarray  # bool[n]
 
 
 class NextTokenPairs:
-    """Token ids -> {"inputs", "targets"} of the document framed as `bos + ids + eos`.
+    """A document -> {"inputs", "targets"}, plus "loss_mask" when `masked`.
 
-    `bos_id`/`eos_id` of None frame nothing on that side. Passes None (a skipped record) through
-    and turns documents too short to predict anything into None too.
+    Token ids are framed as `bos + ids + eos` (`bos_id`/`eos_id` of None frame nothing on that
+    side) and every target is learned; a `TrainedTokens` comes framed, and pair j, which predicts
+    token j + 1, is learned when that token is: its mask is `learned[1:]`. `masked` (some source
+    is chat data) gives every document a mask, so that documents of all sources pack together.
+    Passes None (a skipped record) through and turns documents too short to predict anything
+    into None too.
     """
 
-    def __init__(self, bos_id: int | None, eos_id: int | None):
+    def __init__(self, bos_id: int | None, eos_id: int | None, masked: bool = False):
         self._bos = [] if bos_id is None else [bos_id]
         self._eos = [] if eos_id is None else [eos_id]
+        self._masked = masked
 
-    def __call__(self, tokens: np.ndarray | None) -> dict[str, np.ndarray] | None:
-        if tokens is None or len(tokens) + len(self._bos) + len(self._eos) < 2:
+    def __call__(self, document: np.ndarray | TrainedTokens | None
+                 ) -> dict[str, np.ndarray] | None:
+        if isinstance(document, TrainedTokens):
+            if len(document.tokens) < 2:
+                return None
+            return {"inputs": document.tokens[:-1], "targets": document.tokens[1:],
+                    "loss_mask": document.learned[1:].astype(np.float32)}
+        if document is None or len(document) + len(self._bos) + len(self._eos) < 2:
             return None
-        document = np.concatenate([self._bos, tokens, self._eos]).astype(np.int32)
-        return {"inputs": document[:-1], "targets": document[1:]}
+        tokens = np.concatenate([self._bos, document, self._eos]).astype(np.int32)
+        pairs = {"inputs": tokens[:-1], "targets": tokens[1:]}
+        if self._masked:
+            pairs["loss_mask"] = np.ones(len(tokens) - 1, np.float32)
+        return pairs
 
 
 class _Chunks(grain.experimental.FlatMapTransform):
@@ -50,17 +76,19 @@ class _Chunks(grain.experimental.FlatMapTransform):
 
 def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     segment_ids = packed["inputs_segment_ids"].astype(np.int32)
+    # A packed mask is 0 on padding already: grain pads every feature with zeros.
+    loss_mask = packed["loss_mask"] if "loss_mask" in packed else segment_ids != 0
     return {
         "inputs": packed["inputs"],
         "targets": packed["targets"],
         "segment_ids": segment_ids,
         "positions": packed["inputs_positions"].astype(np.int32),
-        "loss_mask": (segment_ids != 0).astype(np.float32),
+        "loss_mask": loss_mask.astype(np.float32),
     }
 
 
 def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int,
-         max_segments: int = 0) -> grain.IterDataset:
+         max_segments: int = 0, masked: bool = False) -> grain.IterDataset:
     """Packs next-token pairs into rows of `seq_len`.
 
     concat: concatenates documents and cuts the stream every `seq_len` tokens — no padding; a
@@ -70,9 +98,10 @@ def pack(pairs: grain.IterDataset, method: str, seq_len: int, rows_at_once: int,
       rows unless it is longer than a row.
 
     `max_segments` > 0 bounds the runs per row (documents, and the padding as one more): a row
-    with more is cut into rows of `max_segments - 1` documents each, padded.
+    with more is cut into rows of `max_segments - 1` documents each, padded. `masked`: the pairs
+    carry their own "loss_mask" (see `NextTokenPairs`), packed with them.
     """
-    lengths = {name: seq_len for name in _PACKED}
+    lengths = {name: seq_len for name in (_MASKED if masked else _PACKED)}
     if method == "concat":
         packed = grain.experimental.ConcatThenSplitIterDataset(pairs, length_struct=lengths)
     else:

@@ -79,7 +79,8 @@ def mixture(config: ml_collections.ConfigDict, split: str, stream: int, tokenize
     if documents is None:
         documents = [sources.source_documents(spec, split, tokenizer, config) for spec in specs]
     frame = packing.NextTokenPairs(tokenizer.bos_id if config.data.add_bos else None,
-                                   tokenizer.eos_id if config.data.add_eos else None)
+                                   tokenizer.eos_id if config.data.add_eos else None,
+                                   masked=sources.has_chat(specs))
     shares = []
     for i, source in enumerate(documents):
         share = stream_share(source, stream, config.train.batch_size)
@@ -99,7 +100,8 @@ def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, token
         _SYNCHRONOUS, allow_nones=True)
     pairs = pairs.filter(lambda pair: pair is not None)
     return packing.pack(pairs, config.data.packing, config.train.seq_len,
-                        rows_at_once=FIRST_FIT_ROWS, max_segments=config.data.max_segments)
+                        rows_at_once=FIRST_FIT_ROWS, max_segments=config.data.max_segments,
+                        masked=sources.has_chat(sources.source_specs(config)))
 
 
 def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[int],

@@ -117,7 +117,8 @@ def prepare(config, out: str, workers: int) -> list[dict]:
                             "folder you can write to") from None
     prepared = []
     for i, spec in enumerate(specs):
-        if spec["format"] in ("synthetic", "tokens"):
+        if spec["format"] in ("synthetic", "tokens", "chat"):
+            # Token files hold no loss mask: chat sources are read as they are.
             print(f"{spec['name']}: {spec['format']} source, nothing to tokenize",
                   file=sys.stderr)
             prepared.append({k: v for k, v in spec.items() if k != "name"})

@@ -2,7 +2,8 @@
 
 Each entry is a dict with a `format` and format-specific keys (see docs/data.md). A source becomes
 a random-access `grain.MapDataset`, so the pipeline can shard, shuffle and checkpoint it by index.
-Documents carry no BOS/EOS; the pipeline frames them.
+Documents carry no BOS/EOS; the pipeline frames them — except chat documents, which chat.py
+frames around what their template renders.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from jaxscale.kinds import real
-from jaxscale.data import formats, token_files
+from jaxscale.data import chat, formats, packing, token_files
 from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 
@@ -64,6 +65,7 @@ FORMATS = {
     "parquet": dict(path=None, text_field="text"),
     "array_record": dict(path=None),
     "tokens": dict(path=None),
+    "chat": dict(path=None, template=""),
 }
 _TEXT_DOCUMENTS = ("file", "line")
 
@@ -178,7 +180,7 @@ def _source_spec(i: int, entry) -> dict:
                                   "held out for eval")):
         if problem := number.problem(spec[key]):
             raise ConfigError(f"{where}.{key}={spec[key]!r} {problem} ({meaning})")
-    for key in ("path", "eval_path", "text_field", "document"):
+    for key in ("path", "eval_path", "text_field", "document", "template"):
         if key in spec and not isinstance(spec[key], str):
             raise ConfigError(f"{where}.{key}={spec[key]!r} must be a string")
     if spec["eval_path"] and kind in ("stdlib", "synthetic"):
@@ -243,6 +245,8 @@ def _reader(spec: dict, pattern: str, where: str, tokenizer_name: str) -> format
             else formats.Lines(files, keys)
     if kind == "jsonl":
         return formats.JsonLines(files, keys, spec["text_field"], spec["name"])
+    if kind == "chat":
+        return formats.ChatLines(files, keys, spec["name"])
     if kind == "parquet":
         return formats.ParquetRows(files, keys, spec["text_field"])
     if kind == "array_record":
@@ -251,20 +255,30 @@ def _reader(spec: dict, pattern: str, where: str, tokenizer_name: str) -> format
 
 
 class _Documents:
-    """Record index -> token ids, or None for a malformed record (skipped and counted)."""
+    """Record index -> token ids (or a chat document), None for a record that is skipped and
+    counted: a malformed one, or a chat document longer than a row.
 
-    def __init__(self, reader, tokenizer, source_name: str, max_bad_records: int,
+    `encode` turns a record's text (or chat record) into its document. Malformed records stop
+    the run past `max_bad_records`; documents too long do not (they are not malformed), unless
+    none of this source's documents has fitted yet — then nothing ever would, and the run would
+    wait for a row forever.
+    """
+
+    def __init__(self, reader, encode, source_name: str, max_bad_records: int,
                  skipped: SkippedRecords):
-        self._reader, self._tokenizer = reader, tokenizer
+        self._reader, self._encode = reader, encode
         self._source_name, self._max_bad = source_name, max_bad_records
-        self._bad, self._skipped = 0, skipped
+        self._bad, self._long, self._fitted, self._skipped = 0, 0, False, skipped
 
-    def __call__(self, index: int) -> np.ndarray | None:
+    def __call__(self, index: int) -> np.ndarray | packing.TrainedTokens | None:
         try:
             content = self._reader[int(index)]
+            document = content if isinstance(content, np.ndarray) else self._encode(content)
         except formats.MalformedRecord as e:
-            self._bad += 1
             self._skipped.add()
+            if e.kind == "long":
+                return self._too_long(e)
+            self._bad += 1
             if self._bad > self._max_bad:
                 raise JaxscaleError(
                     f"{self._source_name}: {self._bad} malformed records (latest: {e}); fix the "
@@ -272,9 +286,22 @@ class _Documents:
             _log.warning("%s: skipped malformed record %d of at most %d: %s", self._source_name,
                          self._bad, self._max_bad, e)
             return None
-        if isinstance(content, np.ndarray):
-            return content
-        return self._tokenizer.encode(content)
+        self._fitted = True
+        return document
+
+    def _too_long(self, e: formats.MalformedRecord) -> None:
+        self._long += 1
+        if self._long > self._max_bad and not self._fitted:
+            raise JaxscaleError(f"{self._source_name}: none of the {self._long} documents read "
+                                f"so far fits a row (latest: {e}); raise train.seq_len")
+        if self._long == 1:
+            _log.warning("%s: skipped a document too long for a row: %s; such documents are "
+                         "skipped and counted in data_skipped_records", self._source_name, e)
+
+
+def has_chat(specs: Sequence[dict]) -> bool:
+    """Whether some source is chat data, whose documents carry their own loss mask."""
+    return any(spec["format"] == "chat" for spec in specs)
 
 
 def describe(spec: dict) -> str:
@@ -420,7 +447,9 @@ def source_documents(spec: dict, split: str, tokenizer, config: ml_collections.C
                                    max_length=2 * config.train.seq_len)
     reader, indices = _open_split(spec, split, tokenizer.name)
     _check_split(spec, split, reader, indices)
-    documents = _Documents(reader, tokenizer, spec["name"], config.data.max_bad_records,
+    encode = (chat.ChatEncoder(spec, tokenizer, config) if spec["format"] == "chat"
+              else tokenizer.encode)
+    documents = _Documents(reader, encode, spec["name"], config.data.max_bad_records,
                            skipped or SkippedRecords())
     return grain.MapDataset.source(indices).map(documents)
 

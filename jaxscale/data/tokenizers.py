@@ -32,6 +32,14 @@ class ByteTokenizer:
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32) + self._offset
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, starts, ends): the ids of `text` and the [start, end) character offsets of each
+        in it; the bytes of one character all point at that character."""
+        ids = self.encode(text)
+        # Every byte but a UTF-8 continuation byte (0b10xxxxxx) starts a character.
+        chars = np.cumsum((ids - self._offset) & 0xC0 != 0x80) - 1
+        return ids, chars, chars + 1
+
     def decode(self, ids: np.ndarray) -> str:
         """Text of the byte ids (special ids dropped); a byte sequence that is not UTF-8, such as
         a character cut off by the end of a sample, becomes U+FFFD."""
@@ -100,6 +108,13 @@ class HuggingFaceTokenizer:
     def encode(self, text: str | bytes) -> np.ndarray:
         encoding = self._tokenizer.encode(_as_text(text), add_special_tokens=False)
         return np.asarray(encoding.ids, dtype=np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, starts, ends): the ids of `text` and the [start, end) character offsets of each
+        in it."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), offsets[:, 0], offsets[:, 1]
 
     def decode(self, ids: np.ndarray) -> str:
         return self._tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
