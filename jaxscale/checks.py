@@ -20,6 +20,7 @@ from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import check_samples
 from jaxscale.models import REMAT_POLICIES
+from jaxscale.models.fp8 import check_fp8
 from jaxscale.observe.profiling import check_window
 from jaxscale.observe.trackers import check_trackers
 from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
@@ -39,13 +40,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
     `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
     check_settings(config)
-    # Then each component its own section, from the data down to the mesh's axes.
+    # Then each component its own section, from the samples and the data down to the mesh's axes.
+    check_samples(config)
     check_data(config)
     check_memory_options(config.optim)
     sizes = logical_axis_sizes(config)
     check_window(config.profile, config.train.steps)
     check_trackers(config)
-    check_samples(config)
     m = config.model
     if m.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={m.remat!r} is unknown; use one of "
@@ -66,9 +67,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
 
 def checked_mesh(config: ml_collections.ConfigDict, devices: list) -> Mesh:
     """The mesh `config` runs on over `devices`, once the config is checked whole for them
-    (`validate`) and for their kind: the attention kernel, host offload."""
+    (`validate`) and for their kind: the attention kernel, host offload, fp8 matmuls."""
     ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
     check_attention(config, devices[0])
     if config.optim.offload_state:
         offload.check_supported(devices)
-    return build_mesh(ici, dcn, devices)
+    mesh = build_mesh(ici, dcn, devices)
+    check_fp8(config.precision.matmul, devices[0], mesh.shape["pipeline"])
+    return mesh

@@ -31,6 +31,7 @@ LOGICAL_AXES = (
     "experts",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+MATMUL_PRECISIONS = ("bfloat16", "fp8")  # precision.matmul
 # sharding.optimizer_state: with each parameter, or also split over the data-parallel axes (ZeRO-1).
 OPTIMIZER_STATE_LAYOUTS = ("params", "data")
 
@@ -149,6 +150,12 @@ def default_config() -> ml_collections.ConfigDict:
         # float32 compute; float32 either way with float16 compute. bfloat16 moved tiny's loss
         # less than reordering float32 sums does: docs/performance.md.
         grad_reduce_dtype="bfloat16",
+        # The attention and dense feed-forward weight matmuls: bfloat16 (the compute dtype) |
+        # fp8 (e4m3 forward, e5m2 gradients, per-tensor delayed scaling; needs bfloat16 compute
+        # and, on a GPU, compute capability 8.9+). The head, attention and loss stay as they are.
+        matmul="bfloat16",
+        # fp8: the steps of amax history each scale is set from (docs/performance.md, FP8).
+        fp8_amax_history=16,
         # Dynamic loss scaling, used only with float16 compute.
         loss_scale_init=2.0 ** 15,
         loss_scale_growth_interval=2000,
@@ -269,6 +276,7 @@ NUMBERS = {
     "optim.grad_clip": real("[0, inf)", {0: "no clipping"}),
     "precision.loss_scale_init": real("(0, inf)"),
     "precision.loss_scale_growth_interval": _SIZE,
+    "precision.fp8_amax_history": _SIZE,
     "data.max_segments": whole("[2, inf)", {0: "no bound"}),  # 1: no room for padding
     "data.max_bad_records": whole("[0, inf)", {0: "the first one stops the run"}),
     "data.workers": whole("[0, inf)", {0: "read on the prefetch thread",
@@ -324,6 +332,19 @@ def check_schema(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{key}={value!r} {problem}")
 
 
+def _check_matmul(precision: ml_collections.ConfigDict) -> None:
+    """ConfigError for an unknown `precision.matmul`, or fp8 with a compute dtype it does not
+    pair with: fp8 products are dequantized into bfloat16 activations; float16's loss scaling
+    and float32's exactness are what fp8 would undo."""
+    if precision.matmul not in MATMUL_PRECISIONS:
+        raise ConfigError(f"precision.matmul={precision.matmul!r} is unknown; use one of "
+                          f"{MATMUL_PRECISIONS}")
+    if precision.matmul == "fp8" and precision.compute_dtype != "bfloat16":
+        raise ConfigError(f"precision.matmul='fp8' needs precision.compute_dtype='bfloat16', not "
+                          f"{precision.compute_dtype!r}; use precision.compute_dtype=bfloat16 or "
+                          "precision.matmul=bfloat16")
+
+
 def check_settings(config: ml_collections.ConfigDict) -> None:
     """ConfigError on the first problem among the config's own values: the schema, then the rules
     between its keys that need nothing else (jaxscale/checks.py adds each component's checks and
@@ -350,6 +371,7 @@ def check_settings(config: ml_collections.ConfigDict) -> None:
     if config.precision.grad_reduce_dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"precision.grad_reduce_dtype={config.precision.grad_reduce_dtype!r} "
                           "is unknown; use 'float32' or 'bfloat16'")
+    _check_matmul(config.precision)
     if config.sharding.optimizer_state not in OPTIMIZER_STATE_LAYOUTS:
         raise ConfigError(f"sharding.optimizer_state={config.sharding.optimizer_state!r} is "
                           f"unknown; use one of {OPTIMIZER_STATE_LAYOUTS} ('data' is ZeRO-1)")

@@ -37,8 +37,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxscale.checkpoint.reading import (Restored, finalized_steps, handler_registry, path_kind,
-                                         restore_once, train_part)
+from jaxscale.checkpoint.reading import (FP8_ITEM, Restored, finalized_steps, handler_registry,
+                                         path_kind, restore_once, train_part)
 from jaxscale.checkpoint.verdict import (Verdict, agreed, raise_unless_ok, retrying,
                                          save_failure)
 from jaxscale.errors import JaxscaleError, TransientError
@@ -163,11 +163,13 @@ class Checkpoints:
         self.wait()  # Orbax would wait too; waiting here records the previous save's total time
         self._last_step = step
         with self._storage_failures_are_sorted(self._save_failed()):
-            self._manager.save(step, force=True, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(state.params),
-                train=ocp.args.StandardSave(train_part(state)),
-                data=ocp.args.JsonSave(data_state),
-                meta=ocp.args.JsonSave(meta)))
+            items = dict(params=ocp.args.StandardSave(state.params),
+                         train=ocp.args.StandardSave(train_part(state)),
+                         data=ocp.args.JsonSave(data_state),
+                         meta=ocp.args.JsonSave(meta))
+            if state.fp8 is not None:
+                items[FP8_ITEM] = ocp.args.StandardSave(state.fp8)
+            self._manager.save(step, force=True, args=ocp.args.Composite(**items))
         now = time.perf_counter()
         self._metrics["checkpoint_blocking_seconds"] = now - begin
         self._in_flight, self._last_save, self._save_owed = begin, time.monotonic(), False

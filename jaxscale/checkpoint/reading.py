@@ -5,6 +5,7 @@ through the same handlers (`handler_registry`):
 
     params/  the parameters; every process writes the shards it holds
     train/   the rest of the TrainState: step, optimizer state, loss scale
+    fp8/     the fp8 matmuls' scales and amax histories; only in checkpoints of fp8 runs
     data/    iterator.json: the data iterator position of every process's row streams
     meta/    step, seed, config, productive seconds (for goodput)
 
@@ -33,8 +34,10 @@ from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
 from jaxscale.errors import ConfigError
+from jaxscale.models.fp8 import fresh_meta
 from jaxscale.training.state import TrainState
 
+FP8_ITEM = "fp8"  # the item of TrainState.fp8, when the run has one
 # Orbax's record of a step folder, written when the save starts and given `commit_timestamp_nsecs`
 # when it finishes (every Orbax version this package supports, local folders and buckets alike).
 _COMMIT_RECORD = "_CHECKPOINT_METADATA"
@@ -74,16 +77,27 @@ def restore_once(directory: epath.Path, step: int, abstract_state: TrainState, *
             return found
         reader, saved = found.value
         _check_fits(saved["params"].tree, abstract_state.params, "parameter", path)
+        # An fp8 run reads the checkpoint's fp8 meta when it has some; a bfloat16 run never.
+        with_fp8 = (not params_only and abstract_state.fp8 is not None
+                    and saved.get(FP8_ITEM) is not None)
         if not params_only:
             _check_fits(saved["train"].tree, train_part(abstract_state), "train state entry",
                         path, cast_floats=True)
+        if with_fp8:
+            _check_fits(saved[FP8_ITEM].tree, abstract_state.fp8, "fp8 scale entry", path)
         read = agreed(lambda: reader.restore(step, args=_restore_args(abstract_state,
-                                                                        params_only)))
+                                                                        params_only, with_fp8)))
     if read.verdict is not Verdict.OK:
         return read
     items = read.value
+    train = None
+    if not params_only:
+        train = dict(items["train"])
+        if abstract_state.fp8 is not None:
+            # A checkpoint of a bfloat16 run: the scales start as a new run's do.
+            train["fp8"] = items[FP8_ITEM] if with_fp8 else fresh_meta(abstract_state.fp8)
     return Outcome(Verdict.OK, value=Restored(
-        params=items["params"], train=None if params_only else items["train"],
+        params=items["params"], train=train,
         data_state=None if params_only else items["data"], meta=items["meta"], path=str(path),
         seconds=time.perf_counter() - begin))
 
@@ -116,12 +130,15 @@ def _json_file(path: epath.Path, name: str) -> Any:
         raise Damage(f"{name} is not JSON ({e})") from None
 
 
-def _restore_args(abstract_state: TrainState, params_only: bool) -> ocp.args.Composite:
+def _restore_args(abstract_state: TrainState, params_only: bool,
+                  with_fp8: bool) -> ocp.args.Composite:
     items = dict(params=ocp.args.StandardRestore(abstract_state.params),
                  meta=ocp.args.JsonRestore())
     if not params_only:
         items.update(train=ocp.args.StandardRestore(train_part(abstract_state)),
                      data=ocp.args.JsonRestore())
+    if with_fp8:
+        items[FP8_ITEM] = ocp.args.StandardRestore(abstract_state.fp8)
     return ocp.args.Composite(**items)
 
 
@@ -160,13 +177,14 @@ def _leaves_by_name(tree: Any) -> dict[str, Any]:
 
 
 def train_part(state: TrainState) -> dict:
-    """Everything in a TrainState but the params, saved as the `train` item."""
-    return {k: v for k, v in state._asdict().items() if k != "params"}
+    """Everything in a TrainState but the params and the fp8 meta, saved as the `train` item:
+    the same entries whatever precision.matmul, so checkpoints restore across it."""
+    return {k: v for k, v in state._asdict().items() if k not in ("params", "fp8")}
 
 
 def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item in ("params", "train"):
+    for item in ("params", "train", FP8_ITEM):
         registry.add(item, ocp.args.StandardSave)
         registry.add(item, ocp.args.StandardRestore)
     data_state = _DataStateHandler()

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.models.fp8 import Fp8Site, fp8_matmul, site
 from jaxscale.models.rope import RopeScaling, apply_rope
 from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
@@ -34,9 +35,11 @@ Stack = Callable[..., jax.Array]
 
 
 def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
-                  out_dtype: jnp.dtype | None = None) -> jax.Array:
+                  out_dtype: jnp.dtype | None = None, fp8: Fp8Site | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, weight)` with the weight cast to x's dtype (the compute dtype), its
-    output in `out_dtype` (default x's) and named for the remat policies.
+    output in `out_dtype` (default x's) and named for the remat policies. With an `fp8` site the
+    product is fp8 instead, scaled by the site's meta (`jaxscale.models.fp8.fp8_matmul`), its
+    gradients made in the same dtypes.
 
     The weight's gradient is made in the dtype `weight` comes in, x's in x's dtype. Under data
     parallelism each device's weight gradient is a partial sum over its own rows, which XLA adds
@@ -46,8 +49,12 @@ def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
     it in the compute dtype whatever the master's.
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    return checkpoint_name(_matmul(spec, jnp.dtype(weight.dtype), out_dtype, x, weight),
-                           WEIGHT_MATMUL)
+    if fp8 is not None:
+        out = fp8_matmul(spec, jnp.dtype(x.dtype), jnp.dtype(weight.dtype), out_dtype, x, weight,
+                         fp8.values())
+    else:
+        out = _matmul(spec, jnp.dtype(weight.dtype), out_dtype, x, weight)
+    return checkpoint_name(out, WEIGHT_MATMUL)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -120,12 +127,13 @@ def float32_accumulating(dtype: jnp.dtype) -> jnp.dtype:
 class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary embeddings; `implementation` names the
     kernel (jaxscale.parallel.attention.IMPLEMENTATIONS). `grad_dtype`: the dtype the weights'
-    gradients are made and reduced in (`weight_matmul`; None: `dtype`)."""
+    gradients are made and reduced in (`weight_matmul`; None: `dtype`). `fp8_history` > 0: the
+    four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
                  rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0,
-                 grad_dtype: jnp.dtype | None = None):
+                 grad_dtype: jnp.dtype | None = None, fp8_history: int = 0):
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                        0.02)
@@ -139,6 +147,7 @@ class Attention(nnx.Module):
         self.grad_dtype = jnp.dtype(grad_dtype or dtype)
         self.implementation = implementation
         self.max_segments = max_segments
+        self.q_fp8, self.k_fp8, self.v_fp8, self.o_fp8 = (site(fp8_history) for _ in range(4))
 
     def __call__(self, x: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array | None) -> jax.Array:
@@ -166,9 +175,9 @@ class Attention(nnx.Module):
                 positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) in the compute dtype, q and k rotated to their positions."""
         gt = self.grad_dtype
-        q = weight_matmul("btd,dnh->btnh", x, self.q[...].astype(gt))
-        k = weight_matmul("btd,dkh->btkh", x, self.k[...].astype(gt))
-        v = weight_matmul("btd,dkh->btkh", x, self.v[...].astype(gt))
+        q = weight_matmul("btd,dnh->btnh", x, self.q[...].astype(gt), fp8=self.q_fp8)
+        k = weight_matmul("btd,dkh->btkh", x, self.k[...].astype(gt), fp8=self.k_fp8)
+        v = weight_matmul("btd,dkh->btkh", x, self.v[...].astype(gt), fp8=self.v_fp8)
         q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
@@ -179,7 +188,7 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' outputs [batch, length, heads, head_dim] -> [batch, length, d_model]."""
         return weight_matmul("btnh,nhd->btd", out.astype(self.dtype),
-                             self.o[...].astype(self.grad_dtype))
+                             self.o[...].astype(self.grad_dtype), fp8=self.o_fp8)
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
@@ -214,18 +223,20 @@ def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); x in the compute dtype. `grad_dtype`:
-    the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`)."""
+    the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`).
+    `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s)."""
 
     def __init__(self, d_model: int, mlp_dim: int, out_stddev: float, dtype: jnp.dtype,
-                 rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None):
+                 rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None, fp8_history: int = 0):
         self.gate = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.up = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.down = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), out_stddev)
         self.grad_dtype = jnp.dtype(grad_dtype or dtype)
+        self.gate_fp8, self.up_fp8, self.down_fp8 = (site(fp8_history) for _ in range(3))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gt = self.grad_dtype
-        gate = weight_matmul("btd,df->btf", x, self.gate[...].astype(gt))
-        up = weight_matmul("btd,df->btf", x, self.up[...].astype(gt))
+        gate = weight_matmul("btd,df->btf", x, self.gate[...].astype(gt), fp8=self.gate_fp8)
+        up = weight_matmul("btd,df->btf", x, self.up[...].astype(gt), fp8=self.up_fp8)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return weight_matmul("btf,fd->btd", hidden, self.down[...].astype(gt))
+        return weight_matmul("btf,fd->btd", hidden, self.down[...].astype(gt), fp8=self.down_fp8)

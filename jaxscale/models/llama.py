@@ -59,6 +59,9 @@ class LlamaConfig:
     max_segments: int = 0
     dtype: str = "bfloat16"  # compute dtype
     grad_reduce_dtype: str = "bfloat16"  # see `grad_dtype`
+    # > 0: the attention and dense feed-forward matmuls are fp8, with that many steps of amax
+    # history (jaxscale/models/fp8.py); 0: they are in the compute dtype.
+    fp8_history: int = 0
     moe: MoEConfig | None = None  # None: every feed-forward is dense
 
     @property
@@ -116,13 +119,13 @@ class Block(nnx.Module):
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
                               rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments,
-                              grad_dtype=cfg.grad_dtype)
+                              grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
         else:
             self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs,
-                           grad_dtype=cfg.grad_dtype)
+                           grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history)
 
     def __call__(self, x, positions, segment_ids):
         return self.with_stats(x, positions, segment_ids)[0]

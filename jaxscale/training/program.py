@@ -46,7 +46,9 @@ class TrainProgram:
         offloaded = config.optim.offload_state
         self.state_shardings = state_shardings(
             abstract_state, tree_shardings(self.model.logical_specs, mesh, self.rules),
-            offload.on_host(moments) if offloaded else moments, self.tx, mesh)
+            offload.on_host(moments) if offloaded else moments, self.tx, mesh,
+            fp8_shardings=(None if self.model.fp8_specs is None else
+                           tree_shardings(self.model.fp8_specs, mesh, self.rules)))
         # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
         # that wrote it.
         self.abstract_state = jax.tree.map(
@@ -56,7 +58,7 @@ class TrainProgram:
         batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.init_state = jax.jit(init, out_shardings=self.state_shardings)
         zero1 = config.sharding.optimizer_state == "data"
-        train_step = make_train_step(config, self.model.graphdef, self.tx, self.schedule,
+        train_step = make_train_step(config, self.model.train_graphdef, self.tx, self.schedule,
                                      grad_shardings=moments if zero1 else None)
         if offloaded:
             train_step = offload.moments_to_device(train_step, self.state_shardings.opt_state)

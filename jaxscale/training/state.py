@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale import models
 from jaxscale.errors import ConfigError
+from jaxscale.models.fp8 import Fp8Meta
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import (Rules, logical_to_mesh, rules_from_config, split_further,
@@ -25,6 +27,9 @@ class TrainState(NamedTuple):
     opt_state: Any
     loss_scale: jax.Array  # float32 scalar; stays 1 unless compute is float16
     good_steps: jax.Array  # int32 scalar: finite steps since the loss scale last changed
+    # precision.matmul='fp8': the fp8 matmuls' scales and amax histories (a nested dict beside
+    # params, jaxscale/models/fp8.py); None otherwise.
+    fp8: Any = None
 
 
 def rope_scaling(section: ml_collections.ConfigDict) -> RopeScaling | None:
@@ -47,7 +52,8 @@ def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
         max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
         max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
-        grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe))
+        grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe),
+        fp8_history=config.precision.fp8_amax_history if config.precision.matmul == "fp8" else 0)
 
 
 def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
@@ -61,18 +67,31 @@ def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
 class ModelSpec(NamedTuple):
     """What the step needs to know about the model, taken from its abstract (unallocated) form."""
     config: models.LlamaConfig
-    graphdef: nnx.GraphDef
+    graphdef: nnx.GraphDef  # the model of the params alone: eval, sampling, export
     logical_specs: Any  # same tree as params, leaves are PartitionSpecs of logical axis names
     abstract_params: Any  # same tree, leaves are ShapeDtypeStructs
     num_params: int
+    # The model the train step runs: `graphdef`, or with fp8 matmuls the one that also takes
+    # the fp8 meta (merged as nnx.merge(train_graphdef, params, fp8)).
+    train_graphdef: nnx.GraphDef = None
+    fp8_specs: Any = None  # the fp8 meta's logical PartitionSpecs; None without fp8
+    abstract_fp8: Any = None  # its ShapeDtypeStructs
 
 
 def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
     cfg = model_config(config)
-    abstract = models.abstract_model(cfg)
+    # The params-only model: the same parameters in compute-dtype matmuls.
+    abstract = models.abstract_model(dataclasses.replace(cfg, fp8_history=0))
     graphdef, state = nnx.split(abstract)
-    return ModelSpec(cfg, graphdef, nnx.to_pure_dict(nnx.get_partition_spec(state)),
-                     nnx.to_pure_dict(state), models.count_params(abstract))
+    spec = ModelSpec(cfg, graphdef, nnx.to_pure_dict(nnx.get_partition_spec(state)),
+                     nnx.to_pure_dict(state), models.count_params(abstract),
+                     train_graphdef=graphdef)
+    if not cfg.fp8_history:
+        return spec
+    train_graphdef, _, meta = nnx.split(models.abstract_model(cfg), nnx.Param, Fp8Meta)
+    return spec._replace(train_graphdef=train_graphdef,
+                         fp8_specs=nnx.to_pure_dict(nnx.get_partition_spec(meta)),
+                         abstract_fp8=nnx.to_pure_dict(meta))
 
 
 def params_on_mesh(spec: ModelSpec, mesh: Mesh, rules: Rules, dtype: str | None = None) -> Any:
@@ -86,11 +105,13 @@ def params_on_mesh(spec: ModelSpec, mesh: Mesh, rules: Rules, dtype: str | None 
 def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
                seed: int) -> TrainState:
     """A fresh state. Call it under `jit` with out_shardings so every array is born sharded."""
-    params = nnx.to_pure_dict(nnx.split(models.create_model(model_config(config), seed))[1])
+    _, params, fp8 = nnx.split(models.create_model(model_config(config), seed), nnx.Param,
+                               Fp8Meta)
+    params, fp8 = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8) or None
     loss_scale = config.precision.loss_scale_init if uses_dynamic_loss_scale(config) else 1.0
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),
-                      good_steps=jnp.zeros((), jnp.int32))
+                      good_steps=jnp.zeros((), jnp.int32), fp8=fp8)
 
 
 def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
@@ -138,15 +159,16 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
 
 
 def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
-                    tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+                    tx: optax.GradientTransformation, mesh: Mesh,
+                    fp8_shardings: Any = None) -> TrainState:
     """Parameters as `param_shardings`; each optimizer moment as its parameter's entry of
-    `moments` (see `moment_specs`); scalars replicated."""
+    `moments` (see `moment_specs`); the fp8 meta as `fp8_shardings`; scalars replicated."""
     replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract_state.opt_state, moments,
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                      loss_scale=replicated, good_steps=replicated)
+                      loss_scale=replicated, good_steps=replicated, fp8=fp8_shardings)
 
 
 def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from jaxscale.training.loss import summed_cross_entropy
+from jaxscale.models.fp8 import combine_updates
 from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.moe import RouterStats
 from jaxscale.training.optim import schedule_at
@@ -38,10 +39,11 @@ def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: in
 
 
 def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
-                                 loss_chunk_len: int = 0, pipeline: Pipeline | None = None
-                                 ) -> tuple[jax.Array, jax.Array, RouterStats | None]:
-    """`summed_loss`, and the routers' statistics (None for a model without MoE layers)."""
-    model = nnx.merge(graphdef, params)
+                                 loss_chunk_len: int = 0, pipeline: Pipeline | None = None,
+                                 fp8=None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+    """`summed_loss`, and the routers' statistics (None for a model without MoE layers). `fp8`:
+    the fp8 matmuls' meta, for a `graphdef` that has them (`ModelSpec.train_graphdef`)."""
+    model = nnx.merge(graphdef, params) if fp8 is None else nnx.merge(graphdef, params, fp8)
     stack = pipeline.stack if pipeline is not None else None
     features, router = model.features_with_stats(batch["inputs"], batch["positions"],
                                                  batch["segment_ids"], stack)
@@ -108,19 +110,30 @@ def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nn
                                  ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """`loss_and_grad` with MoE: the summed loss stays the cross-entropy alone, the gradient is
     that of the cross-entropy plus `router_penalty`; and `router_metrics` ({} without MoE)."""
+    return loss_grad_and_next_fp8(config, graphdef, params, None, batch, multiplier)[:3]
+
+
+def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
+                           fp8, batch: Batch, multiplier: jax.Array
+                           ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
+    """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
+    without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
+    returned last."""
     chunk = config.model.loss_chunk_len
     pipeline = config_pipeline(config)
 
-    def scaled(p):
+    def scaled(p, meta):
         if pipeline is not None and pipeline.schedule == "1f1b":
             objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
                                                        multiplier)
             return objective, (total, {})
-        total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk, pipeline)
+        total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk, pipeline,
+                                                             meta)
         objective = total + router_penalty(config.model.moe, router, tokens)
         return objective * multiplier, (total, router_metrics(router))
-    (_, (total, router)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-    return total, grads, router
+    (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
+        scaled, argnums=(0, 1), has_aux=True)(params, fp8)
+    return total, grads, router, next_fp8
 
 
 def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
@@ -136,27 +149,30 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
-    def accumulate(params, batch, multiplier):
+    def accumulate(params, fp8, batch, multiplier):
         if k == 1:
-            return loss_grad_and_router_metrics(config, graphdef, params, batch, multiplier)
+            return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier)
 
         def add_microbatch(carry, microbatch):
-            total, grads, router = loss_grad_and_router_metrics(config, graphdef, params,
-                                                                microbatch, multiplier)
-            acc_total, acc_grads = carry
-            return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads)), router
+            total, grads, router, next_fp8 = loss_grad_and_next_fp8(
+                config, graphdef, params, fp8, microbatch, multiplier)
+            acc_total, acc_grads, acc_fp8 = carry
+            return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads),
+                    combine_updates(acc_fp8, next_fp8)), router
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(jnp.zeros_like, fp8))
         parts = jax.tree.map(lambda x: split_rows(x, k), batch)
-        (total, grads), routers = jax.lax.scan(add_microbatch, zeros, parts)
-        return total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers)
+        (total, grads, next_fp8), routers = jax.lax.scan(add_microbatch, zeros, parts)
+        return total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers), next_fp8
 
     def train_step(state: TrainState, batch: Batch):
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # real tokens, whole batch
         denominator = jnp.maximum(tokens, 1.0)
         # Differentiating loss * scale / tokens gives the mean-loss gradient (times the float16
         # loss scale) directly, without another pass over every gradient afterwards.
-        total, grads, router = accumulate(state.params, batch, state.loss_scale / denominator)
+        total, grads, router, next_fp8 = accumulate(state.params, state.fp8, batch,
+                                                    state.loss_scale / denominator)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         if grad_shardings is not None:
@@ -175,6 +191,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         params = keep_new(new_params, state.params)
         opt_state = keep_new(new_opt_state, opt_state)
+        fp8 = keep_new(next_fp8, state.fp8)
 
         loss_scale, good_steps = state.loss_scale, state.good_steps
         if dynamic_scale:
@@ -191,7 +208,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         if dynamic_scale:
             metrics["loss_scale"] = loss_scale
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               loss_scale=loss_scale, good_steps=good_steps)
+                               loss_scale=loss_scale, good_steps=good_steps, fp8=fp8)
         return new_state, metrics
 
     return train_step
