@@ -36,9 +36,9 @@ def event_files(workdir):
     return glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
 
 
-def read_tensorboard_scalars(path):
-    """{(tag, step): value} from a TFRecord event file: u64 length, u32 crc, data, u32 crc."""
-    scalars = {}
+def tensorboard_values(path):
+    """(step, summary value) of each value in a TFRecord event file: u64 length, u32 crc, data,
+    u32 crc."""
     with open(path, "rb") as f:
         data = f.read()
     offset = 0
@@ -47,8 +47,12 @@ def read_tensorboard_scalars(path):
         event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
         offset += 12 + length + 4
         for value in event.summary.value:
-            scalars[(value.tag, event.step)] = value.simple_value
-    return scalars
+            yield event.step, value
+
+
+def read_tensorboard_scalars(path):
+    """{(tag, step): value} of an event file's values (0.0 for those that are not scalars)."""
+    return {(value.tag, step): value.simple_value for step, value in tensorboard_values(path)}
 
 
 @pytest.mark.parametrize("device_kind, tflops", [

@@ -17,7 +17,8 @@ from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
 from jaxscale.observe import trackers
 from jaxscale.observe.metrics import MetricsWriter
-from tests.test_metrics import event_files, read_jsonl, read_tensorboard_scalars
+from tests.test_metrics import (event_files, read_jsonl, read_tensorboard_scalars,
+                                tensorboard_values)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -295,22 +296,10 @@ def test_a_fresh_start_over_an_earlier_one_gets_a_new_tracker_run(tmp_path):
 
 def read_tensorboard_texts(path):
     """{(tag, step): text} of the text summaries in a TFRecord event file."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    texts = {}
-    data = open(path, "rb").read()
-    offset = 0
-    while offset < len(data):
-        (length,) = struct.unpack("<Q", data[offset:offset + 8])
-        event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-        offset += 12 + length + 4
-        for value in event.summary.value:
-            if value.metadata.plugin_data.plugin_name == "text":
-                tag = value.tag.removesuffix("/text_summary")  # tensorboardX's suffix
-                texts[(tag, event.step)] = value.tensor.string_val[0].decode()
-    return texts
+    # tensorboardX names a text summary <tag>/text_summary.
+    return {(value.tag.removesuffix("/text_summary"), step): value.tensor.string_val[0].decode()
+            for step, value in tensorboard_values(path)
+            if value.metadata.plugin_data.plugin_name == "text"}
 
 
 def test_every_tracker_gets_the_samples(tmp_path, offline):
