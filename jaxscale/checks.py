@@ -21,6 +21,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import check_samples
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.models.fp8 import check_fp8
+from jaxscale.models.lora import check_lora
 from jaxscale.observe.profiling import check_window
 from jaxscale.observe.trackers import check_trackers
 from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
@@ -44,6 +45,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     check_samples(config)
     check_data(config)
     check_memory_options(config.optim)
+    check_lora(config)
     sizes = logical_axis_sizes(config)
     check_window(config.profile, config.train.steps)
     check_trackers(config)

@@ -126,6 +126,12 @@ def default_config() -> ml_collections.ConfigDict:
         # adds aux_loss_weight x the load-balancing loss and z_loss_weight x the router z-loss.
         moe=dict(experts=0, top_k=2, capacity_factor=1.25, every=0, aux_loss_weight=0.01,
                  z_loss_weight=0.001),
+        # LoRA (jaxscale/models/lora.py): rank > 0 trains low-rank adapters beside the target
+        # weights (q k v o of attention, gate up down of the feed-forward) with everything else
+        # frozen in the compute dtype; each adapter adds (alpha / rank) x A B to its weight.
+        # The base is checkpoint.restore_from (a Hugging Face folder or a run), else the init.
+        lora=dict(rank=0, alpha=16.0, dropout=0.0,
+                  targets=("q", "k", "v", "o", "gate", "up", "down")),
     )
     c.optim = dict(
         lr=3e-3,
@@ -266,6 +272,9 @@ NUMBERS = {
     "model.moe.every": whole("[0, inf)", {0: "no MoE layers"}),
     "model.moe.aux_loss_weight": real("[0, inf)", _OFF),
     "model.moe.z_loss_weight": real("[0, inf)", _OFF),
+    "model.lora.rank": whole("[0, inf)", {0: "no adapters: full fine-tuning"}),
+    "model.lora.alpha": real("(0, inf)"),
+    "model.lora.dropout": real("[0, 1)", _OFF),
     "optim.lr": real("(0, inf)"),
     "optim.warmup_steps": whole("[0, inf)"),
     "optim.min_lr_ratio": real("[0, 1]"),  # 1: no decay; the final rate never exceeds optim.lr

@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import jax
 import ml_collections
@@ -38,7 +39,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxscale.checkpoint import Checkpoints, Restored, restore_from
+from jaxscale.checkpoint import Checkpoints, Restored, lora_base, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.checks import checked_mesh
 from jaxscale.data import Input, check_splits, make_input
@@ -212,7 +213,8 @@ class Trainer:
                               if d.process_index == jax.process_index()]
         model = self.program.model
         self.speed = Speed(
-            flops_per_token=model.config.flops_per_token(model.num_params, config.train.seq_len),
+            flops_per_token=model.config.flops_per_token(model.num_params, config.train.seq_len,
+                                                         model.num_trained),
             num_devices=mesh.size, peak_flops_per_device=peak_flops_per_device(devices_kind(mesh)))
 
     def compile_train_step(self) -> tuple[jax.stages.Compiled, StepMemory]:
@@ -256,7 +258,7 @@ class Trainer:
             # The restore is collective (every process reads its shards); nothing after it here
             # is, so a process whose check fails skips the rest and goes to the agreement.
             with agreed_checks():
-                own, restored = self.restore(checkpoints, train_input)
+                own, restored, base = self.restore(checkpoints, train_input)
                 if own is not None and own.meta["step"] >= t.steps:
                     self.say(f"the run in {self.workdir} is already complete at step "
                              f"{own.meta['step']} (train.steps={t.steps}); to train it further, "
@@ -298,7 +300,7 @@ class Trainer:
             writer = stack.enter_context(metrics_lib.MetricsWriter(
                 self.workdir, enabled=self.is_primary, total_steps=t.steps, config=config))
             signals = stack.enter_context(StopSignals())
-            state, window = self.start_state(restored, own)
+            state, window = self.start_state(restored, own, base)
             window.first_line.update(step_memory_gib=memory.total / GIB,
                                      step_memory_arguments_gib=memory.arguments / GIB,
                                      step_memory_temporaries_gib=memory.temporaries / GIB)
@@ -312,32 +314,43 @@ class Trainer:
                          writer, signals, profile)
             return loop.run(state)
 
-    def restore(self, checkpoints: Checkpoints,
-                train_input: Input) -> tuple[Restored | None, Restored | None]:
-        """(this run's newest good checkpoint, what the run starts from): the own checkpoint,
-        else `checkpoint.restore_from`, else None. The data position is restored into
-        `train_input`. Reads only: a checkpoint that does not fit raises before anything is
-        written."""
-        c = self.config.checkpoint
-        own = checkpoints.restore_newest(self.program.abstract_state)
-        restored = own
-        if own is None and c.restore_from:
-            restored = restore_from(c.restore_from, self.program.abstract_state,
-                                    params_only=c.restore_params_only,
-                                    model_config=self.program.model.config)
+    def restore(self, checkpoints: Checkpoints, train_input: Input
+                ) -> tuple[Restored | None, Restored | None, tuple[Any, str] | None]:
+        """(this run's newest good checkpoint, what the run starts from, LoRA's base and its
+        name): the own checkpoint, else `checkpoint.restore_from`, else None. With LoRA,
+        restore_from is the frozen base instead (`lora_base`: every start reads it, no
+        checkpoint holds it), and a run starts from its own checkpoint or fresh adapters. The
+        data position is restored into `train_input`. Reads only: a checkpoint that does not fit
+        raises before anything is written."""
+        c, abstract = self.config.checkpoint, self.program.abstract_state
+        model = self.program.model
+        own = checkpoints.restore_newest(abstract)
+        restored, base = own, None
+        if model.config.lora:
+            base = lora_base(self.config, model, abstract.frozen)
+        elif own is None and c.restore_from:
+            restored = restore_from(c.restore_from, abstract, params_only=c.restore_params_only,
+                                    model_config=model.config)
         if restored is not None and restored.train is not None:
             train_input.set_state(restored.data_state)
-        return own, restored
+        return own, restored, base
 
-    def start_state(self, restored: Restored | None,
-                    own: Restored | None) -> tuple[TrainState, StepWindow]:
-        """The state the loop starts from (restored, or a fresh sharded init), with the window that
-        times the steps from here on."""
+    def start_state(self, restored: Restored | None, own: Restored | None,
+                    base: tuple[Any, str] | None = None) -> tuple[TrainState, StepWindow]:
+        """The state the loop starts from (restored, or a fresh sharded init; with LoRA, on the
+        `base` from `restore`), with the window that times the steps from here on."""
         init_state, seed = self.program.init_state, self.config.train.seed
+        frozen = None
+        if base is not None:
+            frozen, name = base
+            self.say(f"LoRA: the frozen base is {name}")
         run_clock = RunClock(self.workdir, enabled=self.is_primary)
         if restored is None:
-            return init_state(seed), StepWindow(self.speed, run_clock, self.start_time,
-                                                restarts=run_clock.restarts)
+            state = init_state(seed)
+            if frozen is not None:
+                state = state._replace(frozen=frozen)
+            return state, StepWindow(self.speed, run_clock, self.start_time,
+                                     restarts=run_clock.restarts)
         self.say(f"restored {restored.path} in {restored.seconds:.1f}s"
                  f"{' (params only)' if restored.train is None else ''}")
         # Another run's productive time is not this run's.
@@ -346,7 +359,8 @@ class Trainer:
                             productive_seconds=own.meta["productive_seconds"] if own else 0.0)
         if restored.train is None:  # fine-tuning: fresh optimizer from step 0, data from the start
             return init_state(seed)._replace(params=restored.params), window
-        return TrainState(params=restored.params, **restored.train), window
+        # With LoRA, the adapters go back onto the base they were trained on.
+        return TrainState(params=restored.params, frozen=frozen, **restored.train), window
 
     def evaluate(self, params, held_out: HeldOut) -> dict[str, float]:
         """Loss and perplexity over `train.eval_batches` batches of the held-out split."""
@@ -455,12 +469,12 @@ class _Loop:
                 self.writer.write(done, logged)
             if self.is_eval_step(done):
                 with window.paused():
-                    eval_metrics = trainer.evaluate(state.params, self.held_out)
+                    eval_metrics = trainer.evaluate(state.model_params(), self.held_out)
                 self.writer.write(done, eval_metrics, prefix="eval_")
                 logged.update({f"eval_{k}": v for k, v in eval_metrics.items()})
             if self.samples and done % t.sample_every == 0:
                 with window.paused():
-                    continuations = self.samples(state.params)
+                    continuations = self.samples(state.model_params())
                 self.writer.write_samples(done, continuations)
             self.writer.progress(done)
         self.checkpoints.wait()
@@ -481,6 +495,9 @@ class _Loop:
             meta = dict(step=step, seed=config.train.seed,
                         productive_seconds=self.window.productive_seconds(),
                         config=json.loads(config.to_json_best_effort()))
+            if config.model.lora.rank:  # what the adapters were trained on: they need it back
+                meta["lora_base"] = (config.checkpoint.restore_from
+                                     or f"the init of train.seed={config.train.seed}")
             return self.checkpoints.save(step, state, self.train_input.get_state(), meta,
                                          finite=finite)
 

@@ -28,13 +28,14 @@ import contextlib
 import logging
 import os
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint.reading import (FP8_ITEM, Restored, finalized_steps, handler_registry,
@@ -44,8 +45,8 @@ from jaxscale.checkpoint.verdict import (Verdict, agreed, raise_unless_ok, retry
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder
 from jaxscale.hf.weights import load_params
-from jaxscale.models import LlamaConfig
-from jaxscale.training.state import TrainState
+from jaxscale.models import LlamaConfig, create_model
+from jaxscale.training.state import ModelSpec, TrainState
 from jaxscale.runtime.workdir import check_writable, reason, storage_error
 
 logger = logging.getLogger(__name__)
@@ -305,6 +306,28 @@ def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
                             "its checkpoints")
     raise_unless_ok(outcome, what)
     return outcome.value
+
+
+def lora_base(config: ml_collections.ConfigDict, spec: ModelSpec,
+              abstract_frozen: Any) -> tuple[Any, str]:
+    """(the frozen base that a LoRA run's adapters are trained on, what it is), laid out as
+    `abstract_frozen` (shapes, dtypes, shardings): `checkpoint.restore_from`'s parameters (a
+    Hugging Face folder or a run), else the init of `train.seed`. That init is made with the
+    adapters, as the run made it: they draw from the same random stream as the base."""
+    if config.checkpoint.restore_from:
+        only_params = TrainState(step=None, params=abstract_frozen, opt_state=None,
+                                 loss_scale=None, good_steps=None)
+        restored = restore_from(config.checkpoint.restore_from, only_params, params_only=True,
+                                model_config=spec.config)
+        return restored.params, restored.path
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(create_model(spec.config, config.train.seed),
+                                            nnx.Param))
+        return jax.tree.map(lambda x, a: x.astype(a.dtype), spec.frozen(params), abstract_frozen)
+
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_frozen)
+    return jax.jit(init, out_shardings=shardings)(), f"the init of train.seed={config.train.seed}"
 
 
 def saved_steps(directory: str | epath.Path) -> list[int]:

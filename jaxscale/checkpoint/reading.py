@@ -3,7 +3,8 @@
 A checkpoint is the folder `<checkpoint dir>/<step>/` with four Orbax items, written and read
 through the same handlers (`handler_registry`):
 
-    params/  the parameters; every process writes the shards it holds
+    params/  the trained parameters (with LoRA, the adapters: the base is named by the config's
+             checkpoint.restore_from and not written again); every process writes its shards
     train/   the rest of the TrainState: step, optimizer state, loss scale
     fp8/     the fp8 matmuls' scales and amax histories; only in checkpoints of fp8 runs
     data/    iterator.json: the data iterator position of every process's row streams
@@ -177,9 +178,10 @@ def _leaves_by_name(tree: Any) -> dict[str, Any]:
 
 
 def train_part(state: TrainState) -> dict:
-    """Everything in a TrainState but the params and the fp8 meta, saved as the `train` item:
-    the same entries whatever precision.matmul, so checkpoints restore across it."""
-    return {k: v for k, v in state._asdict().items() if k not in ("params", "fp8")}
+    """Everything in a TrainState but the params, the fp8 meta and LoRA's frozen base, saved as
+    the `train` item: the same entries whatever precision.matmul, so checkpoints restore across
+    it."""
+    return {k: v for k, v in state._asdict().items() if k not in ("params", "fp8", "frozen")}
 
 
 def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

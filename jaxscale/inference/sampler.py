@@ -17,10 +17,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.checkpoint import restore_from
+from jaxscale.checkpoint import lora_base, restore_from
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.mesh import MESH_AXES, build_mesh, resolve_mesh_shape
 from jaxscale.parallel.sharding import Rules, tree_shardings, use_rules
+from jaxscale.models.lora import join_adapters
 from jaxscale.training.state import TrainState, model_spec, params_on_mesh
 
 
@@ -117,13 +118,18 @@ def restored_model(config: ml_collections.ConfigDict, source: str, mesh: Mesh,
                    rules: Rules) -> tuple[nnx.Module, str]:
     """(the model of `config` with the parameters of `source`, where they came from): `source` is
     a checkpoint folder (its newest checkpoint) or a Hugging Face folder; the parameters are
-    restored straight onto `mesh`."""
+    restored straight onto `mesh`. A LoRA run's checkpoint holds its adapters: they join the
+    base they were trained on (`lora_base`)."""
     spec = model_spec(config)
+    abstract = params_on_mesh(spec, mesh, rules)
     # A params-only restore reads nothing of the state but its params.
-    only_params = TrainState(step=None, params=params_on_mesh(spec, mesh, rules), opt_state=None,
+    only_params = TrainState(step=None, params=spec.trained(abstract), opt_state=None,
                              loss_scale=None, good_steps=None)
     restored = restore_from(source, only_params, params_only=True, model_config=spec.config)
-    return nnx.merge(spec.graphdef, restored.params), restored.path
+    params = restored.params
+    if spec.config.lora:
+        params = join_adapters(params, lora_base(config, spec, spec.frozen(abstract))[0])
+    return nnx.merge(spec.graphdef, params), restored.path
 
 
 def sampling_mesh(config: ml_collections.ConfigDict, devices) -> Mesh:

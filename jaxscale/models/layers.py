@@ -16,6 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.models.fp8 import Fp8Site, fp8_matmul, site
+from jaxscale.models.lora import Adapter, LoraConfig, adapter
 from jaxscale.models.rope import RopeScaling, apply_rope
 from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
@@ -55,6 +56,16 @@ def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
     else:
         out = _matmul(spec, jnp.dtype(weight.dtype), out_dtype, x, weight)
     return checkpoint_name(out, WEIGHT_MATMUL)
+
+
+def adapted_matmul(spec: str, x: jax.Array, weight: jax.Array, fp8: Fp8Site | None,
+                   lora: Adapter | None) -> jax.Array:
+    """`weight_matmul`, plus the LoRA adapter's low-rank product when the weight has one
+    (jaxscale/models/lora.py); `weight` comes in the dtype its gradient is made in."""
+    out = weight_matmul(spec, x, weight, fp8=fp8)
+    if lora is None:
+        return out
+    return out + lora(spec, x, weight_matmul, weight.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -128,12 +139,14 @@ class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary embeddings; `implementation` names the
     kernel (jaxscale.parallel.attention.IMPLEMENTATIONS). `grad_dtype`: the dtype the weights'
     gradients are made and reduced in (`weight_matmul`; None: `dtype`). `fp8_history` > 0: the
-    four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`)."""
+    four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`).
+    `lora`: the adapters of the projections it targets (`models/lora.py`)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
                  rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0,
-                 grad_dtype: jnp.dtype | None = None, fp8_history: int = 0):
+                 grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
+                 lora: LoraConfig | None = None):
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                        0.02)
@@ -148,6 +161,9 @@ class Attention(nnx.Module):
         self.implementation = implementation
         self.max_segments = max_segments
         self.q_fp8, self.k_fp8, self.v_fp8, self.o_fp8 = (site(fp8_history) for _ in range(4))
+        self.q_lora, self.k_lora, self.v_lora = (adapter(lora, name, getattr(self, name), 1, rngs)
+                                                 for name in ("q", "k", "v"))
+        self.o_lora = adapter(lora, "o", self.o, 2, rngs)  # o contracts heads and head_dim
 
     def __call__(self, x: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array | None) -> jax.Array:
@@ -175,9 +191,9 @@ class Attention(nnx.Module):
                 positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) in the compute dtype, q and k rotated to their positions."""
         gt = self.grad_dtype
-        q = weight_matmul("btd,dnh->btnh", x, self.q[...].astype(gt), fp8=self.q_fp8)
-        k = weight_matmul("btd,dkh->btkh", x, self.k[...].astype(gt), fp8=self.k_fp8)
-        v = weight_matmul("btd,dkh->btkh", x, self.v[...].astype(gt), fp8=self.v_fp8)
+        q = adapted_matmul("btd,dnh->btnh", x, self.q[...].astype(gt), self.q_fp8, self.q_lora)
+        k = adapted_matmul("btd,dkh->btkh", x, self.k[...].astype(gt), self.k_fp8, self.k_lora)
+        v = adapted_matmul("btd,dkh->btkh", x, self.v[...].astype(gt), self.v_fp8, self.v_lora)
         q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
@@ -187,8 +203,8 @@ class Attention(nnx.Module):
 
     def output(self, out: jax.Array) -> jax.Array:
         """The heads' outputs [batch, length, heads, head_dim] -> [batch, length, d_model]."""
-        return weight_matmul("btnh,nhd->btd", out.astype(self.dtype),
-                             self.o[...].astype(self.grad_dtype), fp8=self.o_fp8)
+        return adapted_matmul("btnh,nhd->btd", out.astype(self.dtype),
+                              self.o[...].astype(self.grad_dtype), self.o_fp8, self.o_lora)
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
@@ -224,19 +240,25 @@ def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); x in the compute dtype. `grad_dtype`:
     the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`).
-    `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s)."""
+    `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s); `lora`: their adapters
+    (`Attention`'s)."""
 
     def __init__(self, d_model: int, mlp_dim: int, out_stddev: float, dtype: jnp.dtype,
-                 rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None, fp8_history: int = 0):
+                 rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
+                 lora: LoraConfig | None = None):
         self.gate = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.up = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.down = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), out_stddev)
         self.grad_dtype = jnp.dtype(grad_dtype or dtype)
         self.gate_fp8, self.up_fp8, self.down_fp8 = (site(fp8_history) for _ in range(3))
+        self.gate_lora, self.up_lora, self.down_lora = (
+            adapter(lora, name, getattr(self, name), 1, rngs) for name in ("gate", "up", "down"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gt = self.grad_dtype
-        gate = weight_matmul("btd,df->btf", x, self.gate[...].astype(gt), fp8=self.gate_fp8)
-        up = weight_matmul("btd,df->btf", x, self.up[...].astype(gt), fp8=self.up_fp8)
+        gate = adapted_matmul("btd,df->btf", x, self.gate[...].astype(gt), self.gate_fp8,
+                              self.gate_lora)
+        up = adapted_matmul("btd,df->btf", x, self.up[...].astype(gt), self.up_fp8, self.up_lora)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return weight_matmul("btf,fd->btd", hidden, self.down[...].astype(gt), fp8=self.down_fp8)
+        return adapted_matmul("btf,fd->btd", hidden, self.down[...].astype(gt), self.down_fp8,
+                              self.down_lora)

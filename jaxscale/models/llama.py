@@ -21,6 +21,7 @@ from flax import nnx
 from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, LayerFn,
                                     RMSNorm, Stack, float32_accumulating, param, scan_layers,
                                     weight_matmul)
+from jaxscale.models.lora import LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
@@ -63,6 +64,7 @@ class LlamaConfig:
     # history (jaxscale/models/fp8.py); 0: they are in the compute dtype.
     fp8_history: int = 0
     moe: MoEConfig | None = None  # None: every feed-forward is dense
+    lora: LoraConfig | None = None  # None: no adapters (jaxscale/models/lora.py)
 
     @property
     def grad_dtype(self) -> jnp.dtype:
@@ -77,7 +79,8 @@ class LlamaConfig:
         """The embedding's and the head's row count."""
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
-    def flops_per_token(self, num_params: int, seq_len: int) -> float:
+    def flops_per_token(self, num_params: int, seq_len: int,
+                        trained_params: int | None = None) -> float:
         """Training FLOPs per token, forward plus backward (PaLM, appendix B).
 
         `6 * N` counts the weight matmuls (2 FLOPs per multiply-add, forward once, backward twice)
@@ -88,10 +91,15 @@ class LlamaConfig:
         With mixture-of-experts, N counts the active parameters only (`active_params`): the
         experts a token is not routed to do no work for it. Capacity slots left empty (or taken
         by padding) are not counted either: they are the layer's overhead, not the model's FLOPs.
+
+        `trained_params` (LoRA: the adapters; None: every parameter): the others are frozen, and
+        a frozen weight's backward makes the input's gradient but not its own, so it counts 4.
         """
         embedding = self.padded_vocab_size * self.d_model
         matmul_params = self.active_params(num_params) - (0 if self.tie_embeddings else embedding)
-        return 6.0 * matmul_params + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        frozen = 0 if trained_params is None else matmul_params - trained_params
+        return (6.0 * matmul_params - 2.0 * frozen
+                + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len)
 
     @property
     def moe_layers(self) -> int:
@@ -119,13 +127,15 @@ class Block(nnx.Module):
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
                               rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments,
-                              grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history)
+                              grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
+                              lora=cfg.lora)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
         else:
             self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs,
-                           grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history)
+                           grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
+                           lora=cfg.lora)
 
     def __call__(self, x, positions, segment_ids):
         return self.with_stats(x, positions, segment_ids)[0]

@@ -88,9 +88,13 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
                                is_leaf=lambda x: isinstance(x, P))
     params = _tree_shard_elements(param_specs, spec.abstract_params, mesh_shape)
+    # With LoRA only the adapters are trained: float32 with moments and gradients; the frozen
+    # base is held in the compute dtype.
+    trained = _tree_shard_elements(spec.trained(param_specs), spec.trained(spec.abstract_params),
+                                   mesh_shape)
     moment_elements = _tree_shard_elements(
         moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state),
-        spec.abstract_params, mesh_shape)
+        spec.trained(spec.abstract_params), mesh_shape)
     moment_bytes = jnp.dtype(config.optim.moment_dtype).itemsize
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
 
@@ -157,7 +161,8 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     running_sum = t.microbatches > 1 or (pipeline is not None and pipeline.schedule == "gpipe")
     gradients = 4 * moment_elements * (3 if running_sum else 2)
     return MemoryEstimate(
-        params=4 * params, moments=2 * moment_bytes * moment_elements,
+        params=4 * trained + compute * (params - trained),
+        moments=2 * moment_bytes * moment_elements,
         batch=len(BATCH_KEYS) * 4 * rows * t.microbatches * tokens,
         gradients=gradients,
         gathered_weights=_compute_weights(spec, param_specs, rules, mesh_shape,

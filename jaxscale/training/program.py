@@ -32,23 +32,27 @@ class TrainProgram:
 
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh):
         self.config, self.mesh = config, mesh
-        self.model = model_spec(config)
+        self.model = model = model_spec(config)
+        # With LoRA the optimizer sees the adapters alone (TrainState.params).
         self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
-                                                self.model.logical_specs)
+                                                model.trained(model.logical_specs))
         self.rules = rules_from_config(config.sharding.rules)
+        # Every parameter of the model, base and adapters: what evaluation reads.
+        self.param_shardings = tree_shardings(model.logical_specs, mesh, self.rules)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
         # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
         moments = jax.tree.map(
             lambda spec: NamedSharding(mesh, spec),
-            moment_specs(self.model, self.rules, mesh.shape, config.sharding.optimizer_state),
+            moment_specs(model, self.rules, mesh.shape, config.sharding.optimizer_state),
             is_leaf=lambda x: isinstance(x, PartitionSpec))
         offloaded = config.optim.offload_state
         self.state_shardings = state_shardings(
-            abstract_state, tree_shardings(self.model.logical_specs, mesh, self.rules),
+            abstract_state, model.trained(self.param_shardings),
             offload.on_host(moments) if offloaded else moments, self.tx, mesh,
-            fp8_shardings=(None if self.model.fp8_specs is None else
-                           tree_shardings(self.model.fp8_specs, mesh, self.rules)))
+            fp8_shardings=(None if model.fp8_specs is None else
+                           tree_shardings(model.fp8_specs, mesh, self.rules)),
+            frozen_shardings=model.frozen(self.param_shardings))
         # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
         # that wrote it.
         self.abstract_state = jax.tree.map(
@@ -58,7 +62,7 @@ class TrainProgram:
         batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.init_state = jax.jit(init, out_shardings=self.state_shardings)
         zero1 = config.sharding.optimizer_state == "data"
-        train_step = make_train_step(config, self.model.train_graphdef, self.tx, self.schedule,
+        train_step = make_train_step(config, model.train_graphdef, self.tx, self.schedule,
                                      grad_shardings=moments if zero1 else None)
         if offloaded:
             train_step = offload.moments_to_device(train_step, self.state_shardings.opt_state)
@@ -67,8 +71,8 @@ class TrainProgram:
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
         self.eval_step = jax.jit(
-            self.with_rules(make_eval_step(config, self.model.graphdef)),
-            in_shardings=(self.state_shardings.params, batch_shardings))
+            self.with_rules(make_eval_step(config, model.graphdef)),
+            in_shardings=(self.param_shardings, batch_shardings))
 
     def with_rules(self, fn):
         """`fn`, traced with this program's mesh and rules active, so the model's `constrain`

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxscale import models
 from jaxscale.errors import ConfigError
 from jaxscale.models.fp8 import Fp8Meta
+from jaxscale.models.lora import join_adapters, lora_config, split_adapters
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import (Rules, logical_to_mesh, rules_from_config, split_further,
@@ -23,13 +24,22 @@ from jaxscale.parallel.sharding import (Rules, logical_to_mesh, rules_from_confi
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: steps taken, skipped ones included; the schedule's position
-    params: Any  # nested dict of float32 arrays (the master copy)
+    # nested dict of float32 arrays (the master copy) of the trained parameters: all of them, or
+    # with LoRA the adapters alone (`frozen` holds the rest)
+    params: Any
     opt_state: Any
     loss_scale: jax.Array  # float32 scalar; stays 1 unless compute is float16
     good_steps: jax.Array  # int32 scalar: finite steps since the loss scale last changed
     # precision.matmul='fp8': the fp8 matmuls' scales and amax histories (a nested dict beside
     # params, jaxscale/models/fp8.py); None otherwise.
     fp8: Any = None
+    # model.lora: the frozen base parameters (in the compute dtype), which no step changes and
+    # no checkpoint holds (the base is named by the config); None without LoRA.
+    frozen: Any = None
+
+    def model_params(self) -> Any:
+        """Every parameter of the model (base and adapters): what evaluation and sampling run."""
+        return self.params if self.frozen is None else join_adapters(self.params, self.frozen)
 
 
 def rope_scaling(section: ml_collections.ConfigDict) -> RopeScaling | None:
@@ -53,7 +63,8 @@ def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
         max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
         grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe),
-        fp8_history=config.precision.fp8_amax_history if config.precision.matmul == "fp8" else 0)
+        fp8_history=config.precision.fp8_amax_history if config.precision.matmul == "fp8" else 0,
+        lora=lora_config(m.lora.rank, m.lora.alpha, m.lora.targets))
 
 
 def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
@@ -76,6 +87,22 @@ class ModelSpec(NamedTuple):
     train_graphdef: nnx.GraphDef = None
     fp8_specs: Any = None  # the fp8 meta's logical PartitionSpecs; None without fp8
     abstract_fp8: Any = None  # its ShapeDtypeStructs
+
+    def trained(self, tree: Any) -> Any:
+        """The part of a params-shaped tree that training changes (TrainState.params): all of
+        it, or with LoRA the adapters."""
+        return split_adapters(tree)[0] if self.config.lora else tree
+
+    def frozen(self, tree: Any) -> Any:
+        """The rest (TrainState.frozen): with LoRA the base, else None."""
+        return split_adapters(tree)[1] if self.config.lora else None
+
+    @property
+    def num_trained(self) -> int | None:
+        """The parameters training changes, when not all of them (LoRA's adapters); else None."""
+        if not self.config.lora:
+            return None
+        return sum(a.size for a in jax.tree.leaves(self.trained(self.abstract_params)))
 
 
 def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
@@ -104,14 +131,19 @@ def params_on_mesh(spec: ModelSpec, mesh: Mesh, rules: Rules, dtype: str | None 
 
 def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
                seed: int) -> TrainState:
-    """A fresh state. Call it under `jit` with out_shardings so every array is born sharded."""
+    """A fresh state. Call it under `jit` with out_shardings so every array is born sharded.
+    With LoRA the base is frozen in the compute dtype: it needs no float32 master, never being
+    updated."""
     _, params, fp8 = nnx.split(models.create_model(model_config(config), seed), nnx.Param,
                                Fp8Meta)
-    params, fp8 = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8) or None
+    params, fp8, frozen = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8) or None, None
+    if config.model.lora.rank:
+        params, frozen = split_adapters(params)
+        frozen = jax.tree.map(lambda x: x.astype(config.precision.compute_dtype), frozen)
     loss_scale = config.precision.loss_scale_init if uses_dynamic_loss_scale(config) else 1.0
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),
-                      good_steps=jnp.zeros((), jnp.int32), fp8=fp8)
+                      good_steps=jnp.zeros((), jnp.int32), fp8=fp8, frozen=frozen)
 
 
 def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
@@ -130,7 +162,8 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
     updated parameters gathered back to theirs. ConfigError when a parameter has no dimension
     (besides its stacked layers) those axes divide.
     """
-    param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
+    logical_specs = spec.trained(spec.logical_specs)
+    param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), logical_specs,
                                is_leaf=lambda x: isinstance(x, P))
     if layout == "params":
         return param_specs
@@ -153,22 +186,24 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
                 "sharding.optimizer_state='params' or a data degree that divides its dimensions")
         return split
 
-    return jax.tree_util.tree_map_with_path(further, spec.logical_specs, param_specs,
-                                            spec.abstract_params,
+    return jax.tree_util.tree_map_with_path(further, logical_specs, param_specs,
+                                            spec.trained(spec.abstract_params),
                                             is_leaf=lambda x: isinstance(x, P))
 
 
 def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
                     tx: optax.GradientTransformation, mesh: Mesh,
-                    fp8_shardings: Any = None) -> TrainState:
+                    fp8_shardings: Any = None, frozen_shardings: Any = None) -> TrainState:
     """Parameters as `param_shardings`; each optimizer moment as its parameter's entry of
-    `moments` (see `moment_specs`); the fp8 meta as `fp8_shardings`; scalars replicated."""
+    `moments` (see `moment_specs`); the fp8 meta as `fp8_shardings`, the frozen base as
+    `frozen_shardings`; scalars replicated."""
     replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract_state.opt_state, moments,
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                      loss_scale=replicated, good_steps=replicated, fp8=fp8_shardings)
+                      loss_scale=replicated, good_steps=replicated, fp8=fp8_shardings,
+                      frozen=frozen_shardings)
 
 
 def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:

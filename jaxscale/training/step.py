@@ -19,6 +19,7 @@ from flax import nnx
 from jaxscale.training.loss import summed_cross_entropy
 from jaxscale.models.fp8 import combine_updates
 from jaxscale.models.llama import HEAD_AXES, logits_from
+from jaxscale.models.lora import join_adapters
 from jaxscale.models.moe import RouterStats
 from jaxscale.training.optim import schedule_at
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
@@ -114,15 +115,17 @@ def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nn
 
 
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
-                           fp8, batch: Batch, multiplier: jax.Array
+                           fp8, batch: Batch, multiplier: jax.Array, frozen=None
                            ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
     """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
     without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
-    returned last."""
+    returned last. With LoRA `params` are the adapters, the only thing differentiated, and
+    `frozen` the base they join."""
     chunk = config.model.loss_chunk_len
     pipeline = config_pipeline(config)
 
-    def scaled(p, meta):
+    def scaled(adapted, meta):
+        p = adapted if frozen is None else join_adapters(adapted, frozen)
         if pipeline is not None and pipeline.schedule == "1f1b":
             objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
                                                        multiplier)
@@ -149,13 +152,14 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
-    def accumulate(params, fp8, batch, multiplier):
+    def accumulate(params, fp8, frozen, batch, multiplier):
         if k == 1:
-            return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier)
+            return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier,
+                                          frozen)
 
         def add_microbatch(carry, microbatch):
             total, grads, router, next_fp8 = loss_grad_and_next_fp8(
-                config, graphdef, params, fp8, microbatch, multiplier)
+                config, graphdef, params, fp8, microbatch, multiplier, frozen)
             acc_total, acc_grads, acc_fp8 = carry
             return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads),
                     combine_updates(acc_fp8, next_fp8)), router
@@ -171,8 +175,8 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         denominator = jnp.maximum(tokens, 1.0)
         # Differentiating loss * scale / tokens gives the mean-loss gradient (times the float16
         # loss scale) directly, without another pass over every gradient afterwards.
-        total, grads, router, next_fp8 = accumulate(state.params, state.fp8, batch,
-                                                    state.loss_scale / denominator)
+        total, grads, router, next_fp8 = accumulate(state.params, state.fp8, state.frozen,
+                                                    batch, state.loss_scale / denominator)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         if grad_shardings is not None:
@@ -208,7 +212,8 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         if dynamic_scale:
             metrics["loss_scale"] = loss_scale
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               loss_scale=loss_scale, good_steps=good_steps, fp8=fp8)
+                               loss_scale=loss_scale, good_steps=good_steps, fp8=fp8,
+                               frozen=state.frozen)
         return new_state, metrics
 
     return train_step

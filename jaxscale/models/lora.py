@@ -1,0 +1,166 @@
+"""LoRA: low-rank adapters on the weight matmuls (`model.lora`), the base weights frozen.
+
+A targeted weight W (q, k, v, o of attention; gate, up, down of the dense feed-forward) gets two
+trainable factors beside it: A, shaped like W's input dimensions followed by the rank r, and B,
+the rank followed by W's output dimensions. The matmul becomes x W + (alpha / r) (x A) B, so the
+adapted model is the base model plus a rank-r change of each W. B starts at zero: at step 0 the
+adapted model is the base model exactly. A starts normal with the variance of PEFT's default
+(Kaiming-uniform with a = sqrt(5): 1 / (3 fan_in)), so the two checkpoints start alike.
+
+Where they live. An adapter is the module `<weight>_lora` (parameters `a`, `b`) beside its
+weight, so it is stacked along the blocks' `layers` axis like every block parameter and each
+factor's logical axes are its weight's (the rank dimension is never sharded): whatever rules
+shard W over fsdp, tensor or pipeline shard A and B the same way. In a params tree (the pure
+dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key; `split_adapters`
+and `join_adapters` take such a tree apart and back together, which is how the train state
+holds the adapters as its trainable `params` and the rest as `frozen` (jaxscale/training/).
+
+What stays as it is: the embedding, the norms, the head, and every weight not targeted are frozen
+with the base; evaluation, sampling and export run the whole model (base and adapters), and
+`merged` folds the adapters into their weights (W + (alpha / r) A B), which is what a Hugging
+Face export writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.errors import ConfigError
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the weights an adapter can sit beside
+ADAPTER_SUFFIX = "_lora"  # `q_lora` is the adapter of `q`
+_RANK = "z"  # the rank's letter in the adapter's einsums: unused by the layers' own specs
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class Adapter(nnx.Module):
+    """The factors A [*inputs, rank] and B [rank, *outputs] of one weight, whose first `inputs`
+    dimensions are the ones its matmul contracts."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int,
+                 cfg: LoraConfig, rngs: nnx.Rngs):
+        fan_in = math.prod(shape[:inputs])
+        a_init = jax.nn.initializers.normal(1 / math.sqrt(3 * fan_in))
+        self.a = nnx.Param(a_init(rngs.params(), shape[:inputs] + (cfg.rank,), jnp.float32),
+                           out_sharding=axes[:inputs] + (None,))
+        self.b = nnx.Param(jnp.zeros((cfg.rank,) + shape[inputs:], jnp.float32),
+                           out_sharding=(None,) + axes[inputs:])
+        self.inputs = inputs
+        self.scale = cfg.scale
+
+    def __call__(self, spec: str, x: jax.Array, matmul, grad_dtype: jnp.dtype) -> jax.Array:
+        """(alpha / r) (x A) B for the weight matmul `spec` ("btd,dnh->btnh"), each product made
+        by `matmul` (the layers' `weight_matmul`, so the gradients' dtypes and the remat names
+        are the weight's own)."""
+        x_axes, rest = spec.split(",")
+        weight_axes, out_axes = rest.split("->")
+        contracted = weight_axes[:self.inputs]
+        kept = "".join(a for a in x_axes if a not in contracted)
+        low = matmul(f"{x_axes},{contracted}{_RANK}->{kept}{_RANK}", x,
+                     self.a[...].astype(grad_dtype))
+        # The scale rides on B, so the rank-r product is not rescaled at full width.
+        return matmul(f"{kept}{_RANK},{_RANK}{weight_axes[self.inputs:]}->{out_axes}", low,
+                      (self.b[...] * self.scale).astype(grad_dtype))
+
+
+def adapter(cfg: LoraConfig | None, name: str, weight: nnx.Param, inputs: int,
+            rngs: nnx.Rngs) -> Adapter | None:
+    """The adapter of weight `name` when `cfg` targets it, else None."""
+    if cfg is None or name not in cfg.targets:
+        return None
+    return Adapter(weight.shape, tuple(weight.out_sharding), inputs, cfg, rngs)
+
+
+def split_adapters(tree: dict) -> tuple[dict, dict]:
+    """(the adapters, the rest) of a params-shaped nested dict (parameters, their logical specs,
+    shardings or shapes): the entries under `*_lora` keys, and the others."""
+    adapters, rest = {}, {}
+    for key, value in tree.items():
+        if str(key).endswith(ADAPTER_SUFFIX):
+            adapters[key] = value
+        elif isinstance(value, dict):
+            inner_adapters, inner_rest = split_adapters(value)
+            if inner_adapters:
+                adapters[key] = inner_adapters
+            if inner_rest:
+                rest[key] = inner_rest
+        else:
+            rest[key] = value
+    return adapters, rest
+
+
+def join_adapters(adapters: dict, rest: dict) -> dict:
+    """The tree `split_adapters` took apart."""
+    joined = dict(rest)
+    for key, value in adapters.items():
+        joined[key] = join_adapters(value, rest[key]) if key in rest else value
+    return joined
+
+
+def merged(params: dict, cfg: LoraConfig) -> dict:
+    """The params without adapters, each targeted weight W replaced by W + (alpha / r) A B (per
+    layer for stacked weights), in float32."""
+    out = {}
+    for key, value in params.items():
+        if str(key).endswith(ADAPTER_SUFFIX):
+            continue
+        if isinstance(value, dict):
+            out[key] = merged(value, cfg)
+            continue
+        lora = params.get(f"{key}{ADAPTER_SUFFIX}")
+        out[key] = value if lora is None else value + low_rank_change(lora, value.shape, cfg)
+    return out
+
+
+def low_rank_change(lora: dict, shape: tuple[int, ...], cfg: LoraConfig) -> jax.Array:
+    """(alpha / r) A B for an adapter {a, b}, shaped like its weight (`shape`); a leading stacked
+    dimension that both factors and the weight have is kept, not multiplied across."""
+    a, b = (jnp.asarray(lora[k], jnp.float32) for k in ("a", "b"))
+    stacked = a.ndim + b.ndim - 2 > len(shape)  # both carry the `layers` dimension
+    lead = a.shape[:1] if stacked else ()
+    a2 = a.reshape(lead + (-1, cfg.rank))
+    b2 = b.reshape(lead + (cfg.rank, -1))
+    return (cfg.scale * jnp.matmul(a2, b2)).reshape(shape)
+
+
+def lora_config(rank: int, alpha: float, targets) -> LoraConfig | None:
+    """`model.lora` as the model takes it: None when off (rank 0)."""
+    return LoraConfig(rank, float(alpha), tuple(targets)) if rank else None
+
+
+def check_lora(config) -> None:
+    """ConfigError for `model.lora` settings the adapters cannot honour (config: the run's)."""
+    lora = config.model.lora
+    if not lora.rank:
+        return
+    targets = tuple(lora.targets)
+    unknown = [t for t in targets if t not in TARGETS]
+    if not targets or unknown or len(set(targets)) != len(targets):
+        raise ConfigError(f"model.lora.targets={targets!r}: name each weight once, among "
+                          f"{TARGETS}")
+    if lora.dropout:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: dropout on the adapters' input "
+                          "is not built; use model.lora.dropout=0")
+    if config.model.moe.every:
+        raise ConfigError(f"model.lora with MoE layers (model.moe.every={config.model.moe.every}"
+                          "): the experts have no adapters; use model.lora.rank=0 or a dense "
+                          "model (model.moe.every=0)")
+    if config.precision.matmul != "bfloat16":
+        raise ConfigError(f"model.lora with precision.matmul={config.precision.matmul!r}: "
+                          "adapters run in the compute dtype beside bfloat16 weights only; use "
+                          "precision.matmul='bfloat16' or model.lora.rank=0")
