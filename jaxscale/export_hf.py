@@ -6,6 +6,13 @@ transformers' LlamaForCausalLM.from_pretrained(DIR) loads: config.json, safetens
 SentencePiece tokenizer.model) when it used one. The model comes from W/config.json, so it is
 exported as it was trained. The parameters are restored onto the first device and written one
 tensor at a time; the host holds one tensor at a time.
+
+A LoRA run (model.lora.rank > 0) checkpoints its adapters alone: they are merged into the weights
+of the base they were trained on -- the run's checkpoint.restore_from (a Hugging Face folder or a
+jaxscale run, read in float32), else the init of train.seed -- each targeted W becoming
+W + (alpha / r) A B, and the merged model is written as above. `--adapters_only` writes the
+adapters instead, as a PEFT folder (adapter_config.json, adapter_model.safetensors;
+jaxscale/hf/peft.py) for `peft.PeftModel.from_pretrained(base, DIR)`.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ def make_parser() -> ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="The files' dtype (default bfloat16, as Llama ships; float32 "
                              "keeps the parameters exactly).")
+    parser.add_argument("--adapters_only", action="store_true",
+                        help="A LoRA run: write its adapters as a PEFT folder "
+                             "(adapter_config.json, adapter_model.safetensors) instead of the "
+                             "model with the adapters merged into its weights.")
     return parser
 
 
@@ -57,14 +68,34 @@ def checkpoint_step(directory: str, step: int | None) -> int:
     return step
 
 
-def export(workdir: str, out: str, step: int | None, dtype: str) -> str:
+def check_adapters_only(config, workdir: str) -> None:
+    """JaxscaleError unless the run has adapters and a base peft can load them onto."""
+    if not config.model.lora.rank:
+        raise JaxscaleError(f"--adapters_only: the run in {workdir!r} trained no LoRA adapters "
+                            "(model.lora.rank=0); export its whole model without "
+                            "--adapters_only")
+    if not config.checkpoint.restore_from:
+        raise JaxscaleError(
+            f"--adapters_only: the adapters of {workdir!r} were trained on the init of "
+            f"train.seed={config.train.seed} (checkpoint.restore_from is empty), which no Hugging "
+            "Face folder holds for peft to load them onto; export without --adapters_only to "
+            "write the model with the adapters merged in")
+
+
+def export(workdir: str, out: str, step: int | None, dtype: str,
+           adapters_only: bool = False) -> str:
     """Writes the folder; returns a line saying what was written."""
-    from jaxscale.checkpoint.manager import checkpoint_dir, restore_from  # JAX from here on
+    from jaxscale.checkpoint.manager import (checkpoint_dir, lora_base,  # JAX from here on
+                                             restore_from)
     from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
     from jaxscale.hf import save_model
+    from jaxscale.hf.config import is_hf_folder
+    from jaxscale.hf.peft import save_adapters
     from jaxscale.training.state import TrainState, model_spec
 
     config = read_config(workdir)
+    if adapters_only:
+        check_adapters_only(config, workdir)
     directory = checkpoint_dir(config, workdir)
     step = checkpoint_step(directory, step)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
@@ -78,27 +109,61 @@ def export(workdir: str, out: str, step: int | None, dtype: str) -> str:
     device = SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                             spec.abstract_params)
-    restored = restore_from(os.path.join(directory, str(step)),
-                            TrainState(step=None, params=abstract, opt_state=None,
-                                       loss_scale=None, good_steps=None),
+
+    def restored(source: str, params: dict):
+        return restore_from(source, TrainState(step=None, params=params, opt_state=None,
+                                               loss_scale=None, good_steps=None),
                             params_only=True, model_config=spec.config)
-    ids = {f"{key}_token_id": getattr(tokenizer, f"{key}_id") for key in ("bos", "eos")}
-    files = save_model(restored.params, spec.config, out, dtype,
-                       **{k: v for k, v in ids.items() if v >= 0})
+
+    # The checkpoint's params: every parameter, or with LoRA the adapters alone.
+    params = restored(os.path.join(directory, str(step)), spec.trained(abstract)).params
+    base, rank = config.checkpoint.restore_from, config.model.lora.rank
+    if adapters_only:
+        hf_base = os.path.abspath(base) if is_hf_folder(base) else None
+        files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base)
+        what = f"the LoRA adapters (rank {rank}) of step {step} of {workdir} to {out} ({dtype})"
+        then = (f"; load them with peft.PeftModel.from_pretrained(LlamaForCausalLM."
+                f"from_pretrained({hf_base!r}), {out!r})" if hf_base else
+                f"; their base is the jaxscale run {base!r}: export it with python -m "
+                "jaxscale.export_hf and load them onto that with peft")
+    else:
+        what, then = f"step {step} of {workdir} to {out} ({dtype})", ""
+        if rank:  # the adapters, merged into the base they were trained on
+            base_params, base_name = lora_base(config, spec, spec.frozen(abstract))
+            params = merge_into(base_params, params, spec.config.lora)
+            what += f", its LoRA adapters (rank {rank}) merged into their base {base_name}"
+        ids = {f"{key}_token_id": getattr(tokenizer, f"{key}_id") for key in ("bos", "eos")}
+        files = ["config.json"] + save_model(params, spec.config, out, dtype,
+                                             **{k: v for k, v in ids.items() if v >= 0})
     if not isinstance(tokenizer, ByteTokenizer):
         source = os.path.expanduser(config.data.tokenizer)
         target = "tokenizer.json" if source.endswith(".json") else "tokenizer.model"
         shutil.copyfile(source, os.path.join(out, target))
         files.append(target)
-    return (f"exported step {step} of {workdir} to {out} ({dtype}): config.json, "
-            f"{', '.join(files)}")
+    return f"exported {what}: {', '.join(files)}{then}"
+
+
+def merge_into(base: dict, adapters: dict, cfg) -> dict:
+    """`base` with each weight that has an adapter replaced, in place, by the weight with the
+    adapter folded in (`lora.merged`: W + (alpha / r) A B, in float32), one weight at a time,
+    so that no more than one weight is held twice."""
+    from jaxscale.models.lora import ADAPTER_SUFFIX, merged  # imports JAX, as above
+
+    for key, value in adapters.items():
+        if key.endswith(ADAPTER_SUFFIX):
+            name = key.removesuffix(ADAPTER_SUFFIX)
+            base[name] = merged({name: base[name], key: value}, cfg)[name]
+        else:
+            merge_into(base[key], value, cfg)
+    return base
 
 
 def main(argv: list[str]) -> None:
     args = make_parser().parse_args(argv)
     try:
         with quiet_libtpu():
-            print(export(args.workdir, args.out, args.step, args.dtype), flush=True)
+            print(export(args.workdir, args.out, args.step, args.dtype, args.adapters_only),
+                  flush=True)
     except (JaxscaleError, TransientError) as e:
         fail_with(e)
 

@@ -1,5 +1,7 @@
 """Hugging Face Llama folders in and out: `load_model(path)` -> (model, LlamaConfig) and
-`save_model(model_or_params, model_config, path)` (jaxscale/hf/model.py); docs/huggingface.md.
+`save_model(model_or_params, model_config, path)` (jaxscale/hf/model.py); a LoRA run's adapters
+as a PEFT folder, `save_adapters(params, model_config, path)` (jaxscale/hf/peft.py);
+docs/huggingface.md.
 
     from jaxscale import hf
     model, model_config = hf.load_model("Llama-3.2-1B", dtype="bfloat16")
@@ -9,6 +11,7 @@ use it; the functions that need JAX are imported from here when first asked for.
 """
 
 _MODEL_API = ("load_model", "save_model")
+_PEFT_API = ("save_adapters",)
 
 
 def __getattr__(name: str):
@@ -16,4 +19,8 @@ def __getattr__(name: str):
         from jaxscale.hf import model  # noqa: PLC0415 - JAX only when the weights are wanted
 
         return getattr(model, name)
+    if name in _PEFT_API:
+        from jaxscale.hf import peft  # noqa: PLC0415 - JAX only when the weights are wanted
+
+        return getattr(peft, name)
     raise AttributeError(f"module 'jaxscale.hf' has no attribute {name!r}")
