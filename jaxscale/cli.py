@@ -49,6 +49,13 @@ def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
     sys.exit(exit_code)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error: ...` line and exit status 2."""
+
+    def error(self, message: str) -> None:
+        fail(f"{message} (see {self.prog} --help)")
+
+
 def fail_with(error: JaxscaleError | TransientError) -> NoReturn:
     """One `error: ...` line, and the exit status that says what to do next: 2 for the user's
     mistake, 75 for a transient failure of the infrastructure."""

@@ -21,11 +21,10 @@ import os
 import shutil
 import sys
 
-from jaxscale.cli import fail_with, folder_flag, number_flag
+from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.kinds import whole
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.launch.cli import ArgumentParser
 from jaxscale.runtime.workdir import check_writable, read_config
 
 DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX

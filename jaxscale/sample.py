@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxscale.cli import fail_with, folder_flag, number_flag
+from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.config import NUMBERS
 from jaxscale.kinds import real, whole
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
-from jaxscale.launch.cli import ArgumentParser
 
 PROG = "python -m jaxscale.sample"
 # The kinds of the numeric flags (jaxscale.config.Number), as the config's keys have theirs.

@@ -15,9 +15,9 @@ import sys
 import time
 
 from jaxscale.runtime import distributed
-from jaxscale.cli import fail, fail_with
+from jaxscale.cli import ArgumentParser, fail, fail_with
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
-from jaxscale.launch.cli import ArgumentParser, nonnegative_float, positive
+from jaxscale.launch.cli import nonnegative_float, positive
 
 
 def make_parser() -> ArgumentParser:

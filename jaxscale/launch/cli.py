@@ -1,6 +1,6 @@
-"""What the launcher CLIs share: argparse with the `error: ...` exit (one line, status 2) for every
-bad flag or value, the number types of their flags, splitting a command line at `--`, and checking
-a training command's config against the cluster shape before anything is started or submitted."""
+"""What the launcher CLIs share (besides jaxscale.cli's ArgumentParser): the number types of their
+flags, splitting a command line at `--`, and checking a training command's config against the
+cluster shape before anything is started or submitted."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ import sys
 from jaxscale.cli import fail, number_flag, parse_train_flags
 from jaxscale.kinds import real, whole
 from jaxscale.errors import JaxscaleError
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one `error: ...` line and exit status 2."""
-
-    def error(self, message: str) -> None:
-        fail(f"{message} (see {self.prog} --help)")
-
 
 class StopRequest:
     """What a launcher has been told by signals: the first SIGTERM or SIGINT (`signal`) goes on to

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from jaxscale.launch.cli import ArgumentParser, check_train_args, parse_launcher_args, positive
+from jaxscale.cli import ArgumentParser
+from jaxscale.launch.cli import check_train_args, parse_launcher_args, positive
 
 
 def make_parser() -> ArgumentParser:
