@@ -201,6 +201,12 @@ def test_the_base_comes_from_checkpoint_restore_from(tmp_path):
     fresh.checkpoint.compilation_cache = False
     mesh_trainer(fresh, tmp_path / "fresh").run()
     assert abs(eval_loss(tmp_path / "fresh") - eval_loss(tmp_path / "full")) > 1e-3
+    # A bfloat16 run reads the float32 checkpoint's parameters into its bfloat16 base.
+    in_bf16 = lora_config()
+    in_bf16.train.update(steps=1)
+    in_bf16.precision.compute_dtype = "bfloat16"
+    in_bf16.checkpoint.update(restore_from=str(tmp_path / "full"), compilation_cache=False)
+    assert np.isfinite(mesh_trainer(in_bf16, tmp_path / "bf16").run()["loss"])
 
 
 def test_lora_counts_the_frozen_weights_backward_as_four_flops():

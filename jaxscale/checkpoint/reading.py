@@ -77,7 +77,10 @@ def restore_once(directory: epath.Path, step: int, abstract_state: TrainState, *
         if found.verdict is not Verdict.OK:
             return found
         reader, saved = found.value
-        _check_fits(saved["params"].tree, abstract_state.params, "parameter", path)
+        # Taking only the parameters (a fine-tuning start, LoRA's base, an export) reads them in
+        # the reader's float dtype: LoRA keeps its frozen base in the compute dtype.
+        _check_fits(saved["params"].tree, abstract_state.params, "parameter", path,
+                    cast_floats=params_only)
         # An fp8 run reads the checkpoint's fp8 meta when it has some; a bfloat16 run never.
         with_fp8 = (not params_only and abstract_state.fp8 is not None
                     and saved.get(FP8_ITEM) is not None)
