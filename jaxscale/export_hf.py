@@ -27,7 +27,9 @@ from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.workdir import check_writable, read_config
 
-DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX
+DTYPES = ("bfloat16", "float32", "float16")
+# Beside a tokenizer file, what holds its chat template (and special tokens) for transformers.
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")  # jaxscale.hf.weights.DTYPES, without importing JAX
 
 
 def make_parser() -> ArgumentParser:
@@ -139,6 +141,12 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
         target = "tokenizer.json" if source.endswith(".json") else "tokenizer.model"
         shutil.copyfile(source, os.path.join(out, target))
         files.append(target)
+        # A chat model keeps its chat template: the files transformers reads it from.
+        for name in CHAT_TEMPLATE_FILES:
+            beside = os.path.join(os.path.dirname(source), name)
+            if os.path.isfile(beside):
+                shutil.copyfile(beside, os.path.join(out, name))
+                files.append(name)
     return f"exported {what}: {', '.join(files)}{then}"
 
 

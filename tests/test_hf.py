@@ -217,15 +217,20 @@ def test_fine_tune_from_hf_folder_then_export(tmp_path, capsys):
     """configs/hf.py:FOLDER takes the model section and the tokenizer from the folder and starts
     from its weights (params only, step 0); export_hf writes the run's parameters back. With a
     learning rate too small to move a float32 weight, the export is the folder's weights, bit
-    for bit."""
+    for bit; the chat template beside the tokenizer goes with it."""
     from jaxscale import export_hf
     from jaxscale.cli import load_config_file
     from jaxscale.trainer import Trainer
 
-    config = load_config_file(os.path.join(REPO, "configs", "hf.py") + ":" + TIED)
+    folder = str(tmp_path / "model")
+    shutil.copytree(TIED, folder)
+    template = {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(template, f)
+    config = load_config_file(os.path.join(REPO, "configs", "hf.py") + ":" + folder)
     assert (config.model.d_model, config.model.tie_embeddings, config.model.rope_scaling.type,
             config.data.bos_token, config.checkpoint.restore_from) == (
-        32, True, "llama3", "<|begin_of_text|>", TIED)
+        32, True, "llama3", "<|begin_of_text|>", folder)
     config.train.update(steps=2, batch_size=8, seq_len=16, eval_every=0, log_every=1)
     config.optim.update(lr=1e-30, warmup_steps=0)
     config.precision.compute_dtype = "float32"
@@ -239,7 +244,9 @@ def test_fine_tune_from_hf_folder_then_export(tmp_path, capsys):
     export_hf.main([f"--workdir={workdir}", f"--out={tmp_path / 'out'}", "--dtype=float32"])
     assert "exported step 2" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors",
-                                                    "tokenizer.json"]
+                                                    "tokenizer.json", "tokenizer_config.json"]
+    with open(tmp_path / "out" / "tokenizer_config.json", encoding="utf-8") as f:
+        assert json.load(f) == template
     exported, _ = hf.load_model(str(tmp_path / "out"))
     original, _ = hf.load_model(TIED)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
