@@ -109,7 +109,7 @@ def save_adapters(adapters: Any, model_config: LlamaConfig, path: str, dtype: st
 
     def produce(name: str) -> np.ndarray:
         t, layer, which = factors[name]
-        factor = weights._to_host(_adapter(adapters, t)[which][layer])
+        factor = weights.to_host(_adapter(adapters, t)[which][layer])
         if which == "a":  # [*inputs, r] -> [r, in]
             return factor.reshape(-1, rank).T.astype(np_dtype)
         return factor.reshape(rank, -1).T.astype(np_dtype)  # [r, *outputs] -> [out, r]

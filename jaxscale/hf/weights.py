@@ -237,7 +237,7 @@ def load_params(path: str, cfg: LlamaConfig, abstract_params: Any) -> Any:
 
 # -- saving ----------------------------------------------------------------------------------
 
-def _to_host(array: jax.Array) -> np.ndarray:
+def to_host(array: jax.Array) -> np.ndarray:
     """The whole array on this host (gathered from the other processes when they hold parts)."""
     if array.is_fully_addressable:
         return np.asarray(array)
@@ -260,7 +260,7 @@ def save_params(params: Any, cfg: LlamaConfig, path: str, dtype: str,
         array = params
         for key in t.path:
             array = array[key]
-        ours = _to_host(array if layer is None else array[layer])
+        ours = to_host(array if layer is None else array[layer])
         unpadded = ours[tuple(slice(0, n) for n in (t.view[p] for p in t.perm))]
         return unpadded.transpose(np.argsort(t.perm)).reshape(t.hf_shape).astype(np_dtype)
 
