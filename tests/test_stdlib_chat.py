@@ -111,6 +111,7 @@ def test_bad_flags_are_one_error_line_and_exit_2(args, message, tmp_path, capsys
     assert not (tmp_path / "chat.jsonl").exists()
 
 
+@pytest.mark.slow  # a training run end to end: CI runs it with the slow ones
 def test_tiny_chat_trains_on_it(data_file, tmp_path):
     config = load_config_file(f"{REPO}/configs/tiny_chat.py:{data_file}")
     # From scratch (no runs/default here), 20 steps, no samples (compiling the sampler would
