@@ -138,6 +138,7 @@ def test_merged_export_gives_the_adapted_models_logits(hf_lora_run, tmp_path, ca
     assert relative_error(merged, unscaled) > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # torch and transformers load in seconds; CI runs it
 def test_merged_export_loads_in_transformers(hf_lora_run, tmp_path, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -192,6 +193,7 @@ def test_peft_folder_holds_the_merged_change(hf_lora_run, tmp_path, capsys):
                                        err_msg=name)
 
 
+@pytest.mark.slow  # torch and transformers load in seconds; CI runs it
 def test_peft_loads_the_adapters_onto_the_base(hf_lora_run, tmp_path, capsys):
     """Needs torch, transformers and peft: PeftModel.from_pretrained(the base, the folder) gives
     the adapted model's logits, and loads every adapter tensor (none missing, none unused)."""
