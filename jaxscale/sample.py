@@ -72,7 +72,7 @@ def run_config(workdir: str):
 def prompt_ids(tokenizer, config, text: str, max_new_tokens: int):
     """[1, length] ids of `text`, after BOS when the run framed documents with one; ConfigError
     when the prompt and the tokens to generate do not fit in model.max_seq_len."""
-    from jaxscale.inference.sampler import encode_prompt
+    from jaxscale.data.tokenizers import encode_prompt
 
     max_seq_len = config.model.max_seq_len
     ids = encode_prompt(tokenizer, config, text)
@@ -92,10 +92,9 @@ def continuation(args: argparse.Namespace) -> str:
     import jax
 
     from jaxscale.config import default_config
-    from jaxscale.data.tokenizers import tokenizer_from_config
+    from jaxscale.data.tokenizers import decode_continuation, tokenizer_from_config
     from jaxscale.parallel.sharding import rules_from_config
-    from jaxscale.inference.sampler import (Sampler, decode_continuation, restored_model,
-                                            sampling_mesh)
+    from jaxscale.inference.sampler import Sampler, restored_model, sampling_mesh
 
     if args.workdir is not None:
         config, source = run_config(args.workdir)

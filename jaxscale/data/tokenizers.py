@@ -185,3 +185,17 @@ def _check_json(path: str, name: str) -> None:
     except ValueError as e:  # also UnicodeDecodeError: a binary file
         raise ConfigError(f"data.tokenizer={name!r} is not JSON ({e}); give a tokenizer.json "
                           f"as tokenizers' Tokenizer.save writes it, or use 'byte'") from None
+
+
+def encode_prompt(tokenizer, config: ml_collections.ConfigDict, text: str) -> np.ndarray:
+    """The ids of `text` as the run framed its documents: after BOS when it added one."""
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    if config.data.add_bos:
+        ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), ids])
+    return ids
+
+
+def decode_continuation(tokenizer, config: ml_collections.ConfigDict, tokens) -> str:
+    """The text of generated `tokens`, up to the first EOS when the run ended documents with one."""
+    ends = np.flatnonzero(tokens == tokenizer.eos_id) if config.data.add_eos else []
+    return tokenizer.decode(tokens[:ends[0]] if len(ends) else tokens)

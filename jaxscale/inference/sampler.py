@@ -100,20 +100,6 @@ class Sampler:
         return np.asarray(tokens)
 
 
-def encode_prompt(tokenizer, config: ml_collections.ConfigDict, text: str) -> np.ndarray:
-    """The ids of `text` as the run framed its documents: after BOS when it added one."""
-    ids = np.asarray(tokenizer.encode(text), np.int32)
-    if config.data.add_bos:
-        ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), ids])
-    return ids
-
-
-def decode_continuation(tokenizer, config: ml_collections.ConfigDict, tokens) -> str:
-    """The text of generated `tokens`, up to the first EOS when the run ended documents with one."""
-    ends = np.flatnonzero(tokens == tokenizer.eos_id) if config.data.add_eos else []
-    return tokenizer.decode(tokens[:ends[0]] if len(ends) else tokens)
-
-
 def restored_model(config: ml_collections.ConfigDict, source: str, mesh: Mesh,
                    rules: Rules) -> tuple[nnx.Module, str]:
     """(the model of `config` with the parameters of `source`, where they came from): `source` is

@@ -14,9 +14,9 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.data.tokenizers import tokenizer_from_config
+from jaxscale.data.tokenizers import decode_continuation, encode_prompt, tokenizer_from_config
 from jaxscale.errors import ConfigError
-from jaxscale.inference.sampler import Sampler, decode_continuation, encode_prompt
+from jaxscale.inference.sampler import Sampler
 from jaxscale.parallel.sharding import Rules
 
 
