@@ -129,7 +129,9 @@ def default_config() -> ml_collections.ConfigDict:
         # LoRA (jaxscale/models/lora.py): rank > 0 trains low-rank adapters beside the target
         # weights (q k v o of attention, gate up down of the feed-forward) with everything else
         # frozen in the compute dtype; each adapter adds (alpha / rank) x A B to its weight.
-        # The base is checkpoint.restore_from (a Hugging Face folder or a run), else the init.
+        # dropout: in the train step only, each element of an adapter's input is zeroed with
+        # this probability (PEFT's lora_dropout). The base is checkpoint.restore_from (a
+        # Hugging Face folder or a run), else the init.
         lora=dict(rank=0, alpha=16.0, dropout=0.0,
                   targets=("q", "k", "v", "o", "gate", "up", "down")),
     )

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.models.fp8 import Fp8Site, fp8_matmul, site
-from jaxscale.models.lora import Adapter, LoraConfig, adapter
+from jaxscale.models.lora import Adapter, AdapterDropout, LoraConfig, adapter
 from jaxscale.models.rope import RopeScaling, apply_rope
 from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
@@ -59,13 +59,14 @@ def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
 
 
 def adapted_matmul(spec: str, x: jax.Array, weight: jax.Array, fp8: Fp8Site | None,
-                   lora: Adapter | None) -> jax.Array:
+                   lora: Adapter | None, dropout: AdapterDropout | None = None) -> jax.Array:
     """`weight_matmul`, plus the LoRA adapter's low-rank product when the weight has one
-    (jaxscale/models/lora.py); `weight` comes in the dtype its gradient is made in."""
+    (jaxscale/models/lora.py), its input through `dropout` when training with it; `weight`
+    comes in the dtype its gradient is made in."""
     out = weight_matmul(spec, x, weight, fp8=fp8)
     if lora is None:
         return out
-    return out + lora(spec, x, weight_matmul, weight.dtype)
+    return out + lora(spec, x, weight_matmul, weight.dtype, dropout)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -140,7 +141,8 @@ class Attention(nnx.Module):
     kernel (jaxscale.parallel.attention.IMPLEMENTATIONS). `grad_dtype`: the dtype the weights'
     gradients are made and reduced in (`weight_matmul`; None: `dtype`). `fp8_history` > 0: the
     four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`).
-    `lora`: the adapters of the projections it targets (`models/lora.py`)."""
+    `lora`: the adapters of the projections it targets (`models/lora.py`); `dropout` (train
+    step only): on their inputs."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
@@ -165,13 +167,13 @@ class Attention(nnx.Module):
                                                  for name in ("q", "k", "v"))
         self.o_lora = adapter(lora, "o", self.o, 2, rngs)  # o contracts heads and head_dim
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array | None) -> jax.Array:
-        q, k, v = self.project(x, positions)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 dropout: AdapterDropout | None = None) -> jax.Array:
+        q, k, v = self.project(x, positions, dropout)
         wide = float32_accumulating(self.dtype)
         out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
                      self.implementation, positions=positions, max_segments=self.max_segments)
-        return self.output(out)
+        return self.output(out, dropout)
 
     def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,
                start: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -187,13 +189,13 @@ class Attention(nnx.Module):
                               cache.v[layer].astype(wide), start)
         return self.output(out), cache
 
-    def project(self, x: jax.Array,
-                positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project(self, x: jax.Array, positions: jax.Array,
+                dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) in the compute dtype, q and k rotated to their positions."""
-        gt = self.grad_dtype
-        q = adapted_matmul("btd,dnh->btnh", x, self.q[...].astype(gt), self.q_fp8, self.q_lora)
-        k = adapted_matmul("btd,dkh->btkh", x, self.k[...].astype(gt), self.k_fp8, self.k_lora)
-        v = adapted_matmul("btd,dkh->btkh", x, self.v[...].astype(gt), self.v_fp8, self.v_lora)
+        gt, d = self.grad_dtype, dropout
+        q = adapted_matmul("btd,dnh->btnh", x, self.q[...].astype(gt), self.q_fp8, self.q_lora, d)
+        k = adapted_matmul("btd,dkh->btkh", x, self.k[...].astype(gt), self.k_fp8, self.k_lora, d)
+        v = adapted_matmul("btd,dkh->btkh", x, self.v[...].astype(gt), self.v_fp8, self.v_lora, d)
         q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
@@ -201,10 +203,11 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
-    def output(self, out: jax.Array) -> jax.Array:
+    def output(self, out: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
         """The heads' outputs [batch, length, heads, head_dim] -> [batch, length, d_model]."""
         return adapted_matmul("btnh,nhd->btd", out.astype(self.dtype),
-                              self.o[...].astype(self.grad_dtype), self.o_fp8, self.o_lora)
+                              self.o[...].astype(self.grad_dtype), self.o_fp8, self.o_lora,
+                              dropout)
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
@@ -240,8 +243,8 @@ def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); x in the compute dtype. `grad_dtype`:
     the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`).
-    `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s); `lora`: their adapters
-    (`Attention`'s)."""
+    `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s); `lora`: their adapters,
+    `dropout` on the adapters' inputs (`Attention`'s)."""
 
     def __init__(self, d_model: int, mlp_dim: int, out_stddev: float, dtype: jnp.dtype,
                  rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
@@ -254,11 +257,12 @@ class MLP(nnx.Module):
         self.gate_lora, self.up_lora, self.down_lora = (
             adapter(lora, name, getattr(self, name), 1, rngs) for name in ("gate", "up", "down"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
         gt = self.grad_dtype
         gate = adapted_matmul("btd,df->btf", x, self.gate[...].astype(gt), self.gate_fp8,
-                              self.gate_lora)
-        up = adapted_matmul("btd,df->btf", x, self.up[...].astype(gt), self.up_fp8, self.up_lora)
+                              self.gate_lora, dropout)
+        up = adapted_matmul("btd,df->btf", x, self.up[...].astype(gt), self.up_fp8, self.up_lora,
+                            dropout)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         return adapted_matmul("btf,fd->btd", hidden, self.down[...].astype(gt), self.down_fp8,
-                              self.down_lora)
+                              self.down_lora, dropout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from flax import nnx
 from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, LayerFn,
                                     RMSNorm, Stack, float32_accumulating, param, scan_layers,
                                     weight_matmul)
-from jaxscale.models.lora import LoraConfig
+from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
 from jaxscale.parallel.sharding import constrain
@@ -137,22 +138,25 @@ class Block(nnx.Module):
                            grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
                            lora=cfg.lora)
 
-    def __call__(self, x, positions, segment_ids):
-        return self.with_stats(x, positions, segment_ids)[0]
+    def __call__(self, x, positions, segment_ids, dropout: AdapterDropout | None = None):
+        """`dropout` (train step only): on the LoRA adapters' inputs."""
+        return self.with_stats(x, positions, segment_ids, dropout)[0]
 
-    def with_stats(self, x, positions, segment_ids) -> tuple[jax.Array, RouterStats | None]:
+    def with_stats(self, x, positions, segment_ids, dropout: AdapterDropout | None = None
+                   ) -> tuple[jax.Array, RouterStats | None]:
         """(the block's output, its router's statistics; None for a dense block)."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, dropout)
         # Padding (segment id 0) is no token to route: it would take real tokens' expert slots.
         valid = None if segment_ids is None else segment_ids != 0
-        out, stats = self.feed_forward(self.mlp_norm(x), valid)
+        out, stats = self.feed_forward(self.mlp_norm(x), valid, dropout=dropout)
         return constrain(x + out, ("batch", "length", "embed")), stats
 
-    def feed_forward(self, x, valid=None, dropless: bool = False
+    def feed_forward(self, x, valid=None, dropless: bool = False,
+                     dropout: AdapterDropout | None = None
                      ) -> tuple[jax.Array, RouterStats | None]:
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, valid, dropless)
-        return self.mlp(x), None
+            return self.mlp(x, valid, dropless)  # no adapters (check_lora refuses MoE with LoRA)
+        return self.mlp(x, dropout), None
 
     def decode(self, x, cache: KVCache, layer, start) -> tuple[jax.Array, KVCache]:
         """The block on tokens at positions start, start + 1, ..., attending through `cache`
@@ -221,28 +225,48 @@ class Llama(nnx.Module):
         return self.features_with_stats(tokens, positions, segment_ids, stack)[0]
 
     def features_with_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
-                            segment_ids: jax.Array | None = None, stack: Stack | None = None
+                            segment_ids: jax.Array | None = None, stack: Stack | None = None,
+                            dropout: AdapterDropout | None = None
                             ) -> tuple[jax.Array, RouterStats | None]:
         """(`features`, the routers' statistics averaged over the MoE layers; None when the
-        model has none). With MoE the stack's carry is the pair (x, statistics summed so far)."""
+        model has none). With MoE the stack's carry is the pair (x, statistics summed so far).
+        `dropout` (the train step's): on the LoRA adapters' inputs."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed_tokens(tokens)
-        block_def, block_state = nnx.split(self.blocks)
         carry = (x, RouterStats.zeros(self.cfg.moe.experts)) if self.cfg.moe else x
-        carry = (stack or scan_layers)(self.block_fn(block_def), block_state, carry, positions,
-                                       segment_ids)
+        layer_fn, stacked, per_row = self.stack_inputs(positions, segment_ids, dropout)
+        carry = (stack or scan_layers)(layer_fn, stacked, carry, *per_row)
         if not self.cfg.moe:
             return self.final_norm(carry), None
         x, stats = carry
         return self.final_norm(x), stats.scaled(1 / self.cfg.moe_layers)
 
-    def block_fn(self, block_def: nnx.GraphDef) -> LayerFn:
+    def stack_inputs(self, positions: jax.Array, segment_ids: jax.Array | None,
+                     dropout: AdapterDropout | None = None) -> tuple[LayerFn, Any, tuple]:
+        """(the layer function, the stacked state, the per-row inputs) that a `Stack` runs the
+        blocks with. With `dropout` each layer's state is the pair (its state, its global
+        index): a pipeline stage's slice of the stack then holds its own layers' indices, and
+        the masks are those of one device; the rows' dropout keys go with the rows."""
+        block_def, block_state = nnx.split(self.blocks)
+        if dropout is None:
+            return self.block_fn(block_def), block_state, (positions, segment_ids)
+        layers = jnp.arange(self.stack_units, dtype=jnp.int32)
+        return (self.block_fn(block_def, dropout.rate), (block_state, layers),
+                (positions, segment_ids, dropout.keys))
+
+    def block_fn(self, block_def: nnx.GraphDef, dropout_rate: float = 0.0) -> LayerFn:
         """(one layer's state, x, positions, segment_ids) -> x: a block (with MoE, a
         `BlockGroup`, whose x is the carry (x, statistics)) as a pure function, with the config's
-        remat policy applied (what its backward pass keeps)."""
-        def run_block(layer_state, x, positions, segment_ids):
-            return nnx.merge(block_def, layer_state)(x, positions, segment_ids)
+        remat policy applied (what its backward pass keeps). With a `dropout_rate`, the
+        `stack_inputs` of dropout: (one layer's (state, index), x, positions, segment_ids, the
+        rows' dropout keys) -> x. Remat recomputes the same masks: they are the keys'."""
+        def run_block(layer_state, x, positions, segment_ids, *row_keys):
+            if not dropout_rate:
+                return nnx.merge(block_def, layer_state)(x, positions, segment_ids)
+            (layer_state, layer), (keys,) = layer_state, row_keys
+            dropout = AdapterDropout(dropout_rate, keys).folded(layer)
+            return nnx.merge(block_def, layer_state)(x, positions, segment_ids, dropout)
 
         policy = REMAT_POLICIES[self.cfg.remat]
         if policy is None:

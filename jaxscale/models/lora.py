@@ -15,6 +15,14 @@ dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key; 
 and `join_adapters` take such a tree apart and back together, which is how the train state
 holds the adapters as its trainable `params` and the rest as `frozen` (jaxscale/training/).
 
+Dropout (`model.lora.dropout` p, PEFT's `lora_dropout`): in the train step only, the adapter's
+path is (alpha / r) (dropout(x) A) B, each element of x kept with probability 1 - p and scaled by
+1 / (1 - p); the base path x W sees x whole. The masks come from keys, not from a stateful
+generator (`AdapterDropout`): `dropout_key` makes one per step from `train.seed` and the step (a
+resumed run replays them), the step folds in the microbatch and each row, the stack each layer's
+global index, the adapter its target. So one device, any mesh and any pipeline schedule drop the
+same elements, and a remat recomputation draws the same masks again.
+
 What stays as it is: the embedding, the norms, the head, and every weight not targeted are frozen
 with the base; evaluation, sampling and export run the whole model (base and adapters), and
 `merged` folds the adapters into their weights (W + (alpha / r) A B), which is what a Hugging
@@ -48,12 +56,52 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
+# Folded in first, so that the dropout keys stay apart from the init's draws from the same
+# `train.seed` (nnx folds its own counter into that key).
+_DROPOUT_STREAM = 0x4C6F5241
+
+
+def dropout_key(seed: int, step: jax.Array) -> jax.Array:
+    """The adapters' dropout key for train step `step` of the run seeded `seed`."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM), step)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterDropout:
+    """Dropout on the adapters' input at `rate`, with one key per row of the batch: a row's mask
+    depends on its own key alone, so a pipeline's microbatch of rows draws the masks those rows
+    draw in the whole batch."""
+    rate: float
+    keys: jax.Array  # [batch] typed keys
+
+    @classmethod
+    def for_rows(cls, rate: float, key: jax.Array, rows: int) -> AdapterDropout:
+        """Row i's key is `key` folded with i."""
+        return cls(rate, _fold(key, jnp.arange(rows)))
+
+    def folded(self, data: jax.Array | int) -> AdapterDropout:
+        """The same dropout with `data` (a layer's index, a target's) folded into every key."""
+        return AdapterDropout(self.rate, _fold(self.keys, data))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [batch, ...] with each element kept with probability 1 - rate, scaled by
+        1 / (1 - rate), and the rest zero."""
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1 - self.rate, x.shape[1:]))(self.keys)
+        return jnp.where(keep, x / (1 - self.rate), jnp.zeros((), x.dtype))
+
+
+def _fold(keys: jax.Array, data) -> jax.Array:
+    """`fold_in` over a [n] vector of keys and/or of data, the other one a scalar."""
+    in_axes = tuple(0 if jnp.ndim(a) else None for a in (keys, data))
+    return jax.vmap(jax.random.fold_in, in_axes)(keys, data)
+
+
 class Adapter(nnx.Module):
     """The factors A [*inputs, rank] and B [rank, *outputs] of one weight, whose first `inputs`
     dimensions are the ones its matmul contracts."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int,
-                 cfg: LoraConfig, rngs: nnx.Rngs):
+                 cfg: LoraConfig, rngs: nnx.Rngs, target: str):
         fan_in = math.prod(shape[:inputs])
         a_init = jax.nn.initializers.normal(1 / math.sqrt(3 * fan_in))
         self.a = nnx.Param(a_init(rngs.params(), shape[:inputs] + (cfg.rank,), jnp.float32),
@@ -62,11 +110,15 @@ class Adapter(nnx.Module):
                            out_sharding=(None,) + axes[inputs:])
         self.inputs = inputs
         self.scale = cfg.scale
+        self.target = TARGETS.index(target)  # folded into its dropout keys: a mask of its own
 
-    def __call__(self, spec: str, x: jax.Array, matmul, grad_dtype: jnp.dtype) -> jax.Array:
+    def __call__(self, spec: str, x: jax.Array, matmul, grad_dtype: jnp.dtype,
+                 dropout: AdapterDropout | None = None) -> jax.Array:
         """(alpha / r) (x A) B for the weight matmul `spec` ("btd,dnh->btnh"), each product made
         by `matmul` (the layers' `weight_matmul`, so the gradients' dtypes and the remat names
-        are the weight's own)."""
+        are the weight's own); x through `dropout` first when given (training)."""
+        if dropout is not None:
+            x = dropout.folded(self.target)(x)
         x_axes, rest = spec.split(",")
         weight_axes, out_axes = rest.split("->")
         contracted = weight_axes[:self.inputs]
@@ -83,7 +135,7 @@ def adapter(cfg: LoraConfig | None, name: str, weight: nnx.Param, inputs: int,
     """The adapter of weight `name` when `cfg` targets it, else None."""
     if cfg is None or name not in cfg.targets:
         return None
-    return Adapter(weight.shape, tuple(weight.out_sharding), inputs, cfg, rngs)
+    return Adapter(weight.shape, tuple(weight.out_sharding), inputs, cfg, rngs, name)
 
 
 def split_adapters(tree: dict) -> tuple[dict, dict]:
@@ -153,9 +205,6 @@ def check_lora(config) -> None:
     if not targets or unknown or len(set(targets)) != len(targets):
         raise ConfigError(f"model.lora.targets={targets!r}: name each weight once, among "
                           f"{TARGETS}")
-    if lora.dropout:
-        raise ConfigError(f"model.lora.dropout={lora.dropout}: dropout on the adapters' input "
-                          "is not built; use model.lora.dropout=0")
     if config.model.moe.every:
         raise ConfigError(f"model.lora with MoE layers (model.moe.every={config.model.moe.every}"
                           "): the experts have no adapters; use model.lora.rank=0 or a dense "

@@ -245,11 +245,16 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
         forward = lambda h, layer_state: jax.vjp(run_layer, layer_state, h)
         _, layer_vjps = jax.lax.scan(forward, stage_input, state)
 
+        def add(a, d, layer):
+            # An integer leaf (a layer's index, `Llama.stack_inputs`) has no gradient (float0).
+            if d.dtype == jax.dtypes.float0:
+                return a
+            return a.at[layer].add(jnp.where(ok, d.astype(a.dtype), 0))
+
         def backward(carry, layer):
             grad, acc = carry
             d_layer, grad = jax.tree.map(lambda r: r[layer], layer_vjps)(grad)
-            acc = jax.tree.map(lambda a, d: a.at[layer].add(jnp.where(ok, d.astype(a.dtype), 0)),
-                               acc, d_layer)
+            acc = jax.tree.map(lambda a, d: add(a, d, layer), acc, d_layer)
             return (grad, acc), None
         layers = jnp.arange(jax.tree.leaves(state)[0].shape[0])
         (grad, acc), _ = jax.lax.scan(backward, (grad_out, acc), layers, reverse=True)

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxscale.training.loss import summed_cross_entropy
 from jaxscale.models.fp8 import combine_updates
 from jaxscale.models.llama import HEAD_AXES, logits_from
-from jaxscale.models.lora import join_adapters
+from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
 from jaxscale.training.optim import schedule_at
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
@@ -41,13 +41,15 @@ def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: in
 
 def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
                                  loss_chunk_len: int = 0, pipeline: Pipeline | None = None,
-                                 fp8=None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+                                 fp8=None, dropout: AdapterDropout | None = None
+                                 ) -> tuple[jax.Array, jax.Array, RouterStats | None]:
     """`summed_loss`, and the routers' statistics (None for a model without MoE layers). `fp8`:
-    the fp8 matmuls' meta, for a `graphdef` that has them (`ModelSpec.train_graphdef`)."""
+    the fp8 matmuls' meta, for a `graphdef` that has them (`ModelSpec.train_graphdef`);
+    `dropout`: on the LoRA adapters' inputs (the train step's)."""
     model = nnx.merge(graphdef, params) if fp8 is None else nnx.merge(graphdef, params, fp8)
     stack = pipeline.stack if pipeline is not None else None
     features, router = model.features_with_stats(batch["inputs"], batch["positions"],
-                                                 batch["segment_ids"], stack)
+                                                 batch["segment_ids"], stack, dropout)
     mask = batch["loss_mask"].astype(jnp.float32)
     total = summed_cross_entropy(_logits_fn(model), model.head_weight(), HEAD_AXES, features,
                                  batch["targets"], mask, loss_chunk_len)
@@ -77,12 +79,14 @@ def _logits_fn(model) -> Callable:
 
 
 def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int,
-                            pipeline: Pipeline, seed: jax.Array) -> tuple[jax.Array, jax.Array]:
+                            pipeline: Pipeline, seed: jax.Array,
+                            dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array]:
     """(seed * summed loss, summed loss) with the blocks, final norm and loss on the 1F1B schedule
     (`jaxscale.parallel.pipeline.one_f_one_b_loss`): differentiate the first."""
     model = nnx.merge(graphdef, params)
     x = model.embed_tokens(batch["inputs"])
-    block_def, block_state = nnx.split(model.blocks)
+    layer_fn, stacked, per_row = model.stack_inputs(batch["positions"], batch["segment_ids"],
+                                                    dropout)
     norm_def, norm_state = nnx.split(model.final_norm)
     logits_fn = _logits_fn(model)
 
@@ -93,8 +97,7 @@ def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_c
                                     loss_chunk_len)
 
     mask = batch["loss_mask"].astype(jnp.float32)
-    return one_f_one_b_loss(pipeline, model.block_fn(block_def), block_state, x,
-                            (batch["positions"], batch["segment_ids"]), tail,
+    return one_f_one_b_loss(pipeline, layer_fn, stacked, x, per_row, tail,
                             (norm_state, model.head_weight()), (batch["targets"], mask), seed)
 
 
@@ -115,23 +118,27 @@ def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nn
 
 
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
-                           fp8, batch: Batch, multiplier: jax.Array, frozen=None
+                           fp8, batch: Batch, multiplier: jax.Array, frozen=None,
+                           dropout_key: jax.Array | None = None
                            ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
     """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
     without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
     returned last. With LoRA `params` are the adapters, the only thing differentiated, and
-    `frozen` the base they join."""
+    `frozen` the base they join; `dropout_key` (this microbatch's, None: no dropout) draws the
+    masks of `model.lora.dropout` on the adapters' inputs, a key per row of `batch`."""
     chunk = config.model.loss_chunk_len
     pipeline = config_pipeline(config)
+    dropout = None if dropout_key is None else AdapterDropout.for_rows(
+        config.model.lora.dropout, dropout_key, batch["inputs"].shape[0])
 
     def scaled(adapted, meta):
         p = adapted if frozen is None else join_adapters(adapted, frozen)
         if pipeline is not None and pipeline.schedule == "1f1b":
             objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
-                                                       multiplier)
+                                                       multiplier, dropout)
             return objective, (total, {})
         total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk, pipeline,
-                                                             meta)
+                                                             meta, dropout)
         objective = total + router_penalty(config.model.moe, router, tokens)
         return objective * multiplier, (total, router_metrics(router))
     (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
@@ -152,14 +159,22 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
-    def accumulate(params, fp8, frozen, batch, multiplier):
+    # LoRA dropout: its masks' key comes from train.seed and the step (a resumed run replays
+    # them), each microbatch folding in its index. Without dropout the key is None and the
+    # step's program is what it was.
+    dropout = bool(config.model.lora.rank and config.model.lora.dropout)
+    microbatch_key = lambda key, j: None if key is None else jax.random.fold_in(key, j)
+
+    def accumulate(params, fp8, frozen, batch, multiplier, key):
         if k == 1:
             return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier,
-                                          frozen)
+                                          frozen, microbatch_key(key, 0))
 
-        def add_microbatch(carry, microbatch):
+        def add_microbatch(carry, part):
+            microbatch, j = part
             total, grads, router, next_fp8 = loss_grad_and_next_fp8(
-                config, graphdef, params, fp8, microbatch, multiplier, frozen)
+                config, graphdef, params, fp8, microbatch, multiplier, frozen,
+                microbatch_key(key, j))
             acc_total, acc_grads, acc_fp8 = carry
             return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads),
                     combine_updates(acc_fp8, next_fp8)), router
@@ -167,7 +182,8 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
                  jax.tree.map(jnp.zeros_like, fp8))
         parts = jax.tree.map(lambda x: split_rows(x, k), batch)
-        (total, grads, next_fp8), routers = jax.lax.scan(add_microbatch, zeros, parts)
+        indices = None if key is None else jnp.arange(k)  # None: no scanned input at all
+        (total, grads, next_fp8), routers = jax.lax.scan(add_microbatch, zeros, (parts, indices))
         return total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers), next_fp8
 
     def train_step(state: TrainState, batch: Batch):
@@ -175,8 +191,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         denominator = jnp.maximum(tokens, 1.0)
         # Differentiating loss * scale / tokens gives the mean-loss gradient (times the float16
         # loss scale) directly, without another pass over every gradient afterwards.
+        key = dropout_key(config.train.seed, state.step) if dropout else None
         total, grads, router, next_fp8 = accumulate(state.params, state.fp8, state.frozen,
-                                                    batch, state.loss_scale / denominator)
+                                                    batch, state.loss_scale / denominator, key)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         if grad_shardings is not None:
