@@ -9,11 +9,13 @@ adapted model is the base model exactly. A starts normal with the variance of PE
 
 Where they live. An adapter is the module `<weight>_lora` (parameters `a`, `b`) beside its
 weight, so it is stacked along the blocks' `layers` axis like every block parameter and each
-factor's logical axes are its weight's (the rank dimension is never sharded): whatever rules
-shard W over fsdp, tensor or pipeline shard A and B the same way. In a params tree (the pure
-dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key; `split_adapters`
-and `join_adapters` take such a tree apart and back together, which is how the train state
-holds the adapters as its trainable `params` and the rest as `frozen` (jaxscale/training/).
+factor's logical axes are its weight's (the rank dimension gets none): whatever rules shard W
+over fsdp, tensor or pipeline shard A and B the same way. A factor that lacks the dimension its
+weight's storage is split on (B of q has no `embed`) is also split over that data-parallel axis
+on another dimension in training (`param_specs`, jaxscale/training/state.py). In a params
+tree (the pure dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key;
+`split_adapters` and `join_adapters` take such a tree apart and back together, which is how the
+train state holds the adapters as its trainable `params` and the rest as `frozen`.
 
 Dropout (`model.lora.dropout` p, PEFT's `lora_dropout`): in the train step only, the adapter's
 path is (alpha / r) (dropout(x) A) B, each element of x kept with probability 1 - p and scaled by

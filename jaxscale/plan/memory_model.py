@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
-from jaxscale.parallel.sharding import Rules, logical_to_mesh, rules_from_config, spec_axes
-from jaxscale.training.state import ModelSpec, moment_specs
+from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
+from jaxscale.training.state import ModelSpec, moment_specs, param_specs
 from jaxscale.training.step import BATCH_KEYS
 
 
@@ -85,12 +85,12 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     `packed_layout`: the bound cuDNN's packed layout runs with (0: its mask form)."""
     rules = rules_from_config(config.sharding.rules)
     m, t, cfg = config.model, config.train, spec.config
-    param_specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
-                               is_leaf=lambda x: isinstance(x, P))
-    params = _tree_shard_elements(param_specs, spec.abstract_params, mesh_shape)
+    # As the train state holds them (with LoRA the adapters split like their weights).
+    specs = param_specs(spec, rules, mesh_shape)
+    params = _tree_shard_elements(specs, spec.abstract_params, mesh_shape)
     # With LoRA only the adapters are trained: float32 with moments and gradients; the frozen
     # base is held in the compute dtype.
-    trained = _tree_shard_elements(spec.trained(param_specs), spec.trained(spec.abstract_params),
+    trained = _tree_shard_elements(spec.trained(specs), spec.trained(spec.abstract_params),
                                    mesh_shape)
     moment_elements = _tree_shard_elements(
         moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state),
@@ -138,7 +138,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     if pipeline is None:
         activations = m.n_layers * layer_kept(rows) + working_set(rows)
     else:
-        stage_weights = _tree_shard_elements(param_specs["blocks"],
+        stage_weights = _tree_shard_elements(specs["blocks"],
                                              spec.abstract_params["blocks"], mesh_shape)
         activations = _pipeline_activations(
             pipeline, m.n_layers // pipeline.stages, layer_kept(stage_rows),
@@ -165,7 +165,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
         moments=2 * moment_bytes * moment_elements,
         batch=len(BATCH_KEYS) * 4 * rows * t.microbatches * tokens,
         gradients=gradients,
-        gathered_weights=_compute_weights(spec, param_specs, rules, mesh_shape,
+        gathered_weights=_compute_weights(spec, specs, rules, mesh_shape,
                                           compute < 4) * compute,
         activations=activations, logits=logits)
 
