@@ -55,8 +55,14 @@ def logical_to_mesh(logical: Sequence[str | None], rules: Rules) -> P:
 
 def tree_shardings(logical_specs: Any, mesh: Mesh, rules: Rules) -> Any:
     """NamedShardings for a pytree whose leaves are PartitionSpecs of logical names."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh(spec, rules)),
-                        logical_specs, is_leaf=lambda x: isinstance(x, P))
+    return mesh_shardings(jax.tree.map(lambda spec: logical_to_mesh(spec, rules), logical_specs,
+                                       is_leaf=lambda x: isinstance(x, P)), mesh)
+
+
+def mesh_shardings(specs: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree whose leaves are PartitionSpecs of `mesh`'s axes."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def split_further(spec: P, shape: Sequence[int], axes: Sequence[str],

@@ -16,10 +16,11 @@ import functools
 
 import jax
 import ml_collections
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxscale.observe.device_memory import StepMemory, step_memory
-from jaxscale.parallel.sharding import batch_sharding, rules_from_config, tree_shardings, use_rules
+from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_from_config,
+                                        tree_shardings, use_rules)
 from jaxscale.training import offload
 from jaxscale.training.optim import make_optimizer
 from jaxscale.training.state import (init_state, model_spec, moment_specs, param_specs,
@@ -40,12 +41,12 @@ class TrainProgram:
         self.rules = rules_from_config(config.sharding.rules)
         # Every parameter of the model, base and adapters (LoRA's split like their weights):
         # what the state holds and evaluation reads.
-        self.param_shardings = _on_mesh(mesh, param_specs(model, self.rules, mesh.shape))
+        self.param_shardings = mesh_shardings(param_specs(model, self.rules, mesh.shape), mesh)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
         # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
-        moments = _on_mesh(mesh, moment_specs(model, self.rules, mesh.shape,
-                                              config.sharding.optimizer_state))
+        moments = mesh_shardings(moment_specs(model, self.rules, mesh.shape,
+                                              config.sharding.optimizer_state), mesh)
         offloaded = config.optim.offload_state
         self.state_shardings = state_shardings(
             abstract_state, model.trained(self.param_shardings),
@@ -96,9 +97,3 @@ class TrainProgram:
         devices, real or a TPU topology's), and what it needs per device."""
         compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
         return compiled, step_memory(compiled)
-
-
-def _on_mesh(mesh: Mesh, specs):
-    """NamedShardings on `mesh` for a pytree of PartitionSpecs over its axes."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -127,9 +127,9 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
     `frozen` the base they join; `dropout_key` (this microbatch's, None: no dropout) draws the
     masks of `model.lora.dropout` on the adapters' inputs, a key per row of `batch`."""
     chunk = config.model.loss_chunk_len
-    pipeline = config_pipeline(config)
     dropout = None if dropout_key is None else AdapterDropout.for_rows(
         config.model.lora.dropout, dropout_key, batch["inputs"].shape[0])
+    pipeline = config_pipeline(config)
 
     def scaled(adapted, meta):
         p = adapted if frozen is None else join_adapters(adapted, frozen)
