@@ -121,7 +121,8 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
     base, rank = config.checkpoint.restore_from, config.model.lora.rank
     if adapters_only:
         hf_base = os.path.abspath(base) if is_hf_folder(base) else None
-        files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base)
+        files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base,
+                              dropout=config.model.lora.dropout)
         what = f"the LoRA adapters (rank {rank}) of step {step} of {workdir} to {out} ({dtype})"
         then = (f"; load them with peft.PeftModel.from_pretrained(LlamaForCausalLM."
                 f"from_pretrained({hf_base!r}), {out!r})" if hf_base else

@@ -39,6 +39,7 @@ TIED = os.path.join(FIXTURES, "hf_tied")
 REFERENCE = np.load(os.path.join(FIXTURES, "hf_logits.npz"))
 TOKENS, POSITIONS = REFERENCE["tokens"], REFERENCE["positions"]
 RANK, ALPHA = 4, 8.0
+DROPOUT = 0.05  # the run trains with it; an export (like eval) never applies it
 TOLERANCE = 1e-5  # relative to the largest logit: float32 sums in another order
 
 
@@ -47,10 +48,11 @@ def relative_error(got, want) -> float:
 
 
 def train_lora(config, workdir: str) -> None:
-    """Two float32 steps of `config` with LoRA (rank 4, alpha 8, every target) at lr 1e-2."""
+    """Two float32 steps of `config` with LoRA (rank 4, alpha 8, dropout 0.05, every target) at
+    lr 1e-2."""
     from jaxscale.trainer import Trainer
 
-    config.model.lora.update(rank=RANK, alpha=ALPHA)
+    config.model.lora.update(rank=RANK, alpha=ALPHA, dropout=DROPOUT)
     config.train.update(steps=2, batch_size=8, seq_len=16, eval_every=0, log_every=1)
     config.optim.update(lr=1e-2, warmup_steps=0)
     config.precision.compute_dtype = "float32"
@@ -174,8 +176,8 @@ def test_peft_folder_holds_the_merged_change(hf_lora_run, tmp_path, capsys):
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert (peft_config["peft_type"], peft_config["task_type"], peft_config["r"],
             peft_config["lora_alpha"], peft_config["target_modules"],
-            peft_config["base_model_name_or_path"]) == ("LORA", "CAUSAL_LM", RANK, ALPHA, modules,
-                                                        TIED)
+            peft_config["base_model_name_or_path"], peft_config["lora_dropout"]) == (
+                "LORA", "CAUSAL_LM", RANK, ALPHA, modules, TIED, DROPOUT)
     export(capsys, workdir, tmp_path / "merged")
     lora = read_tensors(str(tmp_path / "peft" / "adapter_model.safetensors"))
     merged = read_tensors(str(tmp_path / "merged" / "model.safetensors"))

@@ -43,16 +43,18 @@ def targets(cfg: LlamaConfig) -> list[weights.Tensor]:
     return [t for t in weights.layout(cfg) if t.path[-1] in cfg.lora.targets]
 
 
-def adapter_config(cfg: LlamaConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
+def adapter_config(cfg: LlamaConfig, base_model_name_or_path: str | None,
+                   dropout: float = 0.0) -> dict[str, Any]:
     """adapter_config.json: a LoRA of rank r with lora_alpha on the targets' modules (q_proj,
-    ..., down_proj), no dropout and no biases, every layer."""
+    ..., down_proj), the run's dropout (what PEFT trains on with, should it train these
+    further), no biases, every layer."""
     alpha = cfg.lora.alpha
     return dict(
         peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
         revision=None, inference_mode=True, r=cfg.lora.rank,
         lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
         target_modules=[_module(t).rsplit(".", 1)[-1] for t in targets(cfg)],
-        lora_dropout=0.0, fan_in_fan_out=False, bias="none", use_rslora=False, use_dora=False,
+        lora_dropout=dropout, fan_in_fan_out=False, bias="none", use_rslora=False, use_dora=False,
         modules_to_save=None, init_lora_weights=True, layers_to_transform=None,
         layers_pattern=None, rank_pattern={}, alpha_pattern={})
 
@@ -81,11 +83,12 @@ def _adapter(adapters: Any, tensor: weights.Tensor) -> dict:
 
 
 def save_adapters(adapters: Any, model_config: LlamaConfig, path: str, dtype: str = "bfloat16",
-                  *, base_model_name_or_path: str | None = None) -> list[str]:
+                  *, base_model_name_or_path: str | None = None,
+                  dropout: float = 0.0) -> list[str]:
     """Writes `path`/adapter_config.json and adapter_model.safetensors (in `dtype`) from the
     adapters of a params tree (the `*_lora` entries, `lora.split_adapters`; a whole model's
-    params do too). `path` must not exist or be an empty folder. Every process calls it; process
-    0 writes. Returns the files written."""
+    params do too); `dropout`: the run's `model.lora.dropout`. `path` must not exist or be an
+    empty folder. Every process calls it; process 0 writes. Returns the files written."""
     if dtype not in weights.DTYPES:
         raise JaxscaleError(f"dtype {dtype!r} cannot be saved; use one of {weights.DTYPES}")
     rank = model_config.lora.rank if model_config.lora else 0
@@ -120,7 +123,7 @@ def save_adapters(adapters: Any, model_config: LlamaConfig, path: str, dtype: st
         safetensors.write(os.path.join(path, WEIGHTS_FILE), names, [shapes[n] for n in names],
                           np_dtype, produce)
         with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(adapter_config(model_config, base_model_name_or_path), f, indent=2)
+            json.dump(adapter_config(model_config, base_model_name_or_path, dropout), f, indent=2)
     else:  # take part in the gathers process 0 makes
         for name in names:
             produce(name)
