@@ -24,8 +24,8 @@ RATE = 0.25
 
 
 def dropout_config(rate=RATE, **mesh):
-    """16 rows in two microbatches: the microbatch index folds in, and the pipelines split each
-    microbatch's rows further (into 4 microbatches of their own)."""
+    """16 rows in two microbatches (`split_rows` interleaves them: row r is in part r % 2), which
+    the pipelines split further (into 4 microbatches of their own)."""
     schedule = mesh.pop("schedule", None)
     config = lora_config(**mesh)
     config.model.lora.dropout = rate
@@ -70,14 +70,13 @@ def adapter_inputs(config):
             for layer in range(m.n_layers) for t, name in enumerate(lora.TARGETS)}
 
 
-def documented_masks(config, step, microbatches):
-    """{"layer/target": keep / (1 - p)} for every adapter's input, [batch, *its shape]. Row r
-    of the batch is row i = r // k of microbatch j = r % k (`split_rows`); its key is train.seed
-    and the step's, folded with j, i, the layer's index and the target's (`lora.TARGETS`)."""
+def documented_masks(config, step):
+    """{"layer/target": keep / (1 - p)} for every adapter's input, [batch, *its shape]. Row r's
+    key is train.seed and the step's, folded with r, the layer's index and the target's
+    (`lora.TARGETS`), whatever the microbatches."""
     p = config.model.lora.dropout
     step_key = lora.dropout_key(config.train.seed, step)
-    row_keys = [jax.random.fold_in(jax.random.fold_in(step_key, r % microbatches),
-                                   r // microbatches) for r in range(config.train.batch_size)]
+    row_keys = [jax.random.fold_in(step_key, r) for r in range(config.train.batch_size)]
     return {name: jnp.stack([jax.random.bernoulli(
                 jax.random.fold_in(jax.random.fold_in(k, layer), t), 1 - p, shape)
                 for k in row_keys]) / (1 - p)
@@ -153,22 +152,21 @@ def reference():
 
 def test_the_step_is_a_plain_jax_model_with_the_documented_masks(single, reference):
     """The train step at step 3, two microbatches, gives the reference's loss and gradient
-    norm; given one key for the whole batch, the step's gradients are the reference's, leaf by
-    leaf."""
+    norm; in one piece, the step's gradients are the reference's, leaf by leaf."""
     config = single.config
     state = jax.device_get(adapted_state(single, step=3))
     batch = jax.tree.map(jnp.asarray, random_batch(config))
-    loss, grads = reference(state.params, state.frozen, batch, documented_masks(config, 3, 2))
+    loss, grads = reference(state.params, state.frozen, batch, documented_masks(config, 3))
     np.testing.assert_allclose(train_step(single, step=3), (loss, optax.tree.norm(grads)),
                                rtol=1e-5)
 
-    key = jax.random.fold_in(lora.dropout_key(config.train.seed, 3), 0)
+    keys = lora.AdapterDropout.for_rows(RATE, lora.dropout_key(config.train.seed, 3),
+                                        config.train.batch_size).keys
     tokens = jnp.sum(batch["loss_mask"])
     total, step_grads, _, _ = jax.jit(
         lambda a, f, b, k: loss_grad_and_next_fp8(config, single.model.train_graphdef, a, None,
-                                                  b, 1 / tokens, f, k)
-    )(state.params, state.frozen, batch, key)
-    loss, grads = reference(state.params, state.frozen, batch, documented_masks(config, 3, 1))
+                                                  b, 1 / tokens, f, lora.AdapterDropout(RATE, k))
+    )(state.params, state.frozen, batch, keys)
     np.testing.assert_allclose(float(total / tokens), float(loss), rtol=1e-5)
     jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-7),
                  step_grads, grads)
@@ -177,11 +175,12 @@ def test_the_step_is_a_plain_jax_model_with_the_documented_masks(single, referen
 
 # -- training only ---------------------------------------------------------------------------
 
-def test_dropout_moves_the_training_loss_and_not_eval_or_sampling(single, one_device,
-                                                                  reference):
+def test_dropout_moves_the_training_loss_and_not_eval_or_the_model_sampled(single, one_device,
+                                                                          reference):
     """Evaluation is the reference with every mask one (so the reference is the model, less
     dropout), and the train step's loss at the same parameters is not. Sampling and export
-    build their model from `model_spec`, which is the same whatever the rate."""
+    build their model from `model_spec`, whose graph is the same whatever the rate (this test
+    does not sample)."""
     state = jax.device_get(adapted_state(single))
     batch = random_batch(single.config)
     summed, tokens = single.eval_step(state.model_params(), jax.device_put(
@@ -206,17 +205,22 @@ def test_without_dropout_the_step_draws_no_random_bits():
 
 @pytest.mark.parametrize("mesh", [
     dict(data=2, fsdp=2, tensor=2, remat="full"),
+    dict(microbatches=1),
     pytest.param(dict(pipeline=2, fsdp=2, schedule="gpipe"), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, tensor=2, schedule="1f1b", remat="save_dots"),
                  marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, repeats=2, schedule="gpipe"), marks=pytest.mark.slow),
-], ids=["data-fsdp-tensor-remat", "pipeline-gpipe", "pipeline-1f1b", "pipeline-circular"])
+], ids=["data-fsdp-tensor-remat", "one-microbatch", "pipeline-gpipe", "pipeline-1f1b",
+        "pipeline-circular"])
 def test_every_layout_draws_the_masks_of_one_device(mesh, single, one_device):
-    """Remat recomputes the blocks from the same keys: the same masks again."""
+    """Remat recomputes the blocks from the same keys: the same masks again. The batch in one
+    piece draws what its two microbatches draw."""
     mesh = dict(mesh)
     remat, repeats = mesh.pop("remat", "none"), mesh.pop("repeats", 1)
+    microbatches = mesh.pop("microbatches", 2)
     config = dropout_config(**mesh)
     config.model.remat = remat
+    config.train.microbatches = microbatches
     expected = one_device
     if repeats > 1:  # 2 stages x 2 repeats need 4 layers: one device runs 4 too
         config.model.n_layers = 4

@@ -21,9 +21,12 @@ Dropout (`model.lora.dropout` p, PEFT's `lora_dropout`): in the train step only,
 path is (alpha / r) (dropout(x) A) B, each element of x kept with probability 1 - p and scaled by
 1 / (1 - p); the base path x W sees x whole. The masks come from keys, not from a stateful
 generator (`AdapterDropout`): `dropout_key` makes one per step from `train.seed` and the step (a
-resumed run replays them), the step folds in the microbatch and each row, the stack each layer's
-global index, the adapter its target. So one device, any mesh and any pipeline schedule drop the
-same elements, and a remat recomputation draws the same masks again.
+resumed run replays them), the step folds in each row's index in the batch, the stack each
+layer's global index, the adapter its target. So one device, any microbatch count, any mesh and
+any pipeline schedule drop the same elements, and a remat recomputation draws the same masks
+again. Context parallelism (`mesh.context` > 1) is the exception: its shards hold the sequence
+reordered (jaxscale/parallel/context.py), and a mask follows the position in that order, so
+its masks are as deterministic but other than one device's.
 
 What stays as it is: the embedding, the norms, the head, and every weight not targeted are frozen
 with the base; evaluation, sampling and export run the whole model (base and adapters), and

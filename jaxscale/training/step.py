@@ -119,16 +119,14 @@ def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nn
 
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
                            fp8, batch: Batch, multiplier: jax.Array, frozen=None,
-                           dropout_key: jax.Array | None = None
+                           dropout: AdapterDropout | None = None
                            ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
     """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
     without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
     returned last. With LoRA `params` are the adapters, the only thing differentiated, and
-    `frozen` the base they join; `dropout_key` (this microbatch's, None: no dropout) draws the
-    masks of `model.lora.dropout` on the adapters' inputs, a key per row of `batch`."""
+    `frozen` the base they join; `dropout` (None: none) drops the adapters' inputs, with a key
+    per row of `batch`."""
     chunk = config.model.loss_chunk_len
-    dropout = None if dropout_key is None else AdapterDropout.for_rows(
-        config.model.lora.dropout, dropout_key, batch["inputs"].shape[0])
     pipeline = config_pipeline(config)
 
     def scaled(adapted, meta):
@@ -159,22 +157,18 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     dynamic_scale = uses_dynamic_loss_scale(config)
     growth_interval = config.precision.loss_scale_growth_interval
 
-    # LoRA dropout: its masks' key comes from train.seed and the step (a resumed run replays
-    # them), each microbatch folding in its index. Without dropout the key is None and the
-    # step's program is what it was.
-    dropout = bool(config.model.lora.rank and config.model.lora.dropout)
-    microbatch_key = lambda key, j: None if key is None else jax.random.fold_in(key, j)
+    dropout_rate = config.model.lora.dropout if config.model.lora.rank else 0.0
 
-    def accumulate(params, fp8, frozen, batch, multiplier, key):
+    def accumulate(params, fp8, frozen, batch, multiplier, dropout):
         if k == 1:
             return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier,
-                                          frozen, microbatch_key(key, 0))
+                                          frozen, dropout)
 
         def add_microbatch(carry, part):
-            microbatch, j = part
+            microbatch, row_keys = part
             total, grads, router, next_fp8 = loss_grad_and_next_fp8(
                 config, graphdef, params, fp8, microbatch, multiplier, frozen,
-                microbatch_key(key, j))
+                None if row_keys is None else AdapterDropout(dropout_rate, row_keys))
             acc_total, acc_grads, acc_fp8 = carry
             return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads),
                     combine_updates(acc_fp8, next_fp8)), router
@@ -182,8 +176,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
                  jax.tree.map(jnp.zeros_like, fp8))
         parts = jax.tree.map(lambda x: split_rows(x, k), batch)
-        indices = None if key is None else jnp.arange(k)  # None: no scanned input at all
-        (total, grads, next_fp8), routers = jax.lax.scan(add_microbatch, zeros, (parts, indices))
+        # The rows' dropout keys go with their rows (None: no scanned input at all).
+        row_keys = None if dropout is None else split_rows(dropout.keys, k)
+        (total, grads, next_fp8), routers = jax.lax.scan(add_microbatch, zeros, (parts, row_keys))
         return total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers), next_fp8
 
     def train_step(state: TrainState, batch: Batch):
@@ -191,9 +186,14 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         denominator = jnp.maximum(tokens, 1.0)
         # Differentiating loss * scale / tokens gives the mean-loss gradient (times the float16
         # loss scale) directly, without another pass over every gradient afterwards.
-        key = dropout_key(config.train.seed, state.step) if dropout else None
+        # LoRA dropout: a key per row of the whole batch, from train.seed, the step and the row,
+        # so a row draws the same masks whatever the microbatches, mesh or pipeline, and a
+        # resumed run replays them. Without dropout there is no key and the program is as it was.
+        dropout = None if not dropout_rate else AdapterDropout.for_rows(
+            dropout_rate, dropout_key(config.train.seed, state.step), batch["inputs"].shape[0])
         total, grads, router, next_fp8 = accumulate(state.params, state.fp8, state.frozen,
-                                                    batch, state.loss_scale / denominator, key)
+                                                    batch, state.loss_scale / denominator,
+                                                    dropout)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         if grad_shardings is not None:
