@@ -200,6 +200,12 @@ def _layer_bytes(config: ml_collections.ConfigDict, cfg, shards, compute: int,
     # policies keep between the passes: everything, the layer's input, or the input and the
     # outputs of the weight matmuls.
     dense = attention + mlp * (3 * compute + 4) * tokens
+    # LoRA dropout: each adapter's dropped copy of its input and the mask (a byte an element).
+    # Without remat the backward keeps them; remat draws them again.
+    lora = m.lora
+    if lora.rank and lora.dropout:
+        inputs = dict(q=d, k=d, v=d, gate=d, up=d, o=q, down=mlp)
+        dense += sum(inputs[t] for t in lora.targets) * (compute + 1) * tokens
     kept_dense = {"none": dense, "full": d * compute * tokens,
                   "save_dots": (3 * d + q + 2 * kv + 2 * mlp) * compute * tokens}[m.remat]
     moe_layers = cfg.moe_layers
