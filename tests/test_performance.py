@@ -20,7 +20,7 @@ from jaxscale.training import offload
 from jaxscale.observe import profiling
 from jaxscale.observe.device_memory import memory_metrics
 from jaxscale.errors import ConfigError
-from jaxscale.training.optim import make_optimizer
+from jaxscale.training.optim import IN_FLIGHT, make_optimizer
 from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
 
@@ -194,6 +194,72 @@ def test_offload_is_refused_where_the_devices_have_no_host_memory():
     with pytest.raises(ConfigError, match="optim.offload_state=True: tpu devices"):
         offload.check_supported([device])
     offload.check_supported(jax.devices())  # XLA:CPU has pinned_host memory
+
+
+def _optimizer(offloaded: bool, moment_dtype: str):
+    optim = ml_collections.ConfigDict(dict(
+        lr=1e-2, warmup_steps=1, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+        grad_clip=0.5, moment_dtype=moment_dtype, offload_state=offloaded))
+    specs = {"layers": {"w": P("layers", "embed", "mlp"), "scale": P("layers", "embed")},
+             "head": P("embed", "vocab")}
+    return make_optimizer(optim, 10, specs)[0]
+
+
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype):
+    """Offloaded moments stream through the update a parameter at a time: the same updates and
+    state as the update of the whole tree on the device, clipped by the whole gradient's norm,
+    the moments back in host memory, and a dropped step (keep=False) changes no state."""
+    rng = np.random.default_rng(0)
+    params = {"layers": {"w": rng.normal(size=(2, 4, 8)), "scale": rng.normal(size=(2, 4))},
+              "head": rng.normal(size=(4, 16))}
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    grads = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+             for _ in range(3)]
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+    def moments_on_host(tx, state):
+        return optax.tree_map_params(tx, lambda x: jax.device_put(x, host), state)
+
+    results = {}
+    for offloaded in (False, True):
+        tx = _optimizer(offloaded, moment_dtype)
+        state = tx.init(params)
+        if offloaded:
+            state = moments_on_host(tx, state)
+        update = jax.jit(tx.update)
+        applied = []
+        for keep, g in zip((True, True, False), grads):
+            before = state
+            updates, state = update(g, state, params, keep=jnp.asarray(keep))
+            applied.append(updates)
+            if not keep:
+                jax.tree.map(np.testing.assert_array_equal, state, before)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state[1][0].mu)}
+        assert kinds == {"pinned_host" if offloaded else "device"}
+        results[offloaded] = jax.device_get((applied, state))
+
+    def close(plain, streamed):  # XLA may fuse the two programs' float ops differently
+        plain, streamed, bf16 = np.float32(plain), np.float32(streamed), plain.dtype != np.float32
+        rtol = 2 ** -7 if bf16 else 1e-5  # bfloat16: within 1 ulp
+        np.testing.assert_allclose(streamed, plain, rtol=rtol, atol=1e-6 * np.abs(plain).max())
+    jax.tree.map(close, results[False], results[True])
+    # Clipped by the norm of the whole gradient (0.5 here), not each parameter's own.
+    assert optax.tree.norm(grads[0]) > 0.5
+
+
+def test_the_streamed_update_holds_few_parameters_moments_at_once():
+    """Each parameter's moments wait, by an optimization barrier, for those of the parameter
+    IN_FLIGHT places before it to be back on the host: one barrier per parameter after the
+    first IN_FLIGHT, so XLA cannot move every moment to the device at once."""
+    tx = _optimizer(True, "float32")
+    params = {"layers": {"w": jnp.ones((2, 4, 8)), "scale": jnp.ones((2, 4))},
+              "head": jnp.ones((4, 16))}
+    state = tx.init(params)
+    text = jax.jit(tx.update).lower(params, state, params).as_text()
+    assert text.count("optimization_barrier") == len(jax.tree.leaves(params)) - IN_FLIGHT
+    plain = jax.jit(_optimizer(False, "float32").update).lower(params, state, params).as_text()
+    assert "optimization_barrier" not in plain
 
 
 @pytest.mark.slow

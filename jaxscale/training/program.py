@@ -65,8 +65,6 @@ class TrainProgram:
         zero1 = config.sharding.optimizer_state == "data"
         train_step = make_train_step(config, model.train_graphdef, self.tx, self.schedule,
                                      grad_shardings=moments if zero1 else None)
-        if offloaded:
-            train_step = offload.moments_to_device(train_step, self.state_shardings.opt_state)
         self.train_step = jax.jit(
             self.with_rules(train_step),
             in_shardings=(self.state_shardings, batch_shardings),

@@ -21,7 +21,7 @@ from jaxscale.models.fp8 import combine_updates
 from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
-from jaxscale.training.optim import schedule_at
+from jaxscale.training.optim import kept, schedule_at
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
 from jaxscale.training.state import TrainState, uses_dynamic_loss_scale
 
@@ -145,7 +145,7 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
 
 
 def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
-                    tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    tx: optax.GradientTransformationExtraArgs, schedule: optax.Schedule,
                     grad_shardings: Any = None) -> Callable[[TrainState, Batch], tuple]:
     """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call.
 
@@ -204,15 +204,14 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
 
         # The rate is schedule(state.step), whatever optax's count says (see `schedule_at`).
         opt_state = schedule_at(state.opt_state, state.step)
-        updates, new_opt_state = tx.update(grads, opt_state, state.params)
+        # A non-finite step changes nothing but the counters: the update is dropped whole (the
+        # optimizer keeps its old state itself, `keep`).
+        updates, opt_state = tx.update(grads, opt_state, state.params, keep=finite)
         if grad_shardings is not None:  # applied on the shard; the new parameters are gathered
             updates = jax.lax.with_sharding_constraint(updates, grad_shardings)
         new_params = optax.apply_updates(state.params, updates)
-        # A non-finite step changes nothing but the counters: the update is dropped whole.
-        keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        params = keep_new(new_params, state.params)
-        opt_state = keep_new(new_opt_state, opt_state)
-        fp8 = keep_new(next_fp8, state.fp8)
+        params = kept(finite, new_params, state.params)
+        fp8 = kept(finite, next_fp8, state.fp8)
 
         loss_scale, good_steps = state.loss_scale, state.good_steps
         if dynamic_scale:
