@@ -24,6 +24,7 @@ from jaxscale.plan.planner import (FIT_FRACTION, NOMINAL_CPU, TIMING_TIE, Row, _
                                    make_plan, mesh_distance, spread_order)
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
+from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.training.state import model_spec
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
@@ -433,6 +434,23 @@ def test_pipeline_memory_estimate_is_within_25_percent_of_the_compiler(schedule)
     config = c.apply(tiny_float32())
     estimate = estimate_memory(config, model_spec(config), c.mesh_shape, "xla")
     assert 0.75 <= estimate.total / memory.total <= 1.25, (estimate, memory)
+
+
+def test_offloaded_moments_count_only_what_the_streamed_update_holds():
+    """With `optim.offload_state` the estimate's moments are the IN_FLIGHT largest parameters'
+    (training/optim.py streamed_update), counted here from the shapes on one device; the rest of
+    the estimate is as without offload."""
+    config = tiny_float32()
+    config.optim.update(offload_state=True, moment_dtype="float32")
+    one_device = dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)
+    spec = model_spec(config)
+    offloaded = estimate_memory(config, spec, one_device, "xla")
+    config.optim.offload_state = False
+    on_device = estimate_memory(config, spec, one_device, "xla")
+    sizes = sorted(a.size for a in jax.tree.leaves(spec.abstract_params))
+    assert offloaded.moments == 2 * 4 * sum(sizes[-IN_FLIGHT:])  # two float32 moments
+    assert on_device.moments == 2 * 4 * sum(sizes)
+    assert dataclasses.replace(offloaded, moments=on_device.moments) == on_device
 
 
 def test_collective_permute_is_parsed_and_attributed_to_the_pipeline_axis():

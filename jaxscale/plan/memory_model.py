@@ -3,7 +3,8 @@ compile (compiling one Llama 3 8B layout for a TPU slice takes minutes; this tak
 
 What it counts, per device:
   - state: float32 parameters and the optimizer's moments, each split as its sharding says
-    (exact: computed from every parameter's shape and PartitionSpec);
+    (exact: computed from every parameter's shape and PartitionSpec); with the moments offloaded
+    to the host, those of the IN_FLIGHT largest parameters, which the streamed update holds;
   - gradients and the optimizer's update: float32 copies of the parameters in the moments'
     layout (one more with gradient accumulation: the running sum);
   - weights in the compute dtype: under FSDP one layer's weights, gathered, twice (the compiler
@@ -39,6 +40,7 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.training.loss import chunk_length, vocab_tiles
+from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
 from jaxscale.training.state import ModelSpec, moment_specs, param_specs
@@ -70,10 +72,15 @@ def _shard_elements(shape, spec: P, mesh_shape: Mapping[str, int]) -> int:
     return total
 
 
-def _tree_shard_elements(specs, abstract, mesh_shape) -> int:
-    return sum(jax.tree.leaves(jax.tree.map(
+def _leaf_shard_elements(specs, abstract, mesh_shape) -> list[int]:
+    """Elements of one device's shard of each array of `abstract`, split as `specs` says."""
+    return jax.tree.leaves(jax.tree.map(
         lambda spec, a: _shard_elements(a.shape, spec, mesh_shape), specs, abstract,
-        is_leaf=lambda x: isinstance(x, P))))
+        is_leaf=lambda x: isinstance(x, P)))
+
+
+def _tree_shard_elements(specs, abstract, mesh_shape) -> int:
+    return sum(_leaf_shard_elements(specs, abstract, mesh_shape))
 
 
 def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
@@ -92,10 +99,15 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     # base is held in the compute dtype.
     trained = _tree_shard_elements(spec.trained(specs), spec.trained(spec.abstract_params),
                                    mesh_shape)
-    moment_elements = _tree_shard_elements(
+    moment_leaves = _leaf_shard_elements(
         moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state),
         spec.trained(spec.abstract_params), mesh_shape)
+    moment_elements = sum(moment_leaves)
     moment_bytes = jnp.dtype(config.optim.moment_dtype).itemsize
+    # Offloaded, they live on the host and the update streams them through the device, at most
+    # IN_FLIGHT parameters' at a time (training/optim.py streamed_update): the largest ones.
+    on_device = (sum(sorted(moment_leaves)[-IN_FLIGHT:]) if config.optim.offload_state
+                 else moment_elements)
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
 
     def shards(logical: str) -> int:
@@ -162,7 +174,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     gradients = 4 * moment_elements * (3 if running_sum else 2)
     return MemoryEstimate(
         params=4 * trained + compute * (params - trained),
-        moments=2 * moment_bytes * moment_elements,
+        moments=2 * moment_bytes * on_device,
         batch=len(BATCH_KEYS) * 4 * rows * t.microbatches * tokens,
         gradients=gradients,
         gathered_weights=_compute_weights(spec, specs, rules, mesh_shape,
