@@ -117,7 +117,8 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int,
     clip = optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip > 0 else None
     chained = optax.chain(*([clip] if clip else []), per_parameter)
 
-    def update(updates, state, params=None, *, keep=True):
+    def update(updates, state, params=None, *, keep=True, **extra_args):
+        del extra_args  # optax's convention: a chain may pass others' (value=, ...) to every part
         if clip:  # on the whole gradient, before any parameter's own part; it keeps no state
             updates, _ = clip.update(updates, state[0], params)
         if optim.offload_state:
