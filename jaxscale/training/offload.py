@@ -6,10 +6,11 @@ offloading the moments frees 8 of them, at the cost of copying them to the devic
 step (over PCIe on GPUs). Their shardings are the moments' usual ones with
 `memory_kind="pinned_host"`, and the train step's outputs land there again through its
 out_shardings. The optimizer's update (`jaxscale.training.optim.streamed_update`) holds two
-parameters' moments on the device at once instead of all of them. That lowers the step's peak where the update is the peak: `llama_1b` on one TPU v5p chip
-with float32 moments needs 18.2 GiB instead of 31.2 (benchmarks/offload.py, from the compiled
-programs). Where the backward pass is the peak it cannot: `llama3_8b` on one chip at 8192 tokens
-peaks there, with the compute-dtype copies of the weights and the stacked gradients.
+parameters' moments on the device at once instead of all of them. That lowers the step's peak
+where the update is the peak: `llama_1b` on one TPU v5p chip with float32 moments needs 18.2 GiB
+instead of 31.2 (benchmarks/offload.py, from the compiled programs). Where the backward pass is
+the peak it cannot: `llama3_8b` on one chip at 8192 tokens peaks there, with the compute-dtype
+copies of the weights and the stacked gradients.
 """
 
 from __future__ import annotations
