@@ -9,9 +9,9 @@ its memory for.
 
 Both sides are the same program but for the update: "streamed" is the trainer's own (each
 parameter's moments moved to the device, updated and moved back, two parameters' at a time:
-jaxscale/training/offload.py); "all at once" moves the whole optimizer state to the device
-before the step, as the trainer did before, and updates every parameter together. Each prints
-`memory_analysis()` per chip (the device's bytes; the host's apart). The last line is
+jaxscale/training/optim.py streamed_update); "all at once" moves the whole optimizer state to the
+device before the step, as the trainer did before, and updates every parameter together. Each
+prints `memory_analysis()` per chip (the device's bytes; the host's apart). The last line is
 `ratio: X` = streamed total / all-at-once total on the device; below 1.0 streaming needs less.
 """
 
