@@ -1,13 +1,18 @@
 """The train step compiled by the real TPU compiler for a TPU slice this machine does not have
 (libtpu, in the test extra, compiles for a topology description)."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
 from tests.helpers import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Attention scores of the XLA path: [batch, (kv) heads, (group,) 256 queries, 256 keys] per device.
@@ -68,3 +73,32 @@ def test_a_two_slice_target_plans_over_dcn_and_compiles_for_both_slices():
                                                                       "pipeline")}
     assert sorted(dcn.values()) == [1, 1, 2]  # the two slices split one axis
     assert plan.chosen.compiled is not None
+
+
+PEAK_SCRIPT = """
+from jaxscale.plan.compiled import compile_train_step
+from jaxscale.plan.targets import parse_target, target_devices
+from tests.helpers import small_config
+config = small_config(fsdp=4)
+config.train.update(seq_len=256, batch_size=8)
+config.model.update(head_dim=128, loss_chunk_len=64)
+memory = compile_train_step(config, target_devices(parse_target("v5p:2x2x1")))[1]
+print(memory.arguments, memory.total, memory.peak)
+"""
+
+
+def test_the_tpu_compilers_peak_lies_within_its_buffers_and_the_total_overstates(tmp_path):
+    """`StepMemory.peak`, checked against the compiler's buffer assignment (dumped by XLA): it
+    is more than the arguments and at most the allocations in the device's main memory (those
+    with no other memory colour). The breakdown's `total` exceeds even their sum: the TPU's
+    temporaries count more than its main-memory heap, which is why benchmarks/memory.py compares
+    peaks."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=train_step")
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    arguments, total, peak = map(int, out.split()[-3:])
+    [assignment] = tmp_path.glob("*train_step*after_optimizations-buffer-assignment.txt")
+    allocations = re.findall(r"^allocation \d+: size (\d+), (.*)$", assignment.read_text(), re.M)
+    main_memory = sum(int(size) for size, what in allocations if "color" not in what)
+    assert arguments < peak <= main_memory < total

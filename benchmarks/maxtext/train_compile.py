@@ -35,6 +35,7 @@ What cannot be matched with jaxscale (both sides keep their own default):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -135,9 +136,7 @@ def report(settings: dict[str, str], captured: dict, step_memory) -> None:
     print(versions())
     print(f"MaxText train_compile: {shown}; compiled in {captured['seconds']:.0f} s")
     print(memory.line())
-    print(BYTES_PREFIX + json.dumps(dict(arguments=memory.arguments, outputs=memory.outputs,
-                                         aliased=memory.aliased,
-                                         temporaries=memory.temporaries, code=memory.code)))
+    print(BYTES_PREFIX + json.dumps(dataclasses.asdict(memory)))
     sys.stdout.flush()
 
 
