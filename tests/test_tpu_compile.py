@@ -19,6 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCORES = re.compile(r"\[(\d+,){2,}256,256\]")
 
 
+def splash_step_config():
+    """A 2-layer step for 4 chips (fsdp=4) with splash-sized heads and the loss in slices."""
+    config = small_config(fsdp=4)
+    config.train.update(seq_len=256, batch_size=8)
+    config.model.update(head_dim=128, loss_chunk_len=64)
+    return config
+
+
 @pytest.fixture(scope="module")
 def v5p_devices():
     return target_devices(parse_target("v5p:2x2x1"))
@@ -27,10 +35,7 @@ def v5p_devices():
 def test_splash_attention_and_chunked_loss_compile_for_a_tpu(v5p_devices):
     """`model.attention=auto` picks the Pallas splash kernel for TPU devices: the compiled program
     calls the Mosaic kernel, has no [batch, heads, q, k] score tensors, and reports its memory."""
-    config = small_config(fsdp=4)
-    config.train.update(seq_len=256, batch_size=8)
-    config.model.update(head_dim=128, loss_chunk_len=64)
-    compiled, memory = compile_train_step(config, v5p_devices)
+    compiled, memory = compile_train_step(splash_step_config(), v5p_devices)
     hlo = compiled.as_text()
     assert "tpu_custom_call" in hlo
     assert not SCORES.search(hlo)
@@ -78,11 +83,8 @@ def test_a_two_slice_target_plans_over_dcn_and_compiles_for_both_slices():
 PEAK_SCRIPT = """
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
-from tests.helpers import small_config
-config = small_config(fsdp=4)
-config.train.update(seq_len=256, batch_size=8)
-config.model.update(head_dim=128, loss_chunk_len=64)
-memory = compile_train_step(config, target_devices(parse_target("v5p:2x2x1")))[1]
+from tests.test_tpu_compile import splash_step_config
+memory = compile_train_step(splash_step_config(), target_devices(parse_target("v5p:2x2x1")))[1]
 print(memory.arguments, memory.total, memory.peak)
 """
 
