@@ -5,6 +5,7 @@ on an 8-device data=8 mesh, and in the collectives of the program the TPU compil
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -15,10 +16,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxscale.config import check_settings
 from jaxscale.errors import ConfigError
 from jaxscale.models import abstract_model, create_model
-from jaxscale.models.layers import weight_matmul
+from jaxscale.models import llama
+from jaxscale.models.layers import weight_matmul, weights_cast_for_use
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.state import model_config
+from jaxscale.training.step import summed_loss
 from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 
 SETTINGS = ("bfloat16", "float32")
@@ -204,3 +207,83 @@ def test_remat_policies_keep_the_float32_reduced_gradients(remat):
     config.model.remat = remat
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  loss_and_grads(config), baseline)
+
+
+def _stack_loss_and_grads(config, batch):
+    """(the summed loss, its gradient) of `config`'s model on one device, and the jaxpr of the
+    gradient."""
+    graphdef, params = nnx.split(create_model(model_config(config), 0))
+    grad_fn = jax.value_and_grad(lambda p: summed_loss(graphdef, p, batch)[0])
+    return jax.jit(grad_fn)(params), jax.make_jaxpr(grad_fn)(params)
+
+
+def _scans(jaxpr) -> list:
+    """Every scan in `jaxpr` and the jaxprs nested in it, in program order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _scans(sub)
+    return found
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_the_layer_loop_stacks_the_weights_gradients_in_their_reduction_dtype(setting,
+                                                                             monkeypatch):
+    """`weights_cast_for_use` casts a stack's weights before the layer loop, so the loop's
+    gradient of them is stacked in the dtype it is made in (bfloat16 here: half the memory of
+    float32) and widened after the loop: the same loss and gradients, bit for bit, as the cast
+    inside the loop (the stack passed on uncast)."""
+    config = small_config()
+    config.precision.update(compute_dtype="bfloat16", grad_reduce_dtype=setting)
+    batch = random_batch(config)
+    (loss, grads), jaxpr = _stack_loss_and_grads(config, batch)
+    monkeypatch.setattr(llama, "weights_cast_for_use", lambda module, state: state)
+    (loss_inside, grads_inside), jaxpr_inside = _stack_loss_and_grads(config, batch)
+
+    assert loss == loss_inside
+    for name, leaf in by_name(nnx.to_pure_dict(grads)).items():
+        np.testing.assert_array_equal(leaf, by_name(nnx.to_pure_dict(grads_inside))[name])
+        assert leaf.dtype == jnp.float32, name  # the optimizer's gradients stay float32
+    m = config.model
+    stacked_gate = (m.n_layers, m.d_model, m.mlp_dim)
+
+    def gradient_dtypes(j):
+        """The dtypes of the stacked gate-shaped outputs of the backward pass's layer loop (the
+        last scan; the forward's comes first)."""
+        return {v.aval.dtype.name for v in _scans(j.jaxpr)[-1].outvars
+                if v.aval.shape == stacked_gate}
+    assert gradient_dtypes(jaxpr) == {setting}
+    assert gradient_dtypes(jaxpr_inside) == {"float32"}
+
+
+def test_only_the_weights_cast_where_they_are_used_are_cast_before_the_loop():
+    """float32 reduction, bfloat16 compute: the attention and dense feed-forward weights stay
+    float32 (their gradient dtype), the MoE experts go to the compute dtype; the norms' scales
+    and the router stay float32, as their layers use them."""
+    config = small_config()
+    config.precision.update(compute_dtype="bfloat16", grad_reduce_dtype="float32")
+    config.model.moe.update(experts=4, top_k=2, every=2)  # layer 1 of the group is MoE
+    model = create_model(model_config(config), 0)
+    state = nnx.split(model.blocks)[1]
+    cast = by_name(nnx.to_pure_dict(weights_cast_for_use(model.blocks, state)))
+    experts = {f"layers/1/mlp/{w}" for w in ("gate", "up", "down")}
+    assert experts < set(cast) and "layers/1/mlp/router" in cast
+    for name, leaf in cast.items():
+        assert leaf.dtype == (jnp.bfloat16 if name in experts else jnp.float32), name
+
+
+def test_fp8_matmuls_weights_are_not_cast_before_the_loop():
+    """With fp8 matmuls every attention and feed-forward weight stays float32 before the loop:
+    its matmul quantizes it in the layer (one rounding, not two)."""
+    config = small_config()
+    config.precision.update(compute_dtype="bfloat16", matmul="fp8")
+    model = create_model(model_config(config), 0)
+    state = nnx.split(model.blocks)[1]
+    cast = by_name(nnx.to_pure_dict(weights_cast_for_use(model.blocks, state)))
+    weights = [name for name in cast if name.rsplit("/", 1)[-1] in ("q", "k", "v", "o", "gate",
+                                                                     "up", "down")]
+    assert len(weights) == 7
+    for name in weights:
+        assert cast[name].dtype == jnp.float32, name

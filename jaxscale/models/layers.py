@@ -105,6 +105,34 @@ def scan_layers(layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax
     return jax.lax.scan(body, x, stacked_state)[0]
 
 
+def weights_cast_for_use(module: nnx.Module, state: nnx.State) -> nnx.State:
+    """`module`'s `state` (a stack of layers' included) with every weight a submodule casts where
+    it uses it (its `weight_dtypes`) cast already, the rest as it is.
+
+    A stack's layer loop casts each layer's float32 weights to the compute dtype; XLA hoists that
+    cast out of the loop anyway, holding a cast copy of the whole stack. Cast here, outside the
+    loop, the loop's gradient of the weights is made and stacked in that dtype too, not float32:
+    the same values (each layer's is made in that dtype, `weight_matmul`), and half the memory
+    of the stacked gradients, which are alive through the whole backward pass."""
+    dtypes = {(*path, name): dtype for path, node in nnx.iter_graph(module)
+              if isinstance(node, nnx.Module) and hasattr(node, "weight_dtypes")
+              for name, dtype in node.weight_dtypes().items()}
+
+    def cast(path, leaf):
+        dtype = dtypes.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)))
+        return leaf if dtype is None else leaf.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, state)
+
+
+def unquantized_weight_dtypes(layer: nnx.Module,
+                              names: tuple[str, ...]) -> dict[str, jnp.dtype]:
+    """`weight_dtypes` of an `Attention` or `MLP` layer: its weights `names`, each cast to the
+    layer's `grad_dtype` where it is used, except those an fp8 matmul takes (`NAME_fp8` set).
+    That matmul quantizes its weight to e4m3 in the layer, where the cast before it folds into
+    the quantization; cast before the loop, the weight would be rounded twice."""
+    return {name: layer.grad_dtype for name in names if getattr(layer, f"{name}_fp8") is None}
+
+
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],
           stddev: float) -> nnx.Param:
     """A float32 normal-initialised parameter annotated with logical axis names."""
@@ -166,6 +194,11 @@ class Attention(nnx.Module):
         self.q_lora, self.k_lora, self.v_lora = (adapter(lora, name, getattr(self, name), 1, rngs)
                                                  for name in ("q", "k", "v"))
         self.o_lora = adapter(lora, "o", self.o, 2, rngs)  # o contracts heads and head_dim
+
+    def weight_dtypes(self) -> dict[str, jnp.dtype]:
+        """The weights (by attribute) and the dtype each is cast to where it is used, fp8
+        matmuls' weights left out (`unquantized_weight_dtypes`)."""
+        return unquantized_weight_dtypes(self, ("q", "k", "v", "o"))
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  dropout: AdapterDropout | None = None) -> jax.Array:
@@ -256,6 +289,11 @@ class MLP(nnx.Module):
         self.gate_fp8, self.up_fp8, self.down_fp8 = (site(fp8_history) for _ in range(3))
         self.gate_lora, self.up_lora, self.down_lora = (
             adapter(lora, name, getattr(self, name), 1, rngs) for name in ("gate", "up", "down"))
+
+    def weight_dtypes(self) -> dict[str, jnp.dtype]:
+        """The weights (by attribute) and the dtype each is cast to where it is used, fp8
+        matmuls' weights left out (`unquantized_weight_dtypes`)."""
+        return unquantized_weight_dtypes(self, ("gate", "up", "down"))
 
     def __call__(self, x: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
         gt = self.grad_dtype

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, LayerFn,
                                     RMSNorm, Stack, float32_accumulating, param, scan_layers,
-                                    weight_matmul)
+                                    weight_matmul, weights_cast_for_use)
 from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
@@ -249,6 +249,7 @@ class Llama(nnx.Module):
         index): a pipeline stage's slice of the stack then holds its own layers' indices, and
         the masks are those of one device; the rows' dropout keys go with the rows."""
         block_def, block_state = nnx.split(self.blocks)
+        block_state = weights_cast_for_use(self.blocks, block_state)
         if dropout is None:
             return self.block_fn(block_def), block_state, (positions, segment_ids)
         layers = jnp.arange(self.stack_units, dtype=jnp.int32)

@@ -225,6 +225,11 @@ class MoE(nnx.Module):
         out = jax.vmap(functools.partial(combine, top_k=cfg.top_k))(expert_out, routing)
         return out.astype(x.dtype), router_stats(logits, probs, routing, valid)
 
+    def weight_dtypes(self) -> dict[str, jnp.dtype]:
+        """The experts' weights (by attribute) and the dtype each is cast to where it is used;
+        the router stays float32."""
+        return dict.fromkeys(("gate", "up", "down"), self.dtype)
+
     def experts(self, buffers: jax.Array) -> jax.Array:
         """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model] (in the
         expert layout): one batched matmul per weight, over the stacked experts."""
