@@ -129,8 +129,8 @@ def unquantized_weight_dtypes(layer: nnx.Module,
     """`weight_dtypes` of an `Attention` or `MLP` layer: its weights `names`, each cast to the
     layer's `grad_dtype` where it is used, except those an fp8 matmul takes (`NAME_fp8` set).
     That matmul quantizes its weight to e4m3 in the layer, where XLA (allowed excess precision)
-    skips the cast's rounding; cast before the loop, the weight is rounded twice (and tiny's fp8
-    loss moved 1.2%, benchmarks/RESULTS.md)."""
+    evidently skips the cast's rounding; cast before the loop, the weight is rounded twice, and
+    tiny's fp8 loss moved 1.2% (benchmarks/RESULTS.md)."""
     return {name: layer.grad_dtype for name in names if getattr(layer, f"{name}_fp8") is None}
 
 
