@@ -4,7 +4,8 @@ compile (compiling one Llama 3 8B layout for a TPU slice takes minutes; this tak
 What it counts, per device:
   - state: float32 parameters and the optimizer's moments, each split as its sharding says
     (exact: computed from every parameter's shape and PartitionSpec); with the moments offloaded
-    to the host, those of the IN_FLIGHT largest parameters, which the streamed update holds;
+    to the host, what the streamed update holds: one layer's of the largest stacked parameter
+    and those of the IN_FLIGHT largest others;
   - gradients and the optimizer's update: float32 copies of the parameters in the moments'
     layout (one more with gradient accumulation: the running sum);
   - weights in the compute dtype: under FSDP one layer's weights, gathered, twice (the compiler
@@ -43,7 +44,7 @@ from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
-from jaxscale.training.state import ModelSpec, moment_specs, param_specs
+from jaxscale.training.state import ModelSpec, moment_specs, param_specs, whole_layers
 from jaxscale.training.step import BATCH_KEYS
 
 
@@ -99,17 +100,22 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     # base is held in the compute dtype.
     trained = _tree_shard_elements(spec.trained(specs), spec.trained(spec.abstract_params),
                                    mesh_shape)
-    moment_leaves = _leaf_shard_elements(
-        moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state),
-        spec.trained(spec.abstract_params), mesh_shape)
+    moment_layout = moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state)
+    moment_leaves = _leaf_shard_elements(moment_layout, spec.trained(spec.abstract_params),
+                                         mesh_shape)
     moment_elements = sum(moment_leaves)
     moment_bytes = jnp.dtype(config.optim.moment_dtype).itemsize
-    # Offloaded, they live on the host and the update streams them through the device, at most
-    # IN_FLIGHT parameters' at a time (training/optim.py streamed_update): the largest ones. One
-    # copy each, though a parameter's old and new moments may both be alive for a moment: the
-    # whole estimate still reads above the compiler (llama_1b on one v5p chip: 20.0 GiB
-    # estimated, 18.2 compiled).
-    on_device = (sum(sorted(moment_leaves)[-IN_FLIGHT:]) if config.optim.offload_state
+    # Offloaded, they live on the host and the update streams them through the device
+    # (training/optim.py streamed_update): the stacked layers' a layer at a time, the others
+    # whole, IN_FLIGHT at a time; counted as the largest layer's beside the IN_FLIGHT largest
+    # others'. One copy each, though a parameter's old and new moments may both be alive for a
+    # moment.
+    by_layer = jax.tree.leaves(whole_layers(spec, moment_layout, mesh_shape))
+    stacks = [a.shape[0] for a in jax.tree.leaves(spec.trained(spec.abstract_params))]
+    largest_layer = max((n // stack for n, stack, layered in zip(moment_leaves, stacks, by_layer)
+                         if layered), default=0)
+    whole = sorted(n for n, layered in zip(moment_leaves, by_layer) if not layered)
+    on_device = (largest_layer + sum(whole[-IN_FLIGHT:]) if config.optim.offload_state
                  else moment_elements)
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
 

@@ -1,11 +1,11 @@
 """The optimizer: AdamW with linear warmup and cosine decay, global-norm clipping, a decay mask,
 Adam's moments stored in float32 or bfloat16 (`optim.moment_dtype`), and with them in host memory
 (`optim.offload_state`, jaxscale/training/offload.py) an update that streams them through the
-device a parameter at a time."""
+device a layer or a parameter at a time."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,8 @@ MOMENT_DTYPES = ("float32", "bfloat16")
 # The spacing of bfloat16 numbers just below 1 (8 significand bits): a moment that decays by less
 # than this fraction per step is rounded back to where it was, so it never decays.
 _BFLOAT16_RESOLUTION = 2.0 ** -8
-# How many parameters' offloaded moments the streamed update holds on the device at once: one
-# parameter updated while the next one's are copied in.
+# How many parameters' offloaded moments the streamed update holds on the device at once, of
+# those it updates whole (not a layer at a time): one updated while the next one's are copied in.
 IN_FLIGHT = 2
 
 
@@ -96,14 +96,19 @@ def stored_as(inner: optax.GradientTransformation, dtype) -> optax.GradientTrans
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int,
-                   logical_specs) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
+def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_specs,
+                   by_layer: Any = None
+                   ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
     """AdamW chain for parameters whose logical axes are `logical_specs` (for the decay mask).
 
     Its update takes `keep`, a boolean scalar (default True): where it is False the state it
     returns is the one it was given, so that the train step can drop a non-finite step's update
-    whole. With `optim.offload_state` the moments live in host memory and the update streams them
-    through the device one parameter at a time (`streamed_update`)."""
+    whole. With `apply=True` it returns the new parameters (`applied`) instead of the updates,
+    which lets an update that streams a layer at a time apply each layer's in place. With
+    `optim.offload_state` the moments live in host memory and the update streams them
+    through the device a layer or a parameter at a time (`streamed_update`; `by_layer`, a tree
+    of booleans like `logical_specs`, says which parameters go a layer at a time: by default
+    none)."""
     schedule = learning_rate_schedule(optim, total_steps)
     adam = optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps)
     if optim.moment_dtype != "float32":
@@ -114,21 +119,48 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int,
                                 optax.add_decayed_weights(optim.weight_decay,
                                                           decay_mask(logical_specs)),
                                 optax.scale_by_learning_rate(schedule))
+    # The chain's state is optax.adamw's with clipping (the clip's own is empty); its
+    # arithmetic is `clipped`'s, which the streamed update applies a layer at a time.
     clip = optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip > 0 else None
     chained = optax.chain(*([clip] if clip else []), per_parameter)
 
-    def update(updates, state, params=None, *, keep=True, **extra_args):
+    def update(updates, state, params=None, *, keep=True, apply=False, layout=None,
+               **extra_args):
         del extra_args  # optax's convention: a chain may pass others' (value=, ...) to every part
-        if clip:  # on the whole gradient, before any parameter's own part; it keeps no state
-            updates, _ = clip.update(updates, state[0], params)
+        # By the norm of the whole gradient, before any parameter's own part.
+        clip_fn = clipped(optax.tree.norm(updates), optim.grad_clip) if clip else None
         if optim.offload_state:
-            updates, inner = streamed_update(per_parameter, updates, state[-1], params, keep)
+            layered = (jax.tree.map(lambda _: False, logical_specs,
+                                    is_leaf=lambda x: isinstance(x, P))
+                       if by_layer is None else by_layer)
+            updates, inner = streamed_update(per_parameter, updates, state[-1], params, keep,
+                                             layered, apply, layout, clip_fn)
         else:
+            if clip_fn:
+                updates = jax.tree.map(clip_fn, updates)
             updates, inner = per_parameter.update(updates, state[-1], params)
             inner = kept(keep, inner, state[-1])
+            if apply:
+                updates = applied(updates, params, keep, layout)
         return updates, (*state[:-1], inner)
 
     return optax.GradientTransformationExtraArgs(chained.init, update), schedule
+
+
+def clipped(norm: jax.Array, max_norm: float) -> Callable[[jax.Array], jax.Array]:
+    """optax.clip_by_global_norm's arithmetic for one array (or a slice of one) of a gradient
+    whose global norm is `norm`: unchanged below `max_norm`, else scaled down to it."""
+    def clip_fn(t: jax.Array) -> jax.Array:
+        return jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm)
+    return clip_fn
+
+
+def applied(updates: Any, params: Any, keep: jax.Array, layout: Any = None) -> Any:
+    """`params` plus `updates`, or `params` where `keep` is False. `layout` (ZeRO-1: the
+    moments' shards) is where the updates are added; the new parameters go back to theirs."""
+    if layout is not None:
+        updates = jax.lax.with_sharding_constraint(updates, layout)
+    return kept(keep, optax.apply_updates(params, updates), params)
 
 
 def kept(keep: jax.Array, new: Any, old: Any) -> Any:
@@ -137,50 +169,119 @@ def kept(keep: jax.Array, new: Any, old: Any) -> Any:
 
 
 def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, state: Any,
-                    params: Any, keep: jax.Array) -> tuple[Any, Any]:
-    """`per_parameter.update(updates, state, params)`, its new state `kept` by `keep`, for a
-    transformation that treats each parameter on its own (AdamW's after the global-norm clip)
-    and a `state` whose per-parameter entries (the moments) are in host memory. It runs one
-    parameter at a time: that parameter's moments move to the device, are updated, and go back
-    to the host, so the device holds the moments of `IN_FLIGHT` parameters at most instead of
-    all of them. Each parameter's arithmetic is the whole tree's update's.
+                    params: Any, keep: jax.Array, by_layer: Any, apply: bool = False,
+                    layout: Any = None, clip_fn: Callable | None = None) -> tuple[Any, Any]:
+    """`per_parameter.update(updates, state, params)` of the `updates` each first passed through
+    `clip_fn` (`clipped`), its new state `kept` by `keep` (with `apply`, the new parameters in
+    place of the updates: `applied` with `layout`), for a transformation that treats each
+    parameter on its own (AdamW's after the global-norm clip) and a `state` whose per-parameter
+    entries (the moments) are in host memory. Each parameter's arithmetic is the whole tree's
+    update's; what differs is how much of the moments the device holds at once.
 
-    XLA could still move every parameter's moments in at once; an optimization barrier makes a
-    parameter's moments leave the host only once those of the parameter `IN_FLIGHT` places
-    before it are back there, which leaves one parameter's copies to overlap another's update."""
+    A parameter True in `by_layer` (stacked along a leading `layers` axis that no device splits)
+    is updated a layer at a time in a loop: each iteration moves that layer's moments to the
+    device, updates them and writes them back into the host arrays, so the device holds one
+    layer's moments (and, with `apply`, adds the layer's update to its parameters in place, so
+    it holds one layer's update too). A loop is what makes it so: XLA schedules a transfer
+    outside a loop as early as its operand allows, which for a step's moments (arguments in host
+    memory) is before the backward pass (measured: benchmarks/offload.py). Each loop's gradient
+    waits, by an optimization barrier, for the loop before it to end: XLA makes the float32
+    gradient a loop reads (a convert of the bfloat16 one the layers make) before the loop, and
+    would otherwise make every loop's at once.
+
+    The other parameters (the embedding, the head, the final norm) are updated whole,
+    `IN_FLIGHT` at a time: an optimization barrier asks that a parameter's moments leave the
+    host only once those of the parameter `IN_FLIGHT` places before it are back there. The TPU
+    compiler does not always keep to it: for llama3_8b on one chip it moves the embedding's
+    moments (2 GiB) in during the backward pass (benchmarks/RESULTS.md)."""
     leaves, treedef = jax.tree.flatten(updates)
     index = jax.tree.unflatten(treedef, range(len(leaves)))
+    layered = jax.tree.leaves(by_layer)
     # Each leaf of the state: the parameter whose entry it is, or -1 (Adam's step count).
     owners = jax.tree.leaves(optax.tree_map_params(per_parameter, lambda _, i: i, state, index,
                                                    transform_non_params=lambda _: -1))
     old, state_def = jax.tree.flatten(state)
+    shared = [j for j, o in enumerate(owners) if o == -1]
     new = list(old)  # filled in parameter by parameter
     new_updates = []
 
     def entries(owner: int) -> list[int]:
         return [j for j, o in enumerate(owners) if o == owner]
 
-    def only(i: int, tree: Any) -> Any:  # parameter i's leaf of a params-shaped tree, else None
-        return jax.tree.map(lambda x, k: x if k == i else None, tree, index)
+    def only(i: int, leaf: Any) -> Any:  # a params-shaped tree of `leaf` at i, else None
+        return jax.tree.unflatten(treedef, [leaf if k == i else None for k in range(len(leaves))])
 
-    for i in range(len(leaves)):
-        moments = [old[j] for j in entries(i)]
-        if i >= IN_FLIGHT:
-            earlier = entries(i - IN_FLIGHT)
-            back, moments = jax.lax.optimization_barrier(([new[j] for j in earlier], moments))
-            for j, x in zip(earlier, back):
-                new[j] = x
-        # Parameter i's entries on the device, the shared ones as they were, no others.
+    def update_one(i: int, update, moments, param):
+        """Parameter i's update (or a layer of it) and its new moments, `kept`, on the device;
+        with the shared entries' new values."""
         one = [old[j] if owners[j] == -1 else None for j in range(len(old))]
-        for j, x in zip(entries(i), jax.device_put(moments, jax.memory.Space.Device)):
+        for j, x in zip(entries(i), moments):
             one[j] = x
         one_state = jax.tree.unflatten(state_def, one)
-        update, next_state = per_parameter.update(only(i, updates), one_state, only(i, params))
-        new_updates += jax.tree.leaves(update)
+        if clip_fn:
+            update = clip_fn(update)
+        step, next_state = per_parameter.update(only(i, update), one_state, only(i, param))
         next_leaves = jax.tree.leaves(kept(keep, next_state, one_state),
                                       is_leaf=lambda x: x is None)
-        for j in entries(i):
-            new[j] = jax.device_put(next_leaves[j], jax.memory.Space.Host)
-        for j in entries(-1):  # the same from every parameter's update
-            new[j] = next_leaves[j]
+        return (jax.tree.leaves(step)[0], [next_leaves[j] for j in entries(i)],
+                [next_leaves[j] for j in shared])
+
+    param_leaves = jax.tree.leaves(params)
+    layouts = [None] * len(leaves) if layout is None else jax.tree.leaves(layout)
+    whole = [i for i in range(len(leaves)) if not layered[i]]
+    last_loop = None
+    for i in range(len(leaves)):
+        moments = [old[j] for j in entries(i)]
+        if layered[i]:
+            if last_loop is not None:
+                leaves[i], _ = jax.lax.optimization_barrier((leaves[i], last_loop))
+            step, moments, shared_next = _by_layer(
+                lambda u, m, p, i=i: update_one(i, u, m, p), leaves[i], moments,
+                param_leaves[i], keep if apply else None)
+            last_loop = step
+        else:
+            k = whole.index(i)
+            if k >= IN_FLIGHT:
+                earlier = entries(whole[k - IN_FLIGHT])
+                back, moments = jax.lax.optimization_barrier(([new[j] for j in earlier],
+                                                              moments))
+                for j, x in zip(earlier, back):
+                    new[j] = x
+            step, moments, shared_next = update_one(
+                i, leaves[i], jax.device_put(moments, jax.memory.Space.Device), param_leaves[i])
+            moments = jax.device_put(moments, jax.memory.Space.Host)
+            if apply:
+                step = applied(step, param_leaves[i], keep, layouts[i])
+        new_updates.append(step)
+        for j, x in zip(entries(i), moments):
+            new[j] = x
+        for j, x in zip(shared, shared_next):  # the same from every parameter's update
+            new[j] = x
     return jax.tree.unflatten(treedef, new_updates), jax.tree.unflatten(state_def, new)
+
+
+def _by_layer(update_layer, update: jax.Array, moments: list[jax.Array], param: jax.Array,
+              keep: jax.Array | None):
+    """`update_layer(update[l], moments' [l] on the device, param[l])` for each layer l of a
+    stacked parameter, in a loop, the new moments written in place into the host arrays
+    (`moments`): the updates stacked on the device, or with `keep` (`apply`) the new parameters,
+    written in place into `param`'s."""
+    def one_layer(l, carry):
+        out, host, _ = carry
+        # Applying, layer l of the parameter is read from the carry, which holds it unchanged
+        # until now: reading `param` would keep a second copy of the stack alive.
+        layer = out[l] if keep is not None else param[l]
+        step, new, shared = update_layer(
+            update[l], jax.device_put([m[l] for m in host], jax.memory.Space.Device), layer)
+        if keep is not None:
+            step = applied(step, layer, keep)
+        new = jax.device_put(new, jax.memory.Space.Host)
+        return (out.at[l].set(step), [m.at[l].set(x) for m, x in zip(host, new)], shared)
+
+    # The loop's carry needs the shapes of what it makes: one layer's update, traced, gives them.
+    step, _, shared = jax.eval_shape(
+        lambda: update_layer(update[0], jax.device_put([m[0] for m in moments],
+                                                       jax.memory.Space.Device), param[0]))
+    out = param if keep is not None else jnp.zeros((len(update), *step.shape), step.dtype)
+    return jax.lax.fori_loop(0, len(update), one_layer,
+                             (out, moments, [jnp.zeros(s.shape, s.dtype) for s in shared]))

@@ -24,7 +24,7 @@ from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_fr
 from jaxscale.training import offload
 from jaxscale.training.optim import make_optimizer
 from jaxscale.training.state import (init_state, model_spec, moment_specs, param_specs,
-                                     state_shardings)
+                                     state_shardings, whole_layers)
 from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
 
 
@@ -35,18 +35,20 @@ class TrainProgram:
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh):
         self.config, self.mesh = config, mesh
         self.model = model = model_spec(config)
-        # With LoRA the optimizer sees the adapters alone (TrainState.params).
-        self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
-                                                model.trained(model.logical_specs))
         self.rules = rules_from_config(config.sharding.rules)
+        # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
+        moment_layout = moment_specs(model, self.rules, mesh.shape,
+                                     config.sharding.optimizer_state)
+        # With LoRA the optimizer sees the adapters alone (TrainState.params).
+        self.tx, self.schedule = make_optimizer(
+            config.optim, config.train.steps, model.trained(model.logical_specs),
+            by_layer=whole_layers(model, moment_layout, mesh.shape))
         # Every parameter of the model, base and adapters (LoRA's split like their weights):
         # what the state holds and evaluation reads.
         self.param_shardings = mesh_shardings(param_specs(model, self.rules, mesh.shape), mesh)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
-        # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
-        moments = mesh_shardings(moment_specs(model, self.rules, mesh.shape,
-                                              config.sharding.optimizer_state), mesh)
+        moments = mesh_shardings(moment_layout, mesh)
         offloaded = config.optim.offload_state
         self.state_shardings = state_shardings(
             abstract_state, model.trained(self.param_shardings),

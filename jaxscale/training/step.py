@@ -206,11 +206,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         opt_state = schedule_at(state.opt_state, state.step)
         # A non-finite step changes nothing but the counters: the update is dropped whole (the
         # optimizer keeps its old state itself, `keep`).
-        updates, opt_state = tx.update(grads, opt_state, state.params, keep=finite)
-        if grad_shardings is not None:  # applied on the shard; the new parameters are gathered
-            updates = jax.lax.with_sharding_constraint(updates, grad_shardings)
-        new_params = optax.apply_updates(state.params, updates)
-        params = kept(finite, new_params, state.params)
+        # ZeRO-1: each update applied on its shard; the new parameters are gathered.
+        params, opt_state = tx.update(grads, opt_state, state.params, keep=finite, apply=True,
+                                      layout=grad_shardings)
         fp8 = kept(finite, next_fp8, state.fp8)
 
         loss_scale, good_steps = state.loss_scale, state.good_steps
