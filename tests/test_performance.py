@@ -24,7 +24,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import model_spec, moment_specs, whole_layers
+from jaxscale.training.state import model_spec, whole_layers
 from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
 
@@ -266,8 +266,7 @@ def test_the_layers_weights_stream_a_layer_at_a_time_unless_a_pipeline_splits_th
     streamed = {}
     for stages in (1, 2):
         mesh_shape = dict(data=1, pipeline=stages, fsdp=2, context=1, expert=1, tensor=1)
-        streamed[stages] = whole_layers(spec, moment_specs(spec, rules, mesh_shape, "params"),
-                                        mesh_shape)
+        streamed[stages] = whole_layers(spec, rules, mesh_shape)
     assert all(jax.tree.leaves(streamed[1]["blocks"]))
     assert not streamed[1]["embed"] and not streamed[1]["final_norm"]["scale"]
     assert not any(jax.tree.leaves(streamed[2]))

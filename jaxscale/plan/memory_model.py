@@ -100,9 +100,9 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     # base is held in the compute dtype.
     trained = _tree_shard_elements(spec.trained(specs), spec.trained(spec.abstract_params),
                                    mesh_shape)
-    moment_layout = moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state)
-    moment_leaves = _leaf_shard_elements(moment_layout, spec.trained(spec.abstract_params),
-                                         mesh_shape)
+    moment_leaves = _leaf_shard_elements(
+        moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state),
+        spec.trained(spec.abstract_params), mesh_shape)
     moment_elements = sum(moment_leaves)
     moment_bytes = jnp.dtype(config.optim.moment_dtype).itemsize
     # Offloaded, they live on the host and the update streams them through the device
@@ -110,7 +110,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     # whole, IN_FLIGHT at a time; counted as the largest layer's beside the IN_FLIGHT largest
     # others'. One copy each, though a parameter's old and new moments may both be alive for a
     # moment.
-    by_layer = jax.tree.leaves(whole_layers(spec, moment_layout, mesh_shape))
+    by_layer = jax.tree.leaves(whole_layers(spec, rules, mesh_shape))
     stacks = [a.shape[0] for a in jax.tree.leaves(spec.trained(spec.abstract_params))]
     largest_layer = max((n // stack for n, stack, layered in zip(moment_leaves, stacks, by_layer)
                          if layered), default=0)

@@ -36,19 +36,19 @@ class TrainProgram:
         self.config, self.mesh = config, mesh
         self.model = model = model_spec(config)
         self.rules = rules_from_config(config.sharding.rules)
-        # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
-        moment_layout = moment_specs(model, self.rules, mesh.shape,
-                                     config.sharding.optimizer_state)
-        # With LoRA the optimizer sees the adapters alone (TrainState.params).
-        self.tx, self.schedule = make_optimizer(
-            config.optim, config.train.steps, model.trained(model.logical_specs),
-            by_layer=whole_layers(model, moment_layout, mesh.shape))
+        # With LoRA the optimizer sees the adapters alone (TrainState.params). Offloaded moments
+        # of the layers' stacked weights stream through its update a layer at a time.
+        self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
+                                                model.trained(model.logical_specs),
+                                                whole_layers(model, self.rules, mesh.shape))
         # Every parameter of the model, base and adapters (LoRA's split like their weights):
         # what the state holds and evaluation reads.
         self.param_shardings = mesh_shardings(param_specs(model, self.rules, mesh.shape), mesh)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
-        moments = mesh_shardings(moment_layout, mesh)
+        # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
+        moments = mesh_shardings(moment_specs(model, self.rules, mesh.shape,
+                                              config.sharding.optimizer_state), mesh)
         offloaded = config.optim.offload_state
         self.state_shardings = state_shardings(
             abstract_state, model.trained(self.param_shardings),

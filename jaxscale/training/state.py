@@ -242,17 +242,14 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def whole_layers(spec: ModelSpec, moments: Any, mesh_shape: Mapping[str, int]) -> Any:
-    """For each trained parameter, whether its optimizer moments (laid out as `moments`, from
-    `moment_specs`) are a stack along `layers` that every device holds whole: True for the
-    layers' weights unless a pipeline splits the stack. The update of offloaded moments streams
-    those a layer at a time (jaxscale/training/optim.py)."""
-    def whole(logical: P, placed: P) -> bool:
-        return (len(logical) > 0 and logical[0] == "layers"
-                and all(mesh_shape[a] == 1 for a in spec_axes(placed[0])))
-
-    return jax.tree.map(whole, spec.trained(spec.logical_specs), moments,
-                        is_leaf=lambda x: isinstance(x, P))
+def whole_layers(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int]) -> Any:
+    """For each trained parameter, whether it is a stack along `layers` that every device holds
+    whole (its moments too: ZeRO-1 never splits `layers`, see `_within_layer`): the layers'
+    weights, unless the rules split `layers` (a pipeline). The update of offloaded moments
+    streams those a layer at a time (jaxscale/training/optim.py)."""
+    split = any(mesh_shape[a] > 1 for a in rules.get("layers", ()))
+    return jax.tree.map(lambda logical: not split and logical[:1] == ("layers",),
+                        spec.trained(spec.logical_specs), is_leaf=lambda x: isinstance(x, P))
 
 
 def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
