@@ -130,11 +130,8 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_s
         # By the norm of the whole gradient, before any parameter's own part.
         clip_fn = clipped(optax.tree.norm(updates), optim.grad_clip) if clip else None
         if optim.offload_state:
-            layered = (jax.tree.map(lambda _: False, logical_specs,
-                                    is_leaf=lambda x: isinstance(x, P))
-                       if by_layer is None else by_layer)
             updates, inner = streamed_update(per_parameter, updates, state[-1], params, keep,
-                                             layered, apply, layout, clip_fn)
+                                             by_layer, apply, layout, clip_fn)
         else:
             if clip_fn:
                 updates = jax.tree.map(clip_fn, updates)
@@ -169,7 +166,7 @@ def kept(keep: jax.Array, new: Any, old: Any) -> Any:
 
 
 def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, state: Any,
-                    params: Any, keep: jax.Array, by_layer: Any, apply: bool = False,
+                    params: Any, keep: jax.Array, by_layer: Any = None, apply: bool = False,
                     layout: Any = None, clip_fn: Callable | None = None) -> tuple[Any, Any]:
     """`per_parameter.update(updates, state, params)` of the `updates` each first passed through
     `clip_fn` (`clipped`), its new state `kept` by `keep` (with `apply`, the new parameters in
@@ -178,11 +175,11 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     entries (the moments) are in host memory. Each parameter's arithmetic is the whole tree's
     update's; what differs is how much of the moments the device holds at once.
 
-    A parameter True in `by_layer` (stacked along a leading `layers` axis that no device splits)
-    is updated a layer at a time in a loop: each iteration moves that layer's moments to the
-    device, updates them and writes them back into the host arrays, so the device holds one
-    layer's moments (and, with `apply`, adds the layer's update to its parameters in place, so
-    it holds one layer's update too). A loop is what makes it so: XLA schedules a transfer
+    `by_layer` is a tree of booleans like `updates` (None: all False). A parameter True in it
+    (stacked along a leading `layers` axis that no device splits) is updated a layer at a time
+    in a loop: each iteration moves that layer's moments to the device, updates them and writes
+    them back into the host arrays, so the device holds one layer's moments (and, with `apply`,
+    adds the layer's update to its parameters in place, so it holds one layer's update too). A loop is what makes it so: XLA schedules a transfer
     outside a loop as early as its operand allows, which for a step's moments (arguments in host
     memory) is before the backward pass (measured: benchmarks/offload.py). Each loop's gradient
     waits, by an optimization barrier, for the loop before it to end: XLA makes the float32
@@ -196,7 +193,7 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     moments (2 GiB) in during the backward pass (benchmarks/RESULTS.md)."""
     leaves, treedef = jax.tree.flatten(updates)
     index = jax.tree.unflatten(treedef, range(len(leaves)))
-    layered = jax.tree.leaves(by_layer)
+    layered = [False] * len(leaves) if by_layer is None else jax.tree.leaves(by_layer)
     # Each leaf of the state: the parameter whose entry it is, or -1 (Adam's step count).
     owners = jax.tree.leaves(optax.tree_map_params(per_parameter, lambda _, i: i, state, index,
                                                    transform_non_params=lambda _: -1))
