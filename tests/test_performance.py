@@ -299,12 +299,41 @@ def test_a_stacked_parameter_streams_its_moments_a_layer_at_a_time():
 
 
 @pytest.mark.slow
-def test_an_offloaded_step_equals_one_on_the_device(tmp_path):
+def _zero1(c):
+    c.sharding.optimizer_state = "data"
+
+
+def _lora(c):
+    c.model.lora.rank = 4
+
+
+def _moe(c):
+    c.mesh.update(data=1, expert=4)
+    c.model.moe.update(experts=4, every=1, top_k=2)
+
+
+def _microbatches(c):
+    c.train.update(microbatches=2, batch_size=16)
+
+
+# Each changes what the streamed update sees: ZeRO-1 the moments' layout (a shard of each
+# layer), LoRA the trained tree (adapters only, the base frozen), MoE stacked expert weights,
+# microbatches a gradient summed over a loop.
+OFFLOADED_WITH = [pytest.param(None, id="plain")] + [
+    pytest.param(f, id=f.__name__.strip("_"), marks=pytest.mark.slow)
+    for f in (_zero1, _lora, _moe, _microbatches)]
+
+
+@pytest.mark.parametrize("change", OFFLOADED_WITH)
+def test_an_offloaded_step_equals_one_on_the_device(tmp_path, change):
     """Two steps with the moments offloaded (the layers' weights streamed a layer at a time)
-    give the state of two steps with them on the device, over a data x fsdp mesh."""
+    give the state of two steps with them on the device, over a data x fsdp mesh, alone and
+    with each feature that changes what the update streams."""
     states = []
     for offloaded in (False, True):
         config = small_config(data=4, fsdp=2)
+        if change:
+            change(config)
         config.optim.offload_state = offloaded
         trainer = Trainer(config, str(tmp_path))
         state = trainer.program.init_state(0)
