@@ -8,7 +8,7 @@ and activation is annotated with logical axis names only; the trainer's rules de
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +26,6 @@ from jaxscale.parallel.sharding import constrain
 # than recognised by shape (a dot without batch dimensions): a pipeline stage's vmap gives every
 # dot a batch dimension, and the experts' matmuls have one anyway.
 WEIGHT_MATMUL = "weight_matmul"
-
-# A layer as a pure function: (its state, x, *per-row inputs) -> x.
-LayerFn = Callable[..., jax.Array]
-# Runs a stack of layers: (layer_fn, the state stacked along a leading layer axis, x, *per-row
-# inputs) -> x after every layer in order. x is the activations, or with MoE layers the pytree
-# (activations, router statistics) that `Llama.features_with_stats` carries through.
-Stack = Callable[..., jax.Array]
 
 
 def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
@@ -95,14 +88,6 @@ def _matmul_backward(spec, grad_dtype, out_dtype, residuals, grad):
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward)
-
-
-def scan_layers(layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax.Array:
-    """The plain `Stack`: the layers one after another in a `lax.scan` (compile time does not grow
-    with depth)."""
-    def body(x, layer_state):
-        return layer_fn(layer_state, x, *per_row), None
-    return jax.lax.scan(body, x, stacked_state)[0]
 
 
 def weights_cast_for_use(module: nnx.Module, state: nnx.State) -> nnx.State:

@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, LayerFn,
-                                    RMSNorm, Stack, float32_accumulating, param, scan_layers,
-                                    weight_matmul, weights_cast_for_use)
+from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, RMSNorm,
+                                    float32_accumulating, param, weight_matmul,
+                                    weights_cast_for_use)
 from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
+from jaxscale.models.stack import LayerFn, Stack, scan_layers, scan_layers_overwriting_weights
 from jaxscale.parallel.sharding import constrain
 
 REMAT_POLICIES = {
@@ -220,7 +221,7 @@ class Llama(nnx.Module):
         `logits` turns into scores over the vocabulary. The loss calls the two apart, so that it
         can make the float32 logits a slice of the sequence at a time.
 
-        `stack` runs the blocks (`scan_layers`, or a pipeline schedule from
+        `stack` runs the blocks (by default `default_stack`, or a pipeline schedule from
         `jaxscale.parallel.pipeline`, which splits the same stacked layers over stages)."""
         return self.features_with_stats(tokens, positions, segment_ids, stack)[0]
 
@@ -236,11 +237,20 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens)
         carry = (x, RouterStats.zeros(self.cfg.moe.experts)) if self.cfg.moe else x
         layer_fn, stacked, per_row = self.stack_inputs(positions, segment_ids, dropout)
-        carry = (stack or scan_layers)(layer_fn, stacked, carry, *per_row)
+        carry = (stack or self.default_stack)(layer_fn, stacked, carry, *per_row)
         if not self.cfg.moe:
             return self.final_norm(carry), None
         x, stats = carry
         return self.final_norm(x), stats.scaled(1 / self.cfg.moe_layers)
+
+    @property
+    def default_stack(self) -> Stack:
+        """A `lax.scan` over the layers. With remat `full` the backward pass recomputes each layer
+        from its input anyway, and writes its weights' gradient over its weights in the stack
+        (jaxscale/models/stack.py): the same gradients, one stack-sized buffer fewer."""
+        if self.cfg.remat == "full":
+            return scan_layers_overwriting_weights
+        return scan_layers
 
     def stack_inputs(self, positions: jax.Array, segment_ids: jax.Array | None,
                      dropout: AdapterDropout | None = None) -> tuple[LayerFn, Any, tuple]:
