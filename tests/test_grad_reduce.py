@@ -21,7 +21,7 @@ from jaxscale.models.layers import weight_matmul, weights_cast_for_use
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.state import model_config
-from jaxscale.training.step import summed_loss
+from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss
 from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 
 SETTINGS = ("bfloat16", "float32")
@@ -287,3 +287,24 @@ def test_fp8_matmuls_weights_are_not_cast_before_the_loop():
     assert len(weights) == 7
     for name in weights:
         assert cast[name].dtype == jnp.float32, name
+
+
+def test_the_train_step_takes_a_stacks_gradient_in_the_dtype_it_was_made_in():
+    """With `made_dtypes` the step's gradient of a stack's weights cast before the loop comes
+    in the compute dtype (what the streamed update widens a layer at a time), every other leaf
+    in its parameter's dtype; widened, it is the float32 gradient bit for bit."""
+    config = small_config()
+    config.precision.update(compute_dtype="bfloat16", grad_reduce_dtype="bfloat16")
+    graphdef, params = nnx.split(create_model(model_config(config), 0))
+    params = nnx.to_pure_dict(params)
+    batch = random_batch(config)
+    grads = {made: by_name(jax.jit(lambda p, made=made: loss_grad_and_next_fp8(
+        config, graphdef, p, None, batch, jnp.float32(1e-2), made_dtypes=made)[1])(params))
+        for made in (False, True)}
+    cast = {f"blocks/{w}" for w in ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate",
+                                    "mlp/up", "mlp/down")}
+    for name, leaf in grads[True].items():
+        assert leaf.dtype == (jnp.bfloat16 if name in cast else jnp.float32), name
+        assert grads[False][name].dtype == jnp.float32
+        np.testing.assert_array_equal(leaf.astype(jnp.float32), grads[False][name])
+    assert cast < set(grads[True])

@@ -101,7 +101,8 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_s
                    ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
     """AdamW chain for parameters whose logical axes are `logical_specs` (for the decay mask).
 
-    Its update takes `keep`, a boolean scalar (default True): where it is False the state it
+    Its update takes gradients in any float dtype (a stack's weights' in the dtype the model
+    made them in) and works in each parameter's dtype. It takes `keep`, a boolean scalar (default True): where it is False the state it
     returns is the one it was given, so that the train step can drop a non-finite step's update
     whole. With `apply=True` it returns the new parameters (`applied`) instead of the updates,
     which lets an update that streams a layer at a time apply each layer's in place. With
@@ -128,11 +129,12 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_s
                **extra_args):
         del extra_args  # optax's convention: a chain may pass others' (value=, ...) to every part
         # By the norm of the whole gradient, before any parameter's own part.
-        clip_fn = clipped(optax.tree.norm(updates), optim.grad_clip) if clip else None
+        clip_fn = clipped(widened_norm(updates), optim.grad_clip) if clip else None
         if optim.offload_state:
             updates, inner = streamed_update(per_parameter, updates, state[-1], params, keep,
                                              by_layer, apply, layout, clip_fn)
         else:
+            updates = jax.tree.map(lambda g, p: g.astype(p.dtype), updates, params)
             if clip_fn:
                 updates = jax.tree.map(clip_fn, updates)
             updates, inner = per_parameter.update(updates, state[-1], params)
@@ -142,6 +144,12 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_s
         return updates, (*state[:-1], inner)
 
     return optax.GradientTransformationExtraArgs(chained.init, update), schedule
+
+
+def widened_norm(grads: Any) -> jax.Array:
+    """The global norm of `grads`, each leaf squared and summed in float32 whatever its dtype:
+    optax's arithmetic, as on the float32 gradients; XLA fuses the widening into the sum."""
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
 
 
 def clipped(norm: jax.Array, max_norm: float) -> Callable[[jax.Array], jax.Array]:
@@ -179,12 +187,13 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     (stacked along a leading `layers` axis that no device splits) is updated a layer at a time
     in a loop: each iteration moves that layer's moments to the device, updates them and writes
     them back into the host arrays, so the device holds one layer's moments (and, with `apply`,
-    adds the layer's update to its parameters in place, so it holds one layer's update too). A loop is what makes it so: XLA schedules a transfer
-    outside a loop as early as its operand allows, which for a step's moments (arguments in host
-    memory) is before the backward pass (measured: benchmarks/offload.py). Each loop's gradient
-    waits, by an optimization barrier, for the loop before it to end: XLA makes the float32
-    gradient a loop reads (a convert of the bfloat16 one the layers make) before the loop, and
-    would otherwise make every loop's at once.
+    adds the layer's update to its parameters in place, so it holds one layer's update too). A
+    loop is what makes it so: XLA schedules a transfer outside a loop as early as its operand
+    allows, which for a step's moments (arguments in host memory) is before the backward pass
+    (measured: benchmarks/offload.py). Each `updates` leaf is widened to its parameter's dtype
+    here, a slice at a time: given the float32 gradient of a stack instead, XLA would make the
+    whole of it before the loop (7 GiB for one of llama3_8b's). Each loop's gradient waits, by
+    an optimization barrier, for the loop before it to end.
 
     The other parameters (the embedding, the head, the final norm) are updated whole,
     `IN_FLIGHT` at a time: an optimization barrier asks that a parameter's moments leave the
@@ -215,6 +224,7 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
         for j, x in zip(entries(i), moments):
             one[j] = x
         one_state = jax.tree.unflatten(state_def, one)
+        update = update.astype(param.dtype)  # widened here, a slice at a time
         if clip_fn:
             update = clip_fn(update)
         step, next_state = per_parameter.update(only(i, update), one_state, only(i, param))

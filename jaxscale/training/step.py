@@ -18,10 +18,11 @@ from flax import nnx
 
 from jaxscale.training.loss import summed_cross_entropy
 from jaxscale.models.fp8 import combine_updates
+from jaxscale.models.layers import weights_cast_for_use
 from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
-from jaxscale.training.optim import kept, schedule_at
+from jaxscale.training.optim import kept, schedule_at, widened_norm
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
 from jaxscale.training.state import TrainState, uses_dynamic_loss_scale
 
@@ -119,13 +120,19 @@ def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nn
 
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
                            fp8, batch: Batch, multiplier: jax.Array, frozen=None,
-                           dropout: AdapterDropout | None = None
+                           dropout: AdapterDropout | None = None, made_dtypes: bool = False
                            ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
     """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
     without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
     returned last. With LoRA `params` are the adapters, the only thing differentiated, and
     `frozen` the base they join; `dropout` (None: none) drops the adapters' inputs, with a key
-    per row of `batch`."""
+    per row of `batch`.
+
+    The gradient is taken with respect to the weights as the model uses them
+    (`weights_cast_for_use`: a stack's weights in the compute dtype), so each comes out in the
+    dtype it was made in. With `made_dtypes` it is returned so (the same values, half the memory
+    for those: the optimizer widens it a slice at a time when it streams, `make_optimizer`);
+    otherwise in each parameter's own dtype."""
     chunk = config.model.loss_chunk_len
     pipeline = config_pipeline(config)
 
@@ -139,8 +146,12 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
                                                              meta, dropout)
         objective = total + router_penalty(config.model.moe, router, tokens)
         return objective * multiplier, (total, router_metrics(router))
+    model = nnx.merge(graphdef, params if frozen is None else join_adapters(params, frozen),
+                      *([] if fp8 is None else [fp8]))
     (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
-        scaled, argnums=(0, 1), has_aux=True)(params, fp8)
+        scaled, argnums=(0, 1), has_aux=True)(weights_cast_for_use(model, params), fp8)
+    if not made_dtypes:
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return total, grads, router, next_fp8
 
 
@@ -162,7 +173,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     def accumulate(params, fp8, frozen, batch, multiplier, dropout):
         if k == 1:
             return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier,
-                                          frozen, dropout)
+                                          frozen, dropout, made_dtypes=True)
 
         def add_microbatch(carry, part):
             microbatch, row_keys = part
@@ -199,7 +210,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         loss = total / denominator
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = widened_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         # The rate is schedule(state.step), whatever optax's count says (see `schedule_at`).
