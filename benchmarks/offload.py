@@ -8,8 +8,9 @@ its memory for.
     python benchmarks/offload.py [--config=FILE] [--config.KEY=VALUE ...]   # both sides
 
 Both sides are the same program but for the update: "streamed" is the trainer's own (the
-moments moved to the device, updated and moved back, the stacked layers' a layer at a time and
-the others two parameters' at a time: jaxscale/training/optim.py streamed_update); "all at once" moves the whole optimizer state to the
+moments moved to the device, updated and moved back in slices: the stacked layers' a layer at a
+time, the embedding's and the head's a few rows at a time, the final norm's whole:
+jaxscale/training/optim.py streamed_update); "all at once" moves the whole optimizer state to the
 device before the step, as the trainer did before, and updates every parameter together. Each
 prints `memory_analysis()` per chip (the device's bytes; the host's apart). The last line is
 `ratio: X` = streamed total / all-at-once total on the device; below 1.0 streaming needs less.

@@ -24,7 +24,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import model_spec, whole_layers
+from jaxscale.training.state import model_spec, streamed_slices
 from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
 
@@ -200,30 +200,29 @@ def test_offload_is_refused_where_the_devices_have_no_host_memory():
     offload.check_supported(jax.devices())  # XLA:CPU has pinned_host memory
 
 
-def _optimizer(offloaded: bool, moment_dtype: str, by_layer: bool = False):
+def _optimizer(offloaded: bool, moment_dtype: str, slices=None):
     optim = ml_collections.ConfigDict(dict(
         lr=1e-2, warmup_steps=1, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
         grad_clip=0.5, moment_dtype=moment_dtype, offload_state=offloaded))
     specs = {"layers": {"w": P("layers", "embed", "mlp"), "scale": P("layers", "embed")},
              "head": P("embed", "vocab")}
-    layered = {"layers": {"w": by_layer, "scale": by_layer}, "head": False}
-    return make_optimizer(optim, 10, specs, by_layer=layered)[0]
+    return make_optimizer(optim, 10, specs, slices)[0]
 
 
 @pytest.mark.parametrize("stack_grad_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("by_layer", [False, True])
+@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
-def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype, by_layer,
+def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype, sliced,
                                                                    stack_grad_dtype):
-    """Offloaded moments stream through the update a parameter (or a layer of a stacked one) at
-    a time: the same updates, new parameters (`apply`) and state as the update of the whole tree
-    on the device, clipped by the whole gradient's norm, the moments back in host memory, and a
-    dropped step (keep=False) changes no state and no parameter. A stack's gradient may come in
-    bfloat16 (as the train step passes it): each update widens it, and equals the update of the
-    float32 gradient of the same values."""
+    """Offloaded moments stream through the update a parameter (or a slice of one: a layer of a
+    stacked one, rows of another) at a time: the same updates, new parameters (`apply`) and state
+    as the update of the whole tree on the device, clipped by the whole gradient's norm, the
+    moments back in host memory, and a dropped step (keep=False) changes no state and no parameter.
+    A stack's gradient may come in bfloat16 (as the train step passes it): each update widens it,
+    and equals the update of the float32 gradient of the same values."""
     rng = np.random.default_rng(0)
     params = {"layers": {"w": rng.normal(size=(3, 4, 8)), "scale": rng.normal(size=(3, 4))},
-              "head": rng.normal(size=(4, 16))}
+              "head": rng.normal(size=(16, 4))}
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     made = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
             for _ in range(3)]
@@ -237,7 +236,9 @@ def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype, 
 
     results = {}
     for offloaded in (False, True):
-        tx = _optimizer(offloaded, moment_dtype, by_layer)
+        # Sliced: the stack a layer at a time, the head in two slices of 8 rows.
+        tx = _optimizer(offloaded, moment_dtype,
+                        {"layers": {"w": 3, "scale": 3}, "head": 2} if sliced else None)
         state = tx.init(params)
         if offloaded:
             state = moments_on_host(tx, state)
@@ -269,19 +270,31 @@ def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype, 
     assert optax.tree.norm(grads[0]) > 0.5
 
 
-def test_the_layers_weights_stream_a_layer_at_a_time_unless_a_pipeline_splits_them():
-    """`whole_layers`: the stacked layers' parameters stream by layer, the embedding and the
-    final norm whole, and nothing by layer where the pipeline splits the stack (a layer's
-    moments would be on one stage; the loop would gather them)."""
+def test_offloaded_moments_stream_in_slices_of_a_dimension_no_device_splits():
+    """`streamed_slices`: a stacked parameter streams a layer at a time; the embedding in the
+    fewest slices of a multiple of 8 rows no larger than the largest layer (small_config: an
+    MLP weight's 64 x 128; the embedding [384, 64] in 3 of 128 rows, the head [64, 384] in 4 of
+    16); the final norm (a layer's size already) whole. A dimension that a device holds only
+    part of, of the parameter or of its moments, streams whole: the stack on pipeline stages,
+    the head's rows under fsdp, the embedding's vocabulary under tensor, and under ZeRO-1 every
+    parameter that the data axes split on its first dimension."""
     config = small_config()
     spec, rules = model_spec(config), rules_from_config(config.sharding.rules)
-    streamed = {}
-    for stages in (1, 2):
-        mesh_shape = dict(data=1, pipeline=stages, fsdp=2, context=1, expert=1, tensor=1)
-        streamed[stages] = whole_layers(spec, rules, mesh_shape)
-    assert all(jax.tree.leaves(streamed[1]["blocks"]))
-    assert not streamed[1]["embed"] and not streamed[1]["final_norm"]["scale"]
-    assert not any(jax.tree.leaves(streamed[2]))
+    assert max(a.size // 2 for a in jax.tree.leaves(spec.abstract_params["blocks"])) == 64 * 128
+
+    def slices(layout="params", **axes):
+        mesh_shape = dict(data=1, pipeline=1, fsdp=1, context=1, expert=1, tensor=1) | axes
+        counts = streamed_slices(spec, rules, mesh_shape, layout)
+        return (set(jax.tree.leaves(counts["blocks"])), counts["embed"], counts["head"],
+                counts["final_norm"]["scale"])
+
+    assert slices() == ({2}, 3, 4, 1)
+    assert slices(fsdp=2) == ({2}, 3, 1, 1)
+    assert slices(fsdp=2, pipeline=2) == ({1}, 3, 1, 1)
+    assert slices(tensor=2) == ({2}, 1, 4, 1)
+    # ZeRO-1 splits the embedding's and the head's moments on their rows, the stack's within a
+    # layer.
+    assert slices("data", data=2) == ({2}, 1, 1, 1)
 
 
 def test_a_stacked_parameter_streams_its_moments_a_layer_at_a_time():
@@ -297,16 +310,21 @@ def test_a_stacked_parameter_streams_its_moments_a_layer_at_a_time():
               "head": jax.ShapeDtypeStruct((256, 128), jnp.float32)}
     two_moments = 2 * 16 * 256 * 512 * 4
     temporaries = {}
-    for by_layer in (False, True):
-        tx = _optimizer(True, "float32", by_layer)
+    for sliced in (False, True):
+        tx = _optimizer(True, "float32",
+                        {"layers": {"w": 16, "scale": 16}, "head": 2} if sliced else None)
         state = jax.eval_shape(tx.init, params)
         state_shardings = optax.tree_map_params(tx, lambda _: host, state,
                                                 transform_non_params=lambda _: device)
+        # As the trainer's abstract state: each array with its sharding (the moments in host
+        # memory).
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             state, state_shardings)
         step = jax.jit(functools.partial(tx.update, apply=True),
                        in_shardings=(device, state_shardings, device),
                        out_shardings=(device, state_shardings), donate_argnums=(1, 2))
         compiled = step.lower(params, state, params).compile()
-        temporaries[by_layer] = compiled.memory_analysis().temp_size_in_bytes
+        temporaries[sliced] = compiled.memory_analysis().temp_size_in_bytes
     assert temporaries[True] < two_moments < temporaries[False]
 
 

@@ -436,12 +436,17 @@ def test_pipeline_memory_estimate_is_within_25_percent_of_the_compiler(schedule)
     assert 0.75 <= estimate.total / memory.total <= 1.25, (estimate, memory)
 
 
-def test_offloaded_moments_count_only_what_the_streamed_update_holds():
+@pytest.mark.parametrize("vocab_size", [259, 4000])
+def test_offloaded_moments_count_only_what_the_streamed_update_holds(vocab_size):
     """With `optim.offload_state` the estimate's moments are what the streamed update holds
-    (training/optim.py streamed_update): one layer's of the largest stacked parameter and the
-    IN_FLIGHT largest others' (the embedding, the head, the final norm), counted here from the
-    shapes on one device; the rest of the estimate is as without offload."""
+    (training/optim.py streamed_update): one slice's of the parameter with the largest slices
+    and the IN_FLIGHT largest whole others', counted here from the shapes on one device; the
+    rest of the estimate is as without offload. tiny's embedding and head are smaller than a
+    layer (256 x 768) and go whole; with a vocabulary of 4096 (4000 padded) each goes in 8
+    slices (of 512 and 32 rows: a multiple of 8 that divides the rows), none larger than a
+    layer."""
     config = tiny_float32()
+    config.model.vocab_size = vocab_size
     config.optim.update(offload_state=True, moment_dtype="float32")
     one_device = dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)
     spec = model_spec(config)
@@ -450,10 +455,16 @@ def test_offloaded_moments_count_only_what_the_streamed_update_holds():
     on_device = estimate_memory(config, spec, one_device, "xla")
     layer = max(a.size // config.model.n_layers
                 for a in jax.tree.leaves(spec.abstract_params["blocks"]))
-    others = sorted(a.size for name, tree in spec.abstract_params.items() if name != "blocks"
-                    for a in jax.tree.leaves(tree))
+    assert layer == 256 * 768
+    others = [a.size for name, tree in spec.abstract_params.items() if name != "blocks"
+              for a in jax.tree.leaves(tree)]
+    if vocab_size == 259:  # the embedding and the head whole, beside one layer
+        held = layer + sum(sorted(others)[-IN_FLIGHT:])
+    else:  # the norm's scale alone whole, beside the largest slice: a layer
+        assert spec.abstract_params["embed"].shape == (4096, 256)
+        held = layer + 256
     # two float32 moments
-    assert offloaded.moments == 2 * 4 * (layer + sum(others[-IN_FLIGHT:]))
+    assert offloaded.moments == 2 * 4 * held
     assert on_device.moments == 2 * 4 * sum(a.size for a in jax.tree.leaves(spec.abstract_params))
     assert dataclasses.replace(offloaded, moments=on_device.moments) == on_device
 

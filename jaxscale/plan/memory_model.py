@@ -44,7 +44,7 @@ from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
-from jaxscale.training.state import ModelSpec, moment_specs, param_specs, whole_layers
+from jaxscale.training.state import ModelSpec, moment_specs, param_specs, streamed_slices
 from jaxscale.training.step import BATCH_KEYS
 
 
@@ -106,16 +106,15 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     moment_elements = sum(moment_leaves)
     moment_bytes = jnp.dtype(config.optim.moment_dtype).itemsize
     # Offloaded, they live on the host and the update streams them through the device
-    # (training/optim.py streamed_update): the stacked layers' a layer at a time, the others
-    # whole, IN_FLIGHT at a time; counted as the largest layer's beside the IN_FLIGHT largest
-    # others'. One copy each, though a parameter's old and new moments may both be alive for a
-    # moment.
-    by_layer = jax.tree.leaves(whole_layers(spec, rules, mesh_shape))
-    stacks = [a.shape[0] for a in jax.tree.leaves(spec.trained(spec.abstract_params))]
-    largest_layer = max((n // stack for n, stack, layered in zip(moment_leaves, stacks, by_layer)
-                         if layered), default=0)
-    whole = sorted(n for n, layered in zip(moment_leaves, by_layer) if not layered)
-    on_device = (largest_layer + sum(whole[-IN_FLIGHT:]) if config.optim.offload_state
+    # (training/optim.py streamed_update): in slices (the stacked layers' a layer at a time),
+    # one after another, and the parameters in one slice whole, IN_FLIGHT at a time; counted as
+    # the largest slice's beside the IN_FLIGHT largest whole ones'. One copy each, though a
+    # parameter's old and new moments may both be alive for a moment.
+    counts = jax.tree.leaves(streamed_slices(spec, rules, mesh_shape,
+                                             config.sharding.optimizer_state))
+    largest_slice = max((n // k for n, k in zip(moment_leaves, counts) if k > 1), default=0)
+    whole = sorted(n for n, k in zip(moment_leaves, counts) if k == 1)
+    on_device = (largest_slice + sum(whole[-IN_FLIGHT:]) if config.optim.offload_state
                  else moment_elements)
     compute = jnp.dtype(config.precision.compute_dtype).itemsize
 

@@ -97,19 +97,19 @@ def stored_as(inner: optax.GradientTransformation, dtype) -> optax.GradientTrans
 
 
 def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_specs,
-                   by_layer: Any = None
+                   slices: Any = None
                    ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
     """AdamW chain for parameters whose logical axes are `logical_specs` (for the decay mask).
 
-    Its update takes gradients in any float dtype (a stack's weights' in the dtype the model
-    made them in) and works in each parameter's dtype. It takes `keep`, a boolean scalar (default True): where it is False the state it
-    returns is the one it was given, so that the train step can drop a non-finite step's update
-    whole. With `apply=True` it returns the new parameters (`applied`) instead of the updates,
-    which lets an update that streams a layer at a time apply each layer's in place. With
-    `optim.offload_state` the moments live in host memory and the update streams them
-    through the device a layer or a parameter at a time (`streamed_update`; `by_layer`, a tree
-    of booleans like `logical_specs`, says which parameters go a layer at a time: by default
-    none)."""
+    Its update takes gradients in any float dtype (a stack's weights' in the dtype the model made
+    them in) and works in each parameter's dtype. It takes `keep`, a boolean scalar (default True):
+    where it is False the state it returns is the one it was given, so that the train step can drop
+    a non-finite step's update whole. With `apply=True` it returns the new parameters (`applied`)
+    instead of the updates, which lets an update that streams a layer at a time apply each layer's
+    in place. With `optim.offload_state` the moments live in host memory and the update streams
+    them through the device a slice or a parameter at a time (`streamed_update`; `slices`, a tree
+    of ints like `logical_specs`, says in how many slices each parameter goes: by default
+    whole)."""
     schedule = learning_rate_schedule(optim, total_steps)
     adam = optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps)
     if optim.moment_dtype != "float32":
@@ -132,7 +132,7 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int, logical_s
         clip_fn = clipped(widened_norm(updates), optim.grad_clip) if clip else None
         if optim.offload_state:
             updates, inner = streamed_update(per_parameter, updates, state[-1], params, keep,
-                                             by_layer, apply, layout, clip_fn)
+                                             slices, apply, layout, clip_fn)
         else:
             updates = jax.tree.map(lambda g, p: g.astype(p.dtype), updates, params)
             if clip_fn:
@@ -174,7 +174,7 @@ def kept(keep: jax.Array, new: Any, old: Any) -> Any:
 
 
 def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, state: Any,
-                    params: Any, keep: jax.Array, by_layer: Any = None, apply: bool = False,
+                    params: Any, keep: jax.Array, slices: Any = None, apply: bool = False,
                     layout: Any = None, clip_fn: Callable | None = None) -> tuple[Any, Any]:
     """`per_parameter.update(updates, state, params)` of the `updates` each first passed through
     `clip_fn` (`clipped`), its new state `kept` by `keep` (with `apply`, the new parameters in
@@ -183,26 +183,28 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     entries (the moments) are in host memory. Each parameter's arithmetic is the whole tree's
     update's; what differs is how much of the moments the device holds at once.
 
-    `by_layer` is a tree of booleans like `updates` (None: all False). A parameter True in it
-    (stacked along a leading `layers` axis that no device splits) is updated a layer at a time
-    in a loop: each iteration moves that layer's moments to the device, updates them and writes
-    them back into the host arrays, so the device holds one layer's moments (and, with `apply`,
-    adds the layer's update to its parameters in place, so it holds one layer's update too). A
-    loop is what makes it so: XLA schedules a transfer outside a loop as early as its operand
-    allows, which for a step's moments (arguments in host memory) is before the backward pass
-    (measured: benchmarks/offload.py). Each `updates` leaf is widened to its parameter's dtype
+    `slices` is a tree of ints like `updates` (None: all 1), each the number of equal slices along
+    its parameter's first dimension (one no device splits) that the parameter is updated in, one
+    after another in a loop: a stack's layers (`jaxscale.training.state.streamed_slices`), the
+    embedding's rows. Each iteration moves that slice's moments to the device, updates them and
+    writes them back into the host arrays, so the device holds one slice's moments (and, with
+    `apply`, adds the slice's update to its parameters in place, so it holds one slice's update
+    too). A loop is what makes it so: XLA schedules a transfer outside a loop as early as its
+    operand allows, which for a step's moments (arguments in host memory) is before the backward
+    pass (measured: benchmarks/offload.py). Each `updates` leaf is widened to its parameter's dtype
     here, a slice at a time: given the float32 gradient of a stack instead, XLA would make the
-    whole of it before the loop (7 GiB for one of llama3_8b's). Each loop's gradient waits, by
-    an optimization barrier, for the loop before it to end.
+    whole of it before the loop (7 GiB for one of llama3_8b's). Each loop's gradient waits, by an
+    optimization barrier, for the loop before it to end.
 
-    The other parameters (the embedding, the head, the final norm) are updated whole,
-    `IN_FLIGHT` at a time: an optimization barrier asks that a parameter's moments leave the
-    host only once those of the parameter `IN_FLIGHT` places before it are back there. The TPU
-    compiler does not always keep to it: for llama3_8b on one chip it moves the embedding's
-    moments (2 GiB) in during the backward pass (benchmarks/RESULTS.md)."""
+    The parameters in one slice (the final norm's scale; with a split first dimension, the
+    embedding and the head) are updated whole, `IN_FLIGHT` at a time: an optimization barrier
+    asks that a parameter's moments leave the host only once those of the parameter `IN_FLIGHT`
+    places before it are back there. The TPU compiler does not always keep to it: it moved
+    llama3_8b's embedding moments (2 GiB) in during the backward pass before the embedding went
+    in slices (benchmarks/RESULTS.md)."""
     leaves, treedef = jax.tree.flatten(updates)
     index = jax.tree.unflatten(treedef, range(len(leaves)))
-    layered = [False] * len(leaves) if by_layer is None else jax.tree.leaves(by_layer)
+    counts = [1] * len(leaves) if slices is None else jax.tree.leaves(slices)
     # Each leaf of the state: the parameter whose entry it is, or -1 (Adam's step count).
     owners = jax.tree.leaves(optax.tree_map_params(per_parameter, lambda _, i: i, state, index,
                                                    transform_non_params=lambda _: -1))
@@ -235,16 +237,16 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
 
     param_leaves = jax.tree.leaves(params)
     layouts = [None] * len(leaves) if layout is None else jax.tree.leaves(layout)
-    whole = [i for i in range(len(leaves)) if not layered[i]]
+    whole = [i for i in range(len(leaves)) if counts[i] == 1]
     last_loop = None
     for i in range(len(leaves)):
         moments = [old[j] for j in entries(i)]
-        if layered[i]:
+        if counts[i] > 1:
             if last_loop is not None:
                 leaves[i], _ = jax.lax.optimization_barrier((leaves[i], last_loop))
-            step, moments, shared_next = _by_layer(
+            step, moments, shared_next = _in_slices(
                 lambda u, m, p, i=i: update_one(i, u, m, p), leaves[i], moments,
-                param_leaves[i], keep if apply else None)
+                param_leaves[i], keep if apply else None, counts[i])
             last_loop = step
         else:
             k = whole.index(i)
@@ -267,28 +269,45 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     return jax.tree.unflatten(treedef, new_updates), jax.tree.unflatten(state_def, new)
 
 
-def _by_layer(update_layer, update: jax.Array, moments: list[jax.Array], param: jax.Array,
-              keep: jax.Array | None):
-    """`update_layer(update[l], moments' [l] on the device, param[l])` for each layer l of a
-    stacked parameter, in a loop, the new moments written in place into the host arrays
-    (`moments`): the updates stacked on the device, or with `keep` (`apply`) the new parameters,
-    written in place into `param`'s."""
-    def one_layer(l, carry):
-        out, host, _ = carry
-        # Applying, layer l of the parameter is read from the carry, which holds it unchanged
-        # until now: reading `param` would keep a second copy of the stack alive.
-        layer = out[l] if keep is not None else param[l]
-        step, new, shared = update_layer(
-            update[l], jax.device_put([m[l] for m in host], jax.memory.Space.Device), layer)
-        if keep is not None:
-            step = applied(step, layer, keep)
-        new = jax.device_put(new, jax.memory.Space.Host)
-        return (out.at[l].set(step), [m.at[l].set(x) for m, x in zip(host, new)], shared)
+def _in_slices(update_slice, update: jax.Array, moments: list[jax.Array], param: jax.Array,
+               keep: jax.Array | None, count: int):
+    """`update_slice(a slice of update, the moments' slice on the device, param's slice)` for
+    each of `count` equal slices along the first dimension, in a loop, the new moments written
+    in place into the host arrays (`moments`): the updates on the device, or with `keep`
+    (`apply`) the new parameters, written in place into `param`'s."""
+    rows, rest = divmod(update.shape[0], count)
+    if rest:
+        raise ValueError(f"{count} slices do not divide a dimension of {update.shape[0]}")
 
-    # The loop's carry needs the shapes of what it makes: one layer's update, traced, gives them.
+    # A layer is indexed, not sliced: the TPU compiler refuses a one-row slice of a bfloat16
+    # array in host memory (two rows share a packed tile), and a stack's norm scales are
+    # [layers, embed].
+    def take(x: jax.Array, k) -> jax.Array:
+        return x[k] if rows == 1 else jax.lax.dynamic_slice_in_dim(x, k * rows, rows)
+
+    def put(x: jax.Array, part: jax.Array, k) -> jax.Array:
+        if rows == 1:
+            return x.at[k].set(part)
+        return jax.lax.dynamic_update_slice_in_dim(x, part, k * rows, 0)
+
+    def one_slice(k, carry):
+        out, host, _ = carry
+        # Applying, slice k of the parameter is read from the carry, which holds it unchanged
+        # until now: reading `param` would keep a second copy of it alive.
+        part = take(out if keep is not None else param, k)
+        step, new, shared = update_slice(
+            take(update, k), jax.device_put([take(m, k) for m in host], jax.memory.Space.Device),
+            part)
+        if keep is not None:
+            step = applied(step, part, keep)
+        new = jax.device_put(new, jax.memory.Space.Host)
+        return (put(out, step, k), [put(m, x, k) for m, x in zip(host, new)], shared)
+
+    # The loop's carry needs the shapes of what it makes: one slice's update, traced, gives them.
     step, _, shared = jax.eval_shape(
-        lambda: update_layer(update[0], jax.device_put([m[0] for m in moments],
-                                                       jax.memory.Space.Device), param[0]))
-    out = param if keep is not None else jnp.zeros((len(update), *step.shape), step.dtype)
-    return jax.lax.fori_loop(0, len(update), one_layer,
+        lambda: update_slice(take(update, 0), jax.device_put([take(m, 0) for m in moments],
+                                                             jax.memory.Space.Device),
+                             take(param, 0)))
+    out = param if keep is not None else jnp.zeros(update.shape, step.dtype)
+    return jax.lax.fori_loop(0, count, one_slice,
                              (out, moments, [jnp.zeros(s.shape, s.dtype) for s in shared]))

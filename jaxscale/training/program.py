@@ -24,7 +24,7 @@ from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_fr
 from jaxscale.training import offload
 from jaxscale.training.optim import make_optimizer
 from jaxscale.training.state import (init_state, model_spec, moment_specs, param_specs,
-                                     state_shardings, whole_layers)
+                                     state_shardings, streamed_slices)
 from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
 
 
@@ -37,10 +37,10 @@ class TrainProgram:
         self.model = model = model_spec(config)
         self.rules = rules_from_config(config.sharding.rules)
         # With LoRA the optimizer sees the adapters alone (TrainState.params). Offloaded moments
-        # of the layers' stacked weights stream through its update a layer at a time.
-        self.tx, self.schedule = make_optimizer(config.optim, config.train.steps,
-                                                model.trained(model.logical_specs),
-                                                whole_layers(model, self.rules, mesh.shape))
+        # stream through its update in slices: the stacked weights' a layer at a time.
+        self.tx, self.schedule = make_optimizer(
+            config.optim, config.train.steps, model.trained(model.logical_specs),
+            streamed_slices(model, self.rules, mesh.shape, config.sharding.optimizer_state))
         # Every parameter of the model, base and adapters (LoRA's split like their weights):
         # what the state holds and evaluation reads.
         self.param_shardings = mesh_shardings(param_specs(model, self.rules, mesh.shape), mesh)

@@ -242,14 +242,37 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def whole_layers(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int]) -> Any:
-    """For each trained parameter, whether it is a stack along `layers` that every device holds
-    whole (its moments too: ZeRO-1 never splits `layers`, see `_within_layer`): the layers'
-    weights, unless the rules split `layers` (a pipeline). The update of offloaded moments
-    streams those a layer at a time (jaxscale/training/optim.py)."""
-    split = any(mesh_shape[a] > 1 for a in rules.get("layers", ()))
-    return jax.tree.map(lambda logical: not split and logical[:1] == ("layers",),
-                        spec.trained(spec.logical_specs), is_leaf=lambda x: isinstance(x, P))
+def streamed_slices(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
+                    layout: str) -> Any:
+    """For each trained parameter, in how many slices along its first dimension the update of
+    offloaded moments streams it (jaxscale/training/optim.py `streamed_update`): a stack by
+    layer; another parameter (the embedding, the head) in the fewest equal slices no larger
+    than a layer of the largest stack, of a multiple of 8 rows (a TPU's tile: the compiler
+    refuses some other slices of arrays in host memory); whole (1) where none is, or where a
+    device holds only part of that dimension, of the parameter or of its moments
+    (`moment_specs` with `layout`): a pipeline's layers, a split vocabulary. A slice of a split
+    dimension would be gathered in the loop."""
+    logical = spec.trained(spec.logical_specs)
+    abstract = spec.trained(spec.abstract_params)
+    layer = max((a.size // a.shape[0] for names, a in
+                 zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P)),
+                     jax.tree.leaves(abstract)) if names[:1] == ("layers",)), default=0)
+
+    def split(mesh_spec: P) -> bool:
+        return bool(mesh_spec) and any(mesh_shape[a] > 1 for a in spec_axes(mesh_spec[0]))
+
+    def count(names, param_spec, moment_spec, a) -> int:
+        if not a.shape or split(param_spec) or split(moment_spec):
+            return 1
+        if names[:1] == ("layers",):
+            return a.shape[0]
+        rows = a.shape[0]
+        return next((k for k in range(1, rows // 8 + 1)
+                     if rows % (8 * k) == 0 and a.size // k <= layer), 1)
+
+    return jax.tree.map(count, logical, spec.trained(param_specs(spec, rules, mesh_shape)),
+                        moment_specs(spec, rules, mesh_shape, layout), abstract,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
