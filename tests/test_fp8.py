@@ -157,7 +157,7 @@ def test_microbatches_combine_the_meta_by_maximum(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2), two.fp8, one.fp8)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("save_dots", marks=pytest.mark.slow)])
 def test_remat_policies_give_the_same_fp8_step(tmp_path, remat):
     """Recomputing the forward quantizes the same way: the same loss, params and meta."""
     want, want_losses, _ = train_steps(fp8_config(), steps=2, workdir=tmp_path / "none")

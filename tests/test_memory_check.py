@@ -125,7 +125,8 @@ def test_a_device_memory_that_is_no_size_is_a_config_error(gib):
         validate(config, 8)
 
 
-@pytest.mark.parametrize("trials", [1, 2])
+# Two trials (each candidate timed) is the slower case: it runs with the slow tests.
+@pytest.mark.parametrize("trials", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_mesh_auto_trains_with_the_step_the_planner_compiled(tmp_path, trials):
     """The train step is compiled by the planner only, once per candidate it times (none when
     it trusts its ranking): the trainer runs the chosen one's executable."""
