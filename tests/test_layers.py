@@ -1,5 +1,6 @@
 """The model's blocks against plain jax.numpy references written here, independently."""
 
+import functools
 import math
 
 import jax
@@ -11,7 +12,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.models import create_model
 from jaxscale.training.state import model_config
-from jaxscale.models.layers import MLP, Attention, RMSNorm, apply_rope
+from jaxscale.models.layers import MLP, Attention, RMSNorm, apply_rope, embedding_lookup
 from tests.helpers import small_config
 
 RNG = np.random.default_rng(0)
@@ -163,3 +164,21 @@ def test_save_dots_keeps_the_weight_matmuls_also_in_a_pipeline_stage(moe_every, 
         # with MoE the router's logits and the experts' gate, up and down (the combine's
         # backward needs the experts' outputs)
         assert kept("save_dots", stages) == (8 if moe_every else 6)
+
+
+def test_embedding_lookup_equals_take_then_cast_in_values_and_gradients():
+    """Gathered from the table cast first, the rows are the same; the table's gradient is
+    autodiff's of take-then-cast (float32, repeated ids added up), bit for bit."""
+    table = randn(50, 8)
+    ids = jnp.asarray(RNG.integers(0, 50, (3, 40)))  # more ids than rows: repeats
+    weights = randn(3, 40, 8)
+
+    def loss(lookup, table):
+        return jnp.sum(lookup(table).astype(jnp.float32) * weights)
+
+    plain = lambda t: jnp.take(t, ids, axis=0).astype(jnp.bfloat16)
+    ours = lambda t: embedding_lookup(t, ids, jnp.bfloat16)
+    np.testing.assert_array_equal(ours(table), plain(table))
+    got, want = (jax.grad(functools.partial(loss, f))(table) for f in (ours, plain))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)

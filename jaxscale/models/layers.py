@@ -90,6 +90,37 @@ def _matmul_backward(spec, grad_dtype, out_dtype, residuals, grad):
 _matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
+def embedding_lookup(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`jnp.take(table, ids, axis=0).astype(dtype)`, its table's gradient made as autodiff makes
+    it (the rows' gradients widened to the table's dtype and added up, duplicates included),
+    but its rows gathered from the table already cast to `dtype`: the same values.
+
+    Autodiff's backward needs only the ids, yet XLA makes the gather's copy of the table (on a
+    TPU, laid out row by row: a float32 copy of llama3_8b's sharded embedding is 63 MiB) and,
+    having it, reads it again in the optimizer's update, so it lives through the whole step.
+    A copy in `dtype` is only the gather's, and dies with it."""
+    return _lookup(table.shape, jnp.dtype(table.dtype), jnp.dtype(dtype), table, ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _lookup(shape, table_dtype, dtype, table, ids):
+    return jnp.take(table.astype(dtype), ids, axis=0)
+
+
+def _lookup_forward(shape, table_dtype, dtype, table, ids):
+    return _lookup(shape, table_dtype, dtype, table, ids), ids
+
+
+def _lookup_backward(shape, table_dtype, dtype, ids, grad):
+    take = jax.linear_transpose(lambda t: jnp.take(t, ids, axis=0),
+                                jax.ShapeDtypeStruct(shape, table_dtype))
+    grad_table, = take(grad.astype(table_dtype))
+    return grad_table, None
+
+
+_lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
 def weights_cast_for_use(module: nnx.Module, state: nnx.State) -> nnx.State:
     """`module`'s `state` (a stack of layers' included) with every weight a submodule casts where
     it uses it (its `weight_dtypes`) cast already, the rest as it is.

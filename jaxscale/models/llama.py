@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, RMSNorm,
-                                    float32_accumulating, param, weight_matmul,
-                                    weights_cast_for_use)
+                                    embedding_lookup, float32_accumulating, param,
+                                    weight_matmul, weights_cast_for_use)
 from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
@@ -286,7 +286,7 @@ class Llama(nnx.Module):
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, length] -> their embeddings in the compute dtype."""
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        x = embedding_lookup(self.embed[...], tokens, jnp.dtype(self.cfg.dtype))
         return constrain(x, ("batch", "length", "embed"))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
