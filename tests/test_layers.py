@@ -12,7 +12,11 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.models import create_model
 from jaxscale.training.state import model_config
-from jaxscale.models.layers import MLP, Attention, RMSNorm, apply_rope, embedding_lookup
+from jaxscale.models.layers import (MLP, Attention, RMSNorm, apply_rope, embedding_lookup,
+                                    gathered)
+from jaxscale.parallel.mesh import build_mesh
+from jaxscale.parallel.sharding import rules_from_config, use_rules
+from jaxscale.config import default_config
 from tests.helpers import small_config
 
 RNG = np.random.default_rng(0)
@@ -182,3 +186,29 @@ def test_embedding_lookup_equals_take_then_cast_in_values_and_gradients():
     got, want = (jax.grad(functools.partial(loss, f))(table) for f in (ours, plain))
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(got, want)
+
+
+def test_gathered_weights_are_the_weights_and_their_gradients_come_back_sharded():
+    """On an fsdp x tensor mesh: `gathered` is the identity, its gradient autodiff's of the
+    identity, laid out as the weight is."""
+    mesh = build_mesh(dict(fsdp=4, tensor=2, pipeline=1), dict(fsdp=1, tensor=1, pipeline=1),
+                      jax.devices()[:8])
+    weight, x = randn(16, 4, 6), randn(2, 3, 16)
+    axes = ("embed", "heads", "head_dim")
+
+    def loss(weight, x, gather):
+        w, x = gather(weight, x)
+        return jnp.sum(jnp.sin(jnp.einsum("btd,dnh->btnh", x, w)))
+
+    with use_rules(mesh, rules_from_config(default_config().sharding.rules)):
+        plain = jax.jit(jax.value_and_grad(functools.partial(loss, gather=lambda w, x: (w, x)),
+                                           argnums=(0, 1)))(weight, x)
+        for gather in (lambda w, x: (gathered(w, axes), x),):
+            got = jax.jit(jax.value_and_grad(functools.partial(loss, gather=gather),
+                                             argnums=(0, 1)))(weight, x)
+            # The same sums, partitioned differently: equal up to the order of addition.
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                         got, plain)
+            assert got[1][0].sharding.is_equivalent_to(
+                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "tensor")),
+                3)
