@@ -13,7 +13,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from jaxscale.models import create_model
 from jaxscale.training.state import model_config
 from jaxscale.models.layers import (MLP, Attention, RMSNorm, apply_rope, embedding_lookup,
-                                    gathered)
+                                    gathered, gathered_before, swiglu)
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import rules_from_config, use_rules
 from jaxscale.config import default_config
@@ -188,9 +188,20 @@ def test_embedding_lookup_equals_take_then_cast_in_values_and_gradients():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_equals_autodiffs_in_values_and_gradients(dtype):
+    gate, up = randn(2, 5, 12).astype(dtype), randn(2, 5, 12).astype(dtype)
+    grad = randn(2, 5, 12).astype(dtype)
+    plain = lambda g, u: jax.nn.silu(g) * u
+    want, want_pullback = jax.vjp(plain, gate, up)
+    got, got_pullback = jax.vjp(swiglu, gate, up)
+    np.testing.assert_array_equal(got, want)
+    jax.tree.map(np.testing.assert_array_equal, got_pullback(grad), want_pullback(grad))
+
+
 def test_gathered_weights_are_the_weights_and_their_gradients_come_back_sharded():
     """On an fsdp x tensor mesh: `gathered` is the identity, its gradient autodiff's of the
-    identity, laid out as the weight is."""
+    identity, laid out as the weight is; `gathered_before` likewise for both its arguments."""
     mesh = build_mesh(dict(fsdp=4, tensor=2, pipeline=1), dict(fsdp=1, tensor=1, pipeline=1),
                       jax.devices()[:8])
     weight, x = randn(16, 4, 6), randn(2, 3, 16)
@@ -203,7 +214,8 @@ def test_gathered_weights_are_the_weights_and_their_gradients_come_back_sharded(
     with use_rules(mesh, rules_from_config(default_config().sharding.rules)):
         plain = jax.jit(jax.value_and_grad(functools.partial(loss, gather=lambda w, x: (w, x)),
                                            argnums=(0, 1)))(weight, x)
-        for gather in (lambda w, x: (gathered(w, axes), x),):
+        for gather in (lambda w, x: (gathered(w, axes), x),
+                       lambda w, x: gathered_before(axes, w, x)):
             got = jax.jit(jax.value_and_grad(functools.partial(loss, gather=gather),
                                              argnums=(0, 1)))(weight, x)
             # The same sums, partitioned differently: equal up to the order of addition.
