@@ -8,6 +8,7 @@ and activation is annotated with logical axis names only; the trainer's rules de
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -26,6 +27,15 @@ from jaxscale.parallel.sharding import constrain
 # than recognised by shape (a dot without batch dimensions): a pipeline stage's vmap gives every
 # dot a batch dimension, and the experts' matmuls have one anyway.
 WEIGHT_MATMUL = "weight_matmul"
+# The most hidden units of a dense feed-forward whose activations and gathered weights a layer's
+# backward pass holds at once under remat `full` (`MLP`'s hidden_chunks): llama3_8b's 14336 are
+# 2 chunks, llama_1b's 8192 one.
+MLP_CHUNK = 8192
+
+
+def fewest_parts(size: int, most: int) -> int:
+    """The fewest parts, a divisor of `size`, of at most `most` each (1 when `size` fits)."""
+    return next(n for n in range(1, size + 1) if size % n == 0 and size // n <= most)
 
 
 def weight_matmul(spec: str, x: jax.Array, weight: jax.Array,
@@ -383,11 +393,13 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); x in the compute dtype. `grad_dtype`:
     the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`).
     `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s); `lora`: their adapters,
-    `dropout` on the adapters' inputs (`Attention`'s)."""
+    `dropout` on the adapters' inputs (`Attention`'s). `hidden_chunks` > 1 (a divisor of
+    `mlp_dim`; for a layer under remat `full`, with neither fp8 nor adapters): the hidden units
+    a chunk at a time (`in_chunks`)."""
 
     def __init__(self, d_model: int, mlp_dim: int, out_stddev: float, dtype: jnp.dtype,
                  rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, hidden_chunks: int = 1):
         self.gate = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.up = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.down = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), out_stddev)
@@ -395,6 +407,11 @@ class MLP(nnx.Module):
         self.gate_fp8, self.up_fp8, self.down_fp8 = (site(fp8_history) for _ in range(3))
         self.gate_lora, self.up_lora, self.down_lora = (
             adapter(lora, name, getattr(self, name), 1, rngs) for name in ("gate", "up", "down"))
+        if hidden_chunks > 1 and (fp8_history or any(
+                getattr(self, f"{name}_lora") is not None for name in ("gate", "up", "down"))):
+            raise ValueError("fp8 matmuls and adapters take their weights whole: hidden_chunks "
+                             f"must be 1, not {hidden_chunks}")
+        self.hidden_chunks = hidden_chunks
 
     def weight_dtypes(self) -> dict[str, jnp.dtype]:
         """The weights (by attribute) and the dtype each is cast to where it is used, fp8
@@ -402,6 +419,8 @@ class MLP(nnx.Module):
         return unquantized_weight_dtypes(self, ("gate", "up", "down"))
 
     def __call__(self, x: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
+        if self.hidden_chunks > 1:
+            return self.in_chunks(x)
         gt = self.grad_dtype
         down = self.down[...].astype(gt)
         if self.down_fp8 is None:
@@ -416,3 +435,34 @@ class MLP(nnx.Module):
                             dropout)
         hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
         return adapted_matmul("btf,fd->btd", hidden, down, self.down_fp8, self.down_lora, dropout)
+
+    def in_chunks(self, x: jax.Array) -> jax.Array:
+        """The same sum, `hidden_chunks` parts of the hidden units at a time, added in float32: a
+        scan whose body the backward pass makes again, so that one chunk's gathered weights,
+        activations and weight gradients are alive at once, not the whole layer's (llama3_8b on
+        v5p-64, remat full: the peak 3.58 -> 3.38 GiB, benchmarks/memory.py). Chunk c holds the
+        hidden units c, c + n, c + 2n, ... (n chunks): a hidden dimension split over devices in
+        contiguous blocks (tensor parallelism) gives each device its own part of every chunk."""
+        gt, n = self.grad_dtype, self.hidden_chunks
+        d, f = self.gate.shape
+        lanes = math.gcd(f // n, 128)
+
+        def columns(weight):  # [d, f] -> [n, d, f / n]
+            blocks = jnp.moveaxis(weight.reshape(d, f // n // lanes, n, lanes), 2, 0)
+            return blocks.reshape(n, d, f // n)
+
+        @jax.checkpoint
+        def add_chunk(total, weights):
+            gate, up, down = (w.astype(gt) for w in weights)
+            down, chunk_x = gathered_before(("mlp", "embed"), down, x)
+            hidden = constrain(swiglu(weight_matmul("btd,df->btf", chunk_x, gate),
+                                      weight_matmul("btd,df->btf", chunk_x, up)),
+                               ("batch", "length", "mlp"))
+            return total + weight_matmul("btf,fd->btd", hidden, down, jnp.float32), None
+
+        total = constrain(jnp.zeros(x.shape, jnp.float32), ("batch", "length", "embed"))
+        rows = jnp.moveaxis(self.down[...].reshape(f // n // lanes, n, lanes, d), 1, 0)
+        rows = rows.reshape(n, f // n, d)
+        total, _ = jax.lax.scan(add_chunk, total,
+                                (columns(self.gate[...]), columns(self.up[...]), rows))
+        return total.astype(x.dtype)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import (CACHE_AXES, MLP, WEIGHT_MATMUL, Attention, KVCache, RMSNorm,
-                                    embedding_lookup, float32_accumulating, param,
-                                    weight_matmul, weights_cast_for_use)
+from jaxscale.models.layers import (CACHE_AXES, MLP, MLP_CHUNK, WEIGHT_MATMUL, Attention, KVCache,
+                                    RMSNorm, embedding_lookup, fewest_parts,
+                                    float32_accumulating, param, weight_matmul,
+                                    weights_cast_for_use)
 from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
@@ -67,6 +68,18 @@ class LlamaConfig:
     fp8_history: int = 0
     moe: MoEConfig | None = None  # None: every feed-forward is dense
     lora: LoraConfig | None = None  # None: no adapters (jaxscale/models/lora.py)
+    mlp_chunk: int = MLP_CHUNK  # under remat full, the dense feed-forward's widest chunk
+
+    @property
+    def mlp_chunks(self) -> int:
+        """How many chunks a dense feed-forward makes its hidden units in (`MLP.in_chunks`):
+        under remat `full` the fewest of at most `mlp_chunk` each, where they save memory
+        (other policies keep what each chunk made for the backward pass anyway); 1 where its
+        matmuls are fp8 or have adapters, which take their weights whole."""
+        adapted = self.lora is not None and {"gate", "up", "down"} & set(self.lora.targets)
+        if self.remat != "full" or self.fp8_history or adapted:
+            return 1
+        return fewest_parts(self.mlp_dim, self.mlp_chunk)
 
     @property
     def grad_dtype(self) -> jnp.dtype:
@@ -137,7 +150,7 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs,
                            grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
-                           lora=cfg.lora)
+                           lora=cfg.lora, hidden_chunks=cfg.mlp_chunks)
 
     def __call__(self, x, positions, segment_ids, dropout: AdapterDropout | None = None):
         """`dropout` (train step only): on the LoRA adapters' inputs."""

@@ -216,10 +216,11 @@ def _layer_bytes(config: ml_collections.ConfigDict, cfg, shards, compute: int,
     # (jaxscale/parallel/attention.py `_context`): the backward needs them.
     if tokens < seq_len:
         attention += seq_len * 2 * kv * compute
-    # The MLP's gate and up projections, its float32 activation and their product. What the
-    # policies keep between the passes: everything, the layer's input, or the input and the
-    # outputs of the weight matmuls.
-    dense = attention + mlp * (3 * compute + 4) * tokens
+    # The MLP's gate and up projections, its float32 activation and their product (under remat
+    # full, of one chunk of its hidden units: `MLP.in_chunks`). What the policies keep between
+    # the passes: everything, the layer's input, or the input and the outputs of the weight
+    # matmuls.
+    dense = attention + mlp // cfg.mlp_chunks * (3 * compute + 4) * tokens
     # LoRA dropout: each adapter's dropped copy of its input and the mask (a byte an element).
     # Without remat the backward keeps them; remat draws them again.
     lora = m.lora

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxscale.models.layers import fewest_parts
 from jaxscale.parallel.sharding import constrain
 
 # (features [..., d], head [d, v], vocab_ids=None) -> float32 logits [..., v]; `vocab_ids` [v]:
@@ -46,7 +47,7 @@ def chunk_length(length: int, most: int) -> int:
 def vocab_tiles(vocab: int, most: int = VOCAB_TILE) -> int:
     """The fewest tiles, a divisor of `vocab`, that hold at most `most` entries each (1 when the
     whole vocabulary fits)."""
-    return next(n for n in range(1, vocab + 1) if vocab % n == 0 and vocab // n <= most)
+    return fewest_parts(vocab, most)
 
 
 def summed_cross_entropy(logits_fn: LogitsFn, head: jax.Array, head_axes: Sequence[str],
