@@ -10,8 +10,10 @@ import jax
 import numpy as np
 import pytest
 
+from jaxscale.models import LlamaConfig
 from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.plan.compiled import compile_train_step
+from jaxscale.training.state import model_config
 from jaxscale.training.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
@@ -74,6 +76,19 @@ def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, r
     """Against jax.grad of the plain model (remat none) on one device; remat recomputes the same
     float32 values, so every policy must match too."""
     config = pipeline_config(schedule, repeats, remat=remat, **mesh)
+    loss, grads, _ = loss_and_gradients_on_mesh(config, tmp_path)
+    assert_same_loss_and_gradients(loss, grads, reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_feed_forwards_in_chunks_give_the_plain_models_loss_and_gradients_on_stages(
+        schedule, reference, tmp_path, monkeypatch):
+    """Under remat full with the feed-forward in 2 chunks (`MLP.in_chunks`, 64 hidden units
+    each here), vmapped over the stages of a pipeline with fsdp."""
+    monkeypatch.setattr(LlamaConfig, "mlp_chunks", property(
+        lambda cfg: 2 if cfg.remat == "full" else 1))
+    config = pipeline_config(schedule, remat="full", pipeline=2, fsdp=2)
+    assert model_config(config).mlp_chunks == 2
     loss, grads, _ = loss_and_gradients_on_mesh(config, tmp_path)
     assert_same_loss_and_gradients(loss, grads, reference)
 
