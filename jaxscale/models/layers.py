@@ -407,11 +407,16 @@ class MLP(nnx.Module):
         self.gate_fp8, self.up_fp8, self.down_fp8 = (site(fp8_history) for _ in range(3))
         self.gate_lora, self.up_lora, self.down_lora = (
             adapter(lora, name, getattr(self, name), 1, rngs) for name in ("gate", "up", "down"))
-        if hidden_chunks > 1 and (fp8_history or any(
-                getattr(self, f"{name}_lora") is not None for name in ("gate", "up", "down"))):
+        if hidden_chunks > 1 and not MLP.chunkable(fp8_history, lora):
             raise ValueError("fp8 matmuls and adapters take their weights whole: hidden_chunks "
                              f"must be 1, not {hidden_chunks}")
         self.hidden_chunks = hidden_chunks
+
+    @staticmethod
+    def chunkable(fp8_history: int, lora: LoraConfig | None) -> bool:
+        """Whether the feed-forward can run in chunks: not where its matmuls are fp8 or have
+        adapters, which take their weights whole."""
+        return not fp8_history and not (lora and {"gate", "up", "down"} & set(lora.targets))
 
     def weight_dtypes(self) -> dict[str, jnp.dtype]:
         """The weights (by attribute) and the dtype each is cast to where it is used, fp8
@@ -440,9 +445,10 @@ class MLP(nnx.Module):
         """The same sum, `hidden_chunks` parts of the hidden units at a time, added in float32: a
         scan whose body the backward pass makes again, so that one chunk's gathered weights,
         activations and weight gradients are alive at once, not the whole layer's (llama3_8b on
-        v5p-64, remat full: the peak 3.58 -> 3.38 GiB, benchmarks/memory.py). Chunk c holds the
-        hidden units c, c + n, c + 2n, ... (n chunks): a hidden dimension split over devices in
-        contiguous blocks (tensor parallelism) gives each device its own part of every chunk."""
+        v5p-64, remat full: the peak 3.58 -> 3.32 GiB, benchmarks/memory.py). Chunk c holds every
+        n-th block of up to 128 hidden units, starting at block c (n chunks): a TPU keeps the
+        blocks' 128-wide minor dimension, and a hidden dimension split over devices in contiguous
+        blocks (tensor parallelism) gives each device its own part of every chunk."""
         gt, n = self.grad_dtype, self.hidden_chunks
         d, f = self.gate.shape
         lanes = math.gcd(f // n, 128)

@@ -76,8 +76,7 @@ class LlamaConfig:
         under remat `full` the fewest of at most `mlp_chunk` each, where they save memory
         (other policies keep what each chunk made for the backward pass anyway); 1 where its
         matmuls are fp8 or have adapters, which take their weights whole."""
-        adapted = self.lora is not None and {"gate", "up", "down"} & set(self.lora.targets)
-        if self.remat != "full" or self.fp8_history or adapted:
+        if self.remat != "full" or not MLP.chunkable(self.fp8_history, self.lora):
             return 1
         return fewest_parts(self.mlp_dim, self.mlp_chunk)
 
