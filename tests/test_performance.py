@@ -24,7 +24,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import model_spec, streamed_slices
+from jaxscale.training.state import model_spec, state_specs
 from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
 
@@ -271,7 +271,7 @@ def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype, 
 
 
 def test_offloaded_moments_stream_in_slices_of_a_dimension_no_device_splits():
-    """`streamed_slices`: a stacked parameter streams a layer at a time; the embedding in the
+    """`state_specs(...).slices`: a stacked parameter streams a layer at a time; the embedding in the
     fewest slices of a multiple of 8 rows no larger than the largest layer (small_config: an
     MLP weight's 64 x 128; the embedding [384, 64] in 3 of 128 rows, the head [64, 384] in 4 of
     16); the final norm (a layer's size already) whole. A dimension that a device holds only
@@ -284,7 +284,7 @@ def test_offloaded_moments_stream_in_slices_of_a_dimension_no_device_splits():
 
     def slices(layout="params", **axes):
         mesh_shape = dict(data=1, pipeline=1, fsdp=1, context=1, expert=1, tensor=1) | axes
-        counts = streamed_slices(spec, rules, mesh_shape, layout)
+        counts = state_specs(spec, rules, mesh_shape, layout).slices
         return (set(jax.tree.leaves(counts["blocks"])), counts["embed"], counts["head"],
                 counts["final_norm"]["scale"])
 

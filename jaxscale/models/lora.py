@@ -12,7 +12,7 @@ weight, so it is stacked along the blocks' `layers` axis like every block parame
 factor's logical axes are its weight's (the rank dimension gets none): whatever rules shard W
 over fsdp, tensor or pipeline shard A and B the same way. A factor that lacks the dimension its
 weight's storage is split on (B of q has no `embed`) is also split over that data-parallel axis
-on another dimension in training (`param_specs`, jaxscale/training/state.py). In a params
+on another dimension in training (`state_specs`, jaxscale/training/state.py). In a params
 tree (the pure dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key;
 `split_adapters` and `join_adapters` take such a tree apart and back together, which is how the
 train state holds the adapters as its trainable `params` and the rest as `frozen`.

@@ -7,13 +7,12 @@ import jax
 import ml_collections
 
 from jaxscale.config import check_schema
-from jaxscale.observe.device_memory import device_capacity
 from jaxscale.errors import ConfigError
+from jaxscale.observe.device_memory import StepMemory, device_capacity
 from jaxscale.parallel.attention import check_attention
 from jaxscale.plan import report
-from jaxscale.runtime.chips import GIB
-from jaxscale.observe.device_memory import StepMemory
 from jaxscale.plan.compiled import refused_by_xla
+from jaxscale.runtime.chips import GIB
 from jaxscale.plan.measure import agreed, seconds_per_step
 from jaxscale.plan.planner import Row, make_plan
 from jaxscale.plan.targets import local_target
@@ -35,12 +34,12 @@ def planned_config(config: ml_collections.ConfigDict, devices
             print(line, flush=True)
 
     check_schema(config)  # the numbers read below, before the planner's validate reads them
-    check_attention(config, devices[0])  # the planner compiles with that kernel
     gib, trials = config.mesh.auto_memory_gib, config.mesh.auto_trials
     # Without mesh.auto_memory_gib, plan for the capacity the run's memory check will hold the
     # step to (performance.device_memory_gib, else the allocator's limit), else the chip's.
     local = [d for d in devices if d.process_index == jax.process_index()]
     capacity = device_capacity(local, config.performance.device_memory_gib)
+    check_attention(config, devices[0])  # the planner compiles with that kernel
     capacity_bytes = int(gib * GIB) if gib else capacity[0] if capacity else None
     target = local_target(devices)
     say(f"mesh.auto: planning the layout for {len(devices)} {devices[0].device_kind} device(s)")

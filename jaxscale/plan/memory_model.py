@@ -44,7 +44,7 @@ from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
-from jaxscale.training.state import ModelSpec, moment_specs, param_specs, streamed_slices
+from jaxscale.training.state import ModelSpec, state_specs
 from jaxscale.training.step import BATCH_KEYS
 
 
@@ -94,15 +94,15 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     rules = rules_from_config(config.sharding.rules)
     m, t, cfg = config.model, config.train, spec.config
     # As the train state holds them (with LoRA the adapters split like their weights).
-    specs = param_specs(spec, rules, mesh_shape)
+    placed = state_specs(spec, rules, mesh_shape, config.sharding.optimizer_state)
+    specs = placed.params
     params = _tree_shard_elements(specs, spec.abstract_params, mesh_shape)
     # With LoRA only the adapters are trained: float32 with moments and gradients; the frozen
     # base is held in the compute dtype.
     trained = _tree_shard_elements(spec.trained(specs), spec.trained(spec.abstract_params),
                                    mesh_shape)
-    moment_leaves = _leaf_shard_elements(
-        moment_specs(spec, rules, mesh_shape, config.sharding.optimizer_state),
-        spec.trained(spec.abstract_params), mesh_shape)
+    moment_leaves = _leaf_shard_elements(placed.moments, spec.trained(spec.abstract_params),
+                                         mesh_shape)
     moment_elements = sum(moment_leaves)
     moment_bytes = jnp.dtype(config.optim.moment_dtype).itemsize
     # Offloaded, they live on the host and the update streams them through the device
@@ -110,8 +110,7 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     # one after another, and the parameters in one slice whole, IN_FLIGHT at a time; counted as
     # the largest slice's beside the IN_FLIGHT largest whole ones'. One copy each, though a
     # parameter's old and new moments may both be alive for a moment.
-    counts = jax.tree.leaves(streamed_slices(spec, rules, mesh_shape,
-                                             config.sharding.optimizer_state))
+    counts = jax.tree.leaves(placed.slices)
     largest_slice = max((n // k for n, k in zip(moment_leaves, counts) if k > 1), default=0)
     whole = sorted(n for n, k in zip(moment_leaves, counts) if k == 1)
     on_device = (largest_slice + sum(whole[-IN_FLIGHT:]) if config.optim.offload_state

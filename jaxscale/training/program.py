@@ -23,8 +23,7 @@ from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_fr
                                         tree_shardings, use_rules)
 from jaxscale.training import offload
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import (init_state, model_spec, moment_specs, param_specs,
-                                     state_shardings, streamed_slices)
+from jaxscale.training.state import init_state, model_spec, state_shardings, state_specs
 from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
 
 
@@ -36,19 +35,18 @@ class TrainProgram:
         self.config, self.mesh = config, mesh
         self.model = model = model_spec(config)
         self.rules = rules_from_config(config.sharding.rules)
+        # Every parameter of the model, base and adapters (LoRA's split like their weights): what
+        # the state holds and evaluation reads; the moments, where each gradient is also reduced
+        # to (ZeRO-1: a shard).
+        specs = state_specs(model, self.rules, mesh.shape, config.sharding.optimizer_state)
         # With LoRA the optimizer sees the adapters alone (TrainState.params). Offloaded moments
         # stream through its update in slices: the stacked weights' a layer at a time.
         self.tx, self.schedule = make_optimizer(
-            config.optim, config.train.steps, model.trained(model.logical_specs),
-            streamed_slices(model, self.rules, mesh.shape, config.sharding.optimizer_state))
-        # Every parameter of the model, base and adapters (LoRA's split like their weights):
-        # what the state holds and evaluation reads.
-        self.param_shardings = mesh_shardings(param_specs(model, self.rules, mesh.shape), mesh)
+            config.optim, config.train.steps, model.trained(model.logical_specs), specs.slices)
+        self.param_shardings = mesh_shardings(specs.params, mesh)
+        moments = mesh_shardings(specs.moments, mesh)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
-        # Where the moments live is also where each gradient is reduced to (ZeRO-1: a shard).
-        moments = mesh_shardings(moment_specs(model, self.rules, mesh.shape,
-                                              config.sharding.optimizer_state), mesh)
         offloaded = config.optim.offload_state
         self.state_shardings = state_shardings(
             abstract_state, model.trained(self.param_shardings),

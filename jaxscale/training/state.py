@@ -152,7 +152,26 @@ def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
     return config.precision.compute_dtype == "float16"
 
 
-def param_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int]) -> Any:
+class StateSpecs(NamedTuple):
+    """Where the train state lives on a mesh, as PartitionSpecs over its axes (`state_specs`)."""
+    params: Any  # every parameter of the model, base and adapters
+    moments: Any  # each trained parameter's optimizer moments, and its gradient before the update
+    # each trained parameter: in how many slices the update of offloaded moments streams it
+    slices: Any
+
+
+def state_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
+                layout: str) -> StateSpecs:
+    """Where the parameters and optimizer moments of `spec`'s model live on a mesh of
+    `mesh_shape` under `rules`, with the moments' `layout` (sharding.optimizer_state: 'params',
+    or 'data' for ZeRO-1), and the slices their offloaded update streams in. ConfigError when
+    'data' cannot split a parameter's moments."""
+    params = _param_specs(spec, rules, mesh_shape)
+    moments = _moment_specs(spec, params, rules, mesh_shape, layout)
+    return StateSpecs(params, moments, _streamed_slices(spec, params, moments, mesh_shape))
+
+
+def _param_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int]) -> Any:
     """Where every parameter of the model (base and adapters) lives in training, as
     PartitionSpecs over mesh axes: as its logical axes map by `rules`, and with LoRA each adapter
     factor also split like its weight (`_split_like_weight`)."""
@@ -207,19 +226,19 @@ def _within_layer(logical: P, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(1 if name == "layers" else size for name, size in zip(logical, shape))
 
 
-def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
-                 layout: str) -> Any:
+def _moment_specs(spec: ModelSpec, params: Any, rules: Rules, mesh_shape: Mapping[str, int],
+                  layout: str) -> Any:
     """Where each trained parameter's optimizer moments (and its gradient, before the update)
     live, as PartitionSpecs over mesh axes.
 
-    `params`: with the parameter (`param_specs`). `data` (ZeRO-1): also split over the
+    `layout` `params`: with the parameter (its entry of `params`). `data` (ZeRO-1): also split over the
     data-parallel axes the parameter is not split over (those of the `batch` rule), so each
     data-parallel replica holds and updates 1/N of the state; the gradients are reduce-scattered
     onto that layout and the updated parameters gathered back to theirs. ConfigError when a
     parameter has no dimension (besides its stacked layers) those axes divide.
     """
     logical_specs = spec.trained(spec.logical_specs)
-    trained_specs = spec.trained(param_specs(spec, rules, mesh_shape))
+    trained_specs = spec.trained(params)
     if layout == "params":
         return trained_specs
     data_axes = rules.get("batch", ())
@@ -242,15 +261,15 @@ def moment_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def streamed_slices(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
-                    layout: str) -> Any:
+def _streamed_slices(spec: ModelSpec, params: Any, moments: Any,
+                     mesh_shape: Mapping[str, int]) -> Any:
     """For each trained parameter, in how many slices along its first dimension the update of
     offloaded moments streams it (jaxscale/training/optim.py `streamed_update`): a stack by
     layer; another parameter (the embedding, the head) in the fewest equal slices no larger
     than a layer of the largest stack, of a multiple of 8 rows (a TPU's tile: the compiler
     refuses some other slices of arrays in host memory); whole (1) where none is, or where a
-    device holds only part of that dimension, of the parameter or of its moments
-    (`moment_specs` with `layout`): a pipeline's layers, a split vocabulary. A slice of a split
+    device holds only part of that dimension, of the parameter or of its moments (its entries
+    of `params` and `moments`): a pipeline's layers, a split vocabulary. A slice of a split
     dimension would be gathered in the loop."""
     logical = spec.trained(spec.logical_specs)
     abstract = spec.trained(spec.abstract_params)
@@ -270,8 +289,7 @@ def streamed_slices(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int]
         return next((k for k in range(1, rows // 8 + 1)
                      if rows % (8 * k) == 0 and a.size // k <= layer), 1)
 
-    return jax.tree.map(count, logical, spec.trained(param_specs(spec, rules, mesh_shape)),
-                        moment_specs(spec, rules, mesh_shape, layout), abstract,
+    return jax.tree.map(count, logical, spec.trained(params), moments, abstract,
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -279,7 +297,7 @@ def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: A
                     tx: optax.GradientTransformation, mesh: Mesh,
                     fp8_shardings: Any = None, frozen_shardings: Any = None) -> TrainState:
     """Parameters as `param_shardings`; each optimizer moment as its parameter's entry of
-    `moments` (see `moment_specs`); the fp8 meta as `fp8_shardings`, the frozen base as
+    `moments` (`StateSpecs.moments`); the fp8 meta as `fp8_shardings`, the frozen base as
     `frozen_shardings`; scalars replicated."""
     replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
@@ -312,5 +330,5 @@ def check_optimizer_layout(config: ml_collections.ConfigDict, mesh_shape: dict[s
     moments over the data axes of `mesh_shape` (checked on the model's shapes)."""
     layout = config.sharding.optimizer_state
     if layout == "data":
-        moment_specs(model_spec(config), rules_from_config(config.sharding.rules), mesh_shape,
-                     layout)
+        state_specs(model_spec(config), rules_from_config(config.sharding.rules), mesh_shape,
+                    layout)
