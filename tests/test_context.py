@@ -52,10 +52,13 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh,kind", [
-    (dict(context=2), "packed"), (dict(context=2), "unpacked"),
-    (dict(context=4), "packed"), (dict(context=4), "unpacked"),
-    (dict(context=2, fsdp=2), "packed"), (dict(context=4, fsdp=2), "unpacked"),
-    (dict(context=2, tensor=2), "packed"), (dict(context=2, data=2, tensor=2), "unpacked"),
+    # Without the slow ones, both layouts, both degrees and each other axis still run.
+    (dict(context=2), "packed"), pytest.param(dict(context=2), "unpacked", marks=pytest.mark.slow),
+    pytest.param(dict(context=4), "packed", marks=pytest.mark.slow), (dict(context=4), "unpacked"),
+    (dict(context=2, fsdp=2), "packed"),
+    pytest.param(dict(context=4, fsdp=2), "unpacked", marks=pytest.mark.slow),
+    pytest.param(dict(context=2, tensor=2), "packed", marks=pytest.mark.slow),
+    (dict(context=2, data=2, tensor=2), "unpacked"),
 ], ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
 def test_a_split_sequence_gives_the_whole_sequences_loss_and_gradients(mesh, kind, references,
                                                                        tmp_path):
@@ -67,7 +70,8 @@ def test_a_split_sequence_gives_the_whole_sequences_loss_and_gradients(mesh, kin
                  grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule,remat", [("gpipe", "full"), ("1f1b", "save_dots")])
+@pytest.mark.parametrize("schedule,remat", [
+    ("gpipe", "full"), pytest.param("1f1b", "save_dots", marks=pytest.mark.slow)])
 def test_context_with_pipeline_stages_and_remat(schedule, remat, references, tmp_path):
     """The attention's shard_map runs inside the pipeline's vmap over stages, and under remat."""
     config = context_config(context=2, pipeline=2)

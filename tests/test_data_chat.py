@@ -313,6 +313,7 @@ def test_chat_batches_are_deterministic_and_resume_mid_stream(tmp_path, batch_sh
     assert 0 < np.mean([b["loss_mask"].mean() for b in first]) < 1
 
 
+@pytest.mark.slow
 def test_tiny_trains_on_chat_data(tmp_path):
     path = tmp_path / "c.jsonl"
     write_chat(path, byte_records(40))

@@ -177,8 +177,9 @@ def save_one_step(matmul, workdir):
     return jax.device_get(state)
 
 
-@pytest.mark.parametrize("written, restored", [("bfloat16", "fp8"), ("fp8", "bfloat16"),
-                                               ("fp8", "fp8")])
+@pytest.mark.parametrize("written, restored", [
+    pytest.param("bfloat16", "fp8", marks=pytest.mark.slow), ("fp8", "bfloat16"),
+    pytest.param("fp8", "fp8", marks=pytest.mark.slow)])
 def test_checkpoints_restore_across_matmul_precisions(tmp_path, written, restored):
     """A bfloat16 checkpoint restores into an fp8 run with fresh scales (1) and histories (0);
     an fp8 checkpoint into a bfloat16 run without its meta, into an fp8 run with it; the

@@ -54,8 +54,10 @@ def single_device(tmp_path_factory):
     return train(small_config(), tmp_path_factory.mktemp("one"), devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=4, tensor=2),
-                                  dict(data=2, fsdp=2, tensor=2)])
+@pytest.mark.parametrize("mesh", [
+    pytest.param(dict(data=8), marks=pytest.mark.slow),
+    pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.slow),
+    dict(data=2, fsdp=2, tensor=2)])
 def test_meshes_match_one_device(mesh, single_device, tmp_path):
     run = train(small_config(**mesh), tmp_path)
     assert_same_training(run, single_device)

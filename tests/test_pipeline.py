@@ -52,23 +52,26 @@ def reference(tmp_path_factory):
 def assert_same_loss_and_gradients(loss, grads, reference):
     ref_loss, ref_grads = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
-                 grads, ref_grads)
+    # atol: float32 sums in another order, relative to the gradient's largest entry (a gradient
+    # of 1.8e-4 once differed by 1.2e-8 where the largest was 2.4e-2).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max())), grads, ref_grads)
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
 
 
 @pytest.mark.parametrize("schedule,repeats,remat,mesh", [
+    # Without the slow ones, each schedule, repeat count, remat policy and other axis still runs.
     ("gpipe", 1, "none", dict(pipeline=2)),
-    ("gpipe", 1, "full", dict(pipeline=4)),
-    ("gpipe", 2, "none", dict(pipeline=2)),
+    pytest.param("gpipe", 1, "full", dict(pipeline=4), marks=pytest.mark.slow),
+    pytest.param("gpipe", 2, "none", dict(pipeline=2), marks=pytest.mark.slow),
     ("gpipe", 2, "save_dots", dict(pipeline=4)),
-    ("1f1b", 1, "none", dict(pipeline=2)),
+    pytest.param("1f1b", 1, "none", dict(pipeline=2), marks=pytest.mark.slow),
     ("1f1b", 1, "full", dict(pipeline=4)),
-    ("gpipe", 2, "none", dict(pipeline=2, fsdp=2)),
+    pytest.param("gpipe", 2, "none", dict(pipeline=2, fsdp=2), marks=pytest.mark.slow),
     ("1f1b", 1, "save_dots", dict(pipeline=2, fsdp=2)),
     ("gpipe", 1, "none", dict(pipeline=2, tensor=2)),
-    ("1f1b", 1, "none", dict(pipeline=2, tensor=2)),
-    ("gpipe", 1, "none", dict(pipeline=4, data=2)),
+    pytest.param("1f1b", 1, "none", dict(pipeline=2, tensor=2), marks=pytest.mark.slow),
+    pytest.param("gpipe", 1, "none", dict(pipeline=4, data=2), marks=pytest.mark.slow),
     ("1f1b", 1, "none", dict(pipeline=2, data=2, fsdp=2)),
 ])
 def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, remat, mesh,

@@ -177,6 +177,7 @@ def test_mesh_auto_times_distinct_near_tied_meshes_and_no_more_than_auto_trials(
     assert "compiling a spread of them to time, 3 at most" in out
 
 
+@pytest.mark.slow
 def test_a_compiled_candidate_is_timed_on_the_devices():
     """A real timing: the planner's compiled step, run from random parameters on random tokens
     on 8 CPU devices, takes a positive, finite time."""
@@ -633,6 +634,7 @@ def test_expert_all_to_alls_and_context_gathers_are_read_from_the_hlo_as_counted
     assert time.exposed > 0 == sum(f.count for f in found if "tensor" in f.axes)
 
 
+@pytest.mark.slow
 def test_mixtral_on_four_h100_nodes_splits_its_experts_where_fsdp_alone_does_not_fit():
     """Mixtral 8x7B on 32 H100s (estimates only): FSDP alone gathers every expert's weights in
     each layer and keeps the MoE layers' dispatch buffers beside them; the expert axis keeps

@@ -53,7 +53,7 @@ def jitted(model, method):
     return lambda *args: jax.tree.map(np.asarray, run(state, *args))
 
 
-@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("tie", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_kv_cache_logits_equal_the_full_forward_pass_at_every_position(tie):
     model = random_model(tie)
     tokens = prompts(length=12)
