@@ -148,6 +148,7 @@ def test_the_meta_is_state_beside_the_params(tmp_path):
     assert np.isfinite(float(total)) and float(tokens) > 0
 
 
+@pytest.mark.slow
 def test_microbatches_combine_the_meta_by_maximum(tmp_path):
     """Two microbatches give the meta of one batch (a sum would double every amax)."""
     one, _, _ = train_steps(fp8_config(), steps=1, workdir=tmp_path / "one")
@@ -207,6 +208,7 @@ def test_checkpoints_restore_across_matmul_precisions(tmp_path, written, restore
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_an_fp8_checkpoint_with_another_history_length_is_refused(tmp_path):
     save_one_step("fp8", tmp_path / "written")
     config = fp8_config(fsdp=2)

@@ -190,7 +190,7 @@ def test_an_unknown_reduction_dtype_is_a_config_error():
         check_settings(config)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("save_dots", marks=pytest.mark.slow)])
 def test_remat_policies_keep_the_float32_reduced_gradients(remat):
     """bfloat16 compute, float32 reduction: the policies recompute through the custom backward
     pass to the same loss and gradients (tests/test_layers.py counts what save_dots keeps)."""

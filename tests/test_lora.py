@@ -126,7 +126,8 @@ def steps_on(config, count=2):
     return losses, jax.device_get(state.params)
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2),
+@pytest.mark.parametrize("mesh", [pytest.param(dict(data=2, fsdp=2, tensor=2),
+                                               marks=pytest.mark.slow),
                                   pytest.param(dict(pipeline=2, fsdp=2, schedule="gpipe"),
                                                marks=pytest.mark.slow),
                                   pytest.param(dict(pipeline=2, tensor=2, schedule="1f1b"),

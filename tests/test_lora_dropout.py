@@ -205,7 +205,7 @@ def test_without_dropout_the_step_draws_no_random_bits():
 
 @pytest.mark.parametrize("mesh", [
     dict(data=2, fsdp=2, tensor=2, remat="full"),
-    dict(microbatches=1),
+    pytest.param(dict(microbatches=1), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, fsdp=2, schedule="gpipe"), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, tensor=2, schedule="1f1b", remat="save_dots"),
                  marks=pytest.mark.slow),

@@ -286,7 +286,7 @@ def test_every_nth_layer_is_moe_and_the_stack_stays_homogeneous():
     assert params[1]["mlp"]["gate"].shape == (2, 4, 32, 48)  # [groups, experts, ...]
 
 
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("every", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_kv_cache_decoding_equals_the_full_forward_pass(every):
     # Enough capacity that the full pass drops nothing; decoding never drops.
     graphdef, params = split_model(moe_model_config(every=every, capacity_factor=2.0))
@@ -369,6 +369,7 @@ def test_expert_meshes_give_one_devices_loss_and_gradients(tmp_path):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
 
 
+@pytest.mark.slow
 def test_dropless_on_an_expert_mesh_gives_one_devices_loss_and_gradients(tmp_path):
     """Dropless on expert=2 x fsdp=2 x data=2 (the weights gathered to the tokens) equals capacity
     mode on one device with a slot for every token: nothing is dropped either way."""

@@ -83,7 +83,7 @@ def test_schedules_give_the_plain_models_loss_and_gradients(schedule, repeats, r
     assert_same_loss_and_gradients(loss, grads, reference)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_feed_forwards_in_chunks_give_the_plain_models_loss_and_gradients_on_stages(
         schedule, reference, tmp_path, monkeypatch):
     """Under remat full with the feed-forward in 2 chunks (`MLP.in_chunks`, 64 hidden units
@@ -105,6 +105,7 @@ def test_1f1b_with_microbatches_not_a_multiple_of_the_stages(tmp_path):
         loss, grads, plain_loss_and_grads(pipeline_config(layers=6), tmp_path / "plain"))
 
 
+@pytest.mark.slow
 def test_1f1b_compiles_to_under_half_of_gpipes_temporaries():
     """Both at remat full, M=16 on 4 stages x data 2, the loss computed 16 positions at a time on
     both (GPipe's head runs on the whole batch after its loop, 1F1B's on one microbatch per tick:
