@@ -12,10 +12,10 @@ from jaxscale.observe.device_memory import StepMemory, device_capacity
 from jaxscale.parallel.attention import check_attention
 from jaxscale.plan import report
 from jaxscale.plan.compiled import refused_by_xla
-from jaxscale.runtime.chips import GIB
 from jaxscale.plan.measure import agreed, seconds_per_step
 from jaxscale.plan.planner import Row, make_plan
 from jaxscale.plan.targets import local_target
+from jaxscale.runtime.chips import GIB
 
 
 def planned_config(config: ml_collections.ConfigDict, devices

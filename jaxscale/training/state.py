@@ -231,11 +231,11 @@ def _moment_specs(spec: ModelSpec, params: Any, rules: Rules, mesh_shape: Mappin
     """Where each trained parameter's optimizer moments (and its gradient, before the update)
     live, as PartitionSpecs over mesh axes.
 
-    `layout` `params`: with the parameter (its entry of `params`). `data` (ZeRO-1): also split over the
-    data-parallel axes the parameter is not split over (those of the `batch` rule), so each
-    data-parallel replica holds and updates 1/N of the state; the gradients are reduce-scattered
-    onto that layout and the updated parameters gathered back to theirs. ConfigError when a
-    parameter has no dimension (besides its stacked layers) those axes divide.
+    `layout` `params`: with the parameter (its entry of `params`). `data` (ZeRO-1): also split
+    over the data-parallel axes the parameter is not split over (those of the `batch` rule), so
+    each data-parallel replica holds and updates 1/N of the state; the gradients are
+    reduce-scattered onto that layout and the updated parameters gathered back to theirs.
+    ConfigError when a parameter has no dimension (besides its stacked layers) those axes divide.
     """
     logical_specs = spec.trained(spec.logical_specs)
     trained_specs = spec.trained(params)
