@@ -80,7 +80,7 @@ def test_each_factor_takes_its_weights_data_parallel_axes_and_no_others():
     assert wide["blocks/mlp/gate_lora/b"] == P("pipeline", None, ("tensor", "fsdp"))
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.slow), dict(fsdp=8)],
+@pytest.mark.parametrize("mesh", [dict(fsdp=4, tensor=2), dict(fsdp=8)],
                          ids=["fsdp4-tensor2", "fsdp8"])
 def test_each_device_holds_one_fsdp_th_of_every_factor_and_of_its_moments(mesh):
     """Read from the program's state shardings (the arrays are born so: see
@@ -175,7 +175,7 @@ def bytes_per_device(abstract, shardings) -> int:
                for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)) if a.ndim)
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.slow), dict(fsdp=8)],
+@pytest.mark.parametrize("mesh", [dict(fsdp=4, tensor=2), dict(fsdp=8)],
                          ids=["fsdp4-tensor2", "fsdp8"])
 def test_the_memory_model_counts_the_state_as_the_program_holds_it(mesh):
     """The planner's estimate of the parameters (float32 adapters, the frozen base) and the
