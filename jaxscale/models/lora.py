@@ -12,7 +12,7 @@ weight, so it is stacked along the blocks' `layers` axis like every block parame
 factor's logical axes are its weight's (the rank dimension gets none): whatever rules shard W
 over fsdp, tensor or pipeline shard A and B the same way. A factor that lacks the dimension its
 weight's storage is split on (B of q has no `embed`) is also split over that data-parallel axis
-on another dimension in training (`state_specs`, jaxscale/training/state.py). In a params
+on another dimension in training (`followed_specs`, jaxscale/parallel/placement.py). In a params
 tree (the pure dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key;
 `split_adapters` and `join_adapters` take such a tree apart and back together, which is how the
 train state holds the adapters as its trainable `params` and the rest as `frozen`.
@@ -159,6 +159,23 @@ def split_adapters(tree: dict) -> tuple[dict, dict]:
         else:
             rest[key] = value
     return adapters, rest
+
+
+def followed_specs(logical_specs: dict) -> dict:
+    """For each entry of a params-shaped tree of logical PartitionSpecs, the logical spec of the
+    parameter whose storage it follows in training (jaxscale/parallel/placement.py
+    `param_specs`): an adapter factor (`q_lora/a`, `q_lora/b`) its weight's (`q`), every other
+    parameter its own."""
+    followed = {}
+    for key, value in logical_specs.items():
+        if str(key).endswith(ADAPTER_SUFFIX):
+            weight = logical_specs[str(key).removesuffix(ADAPTER_SUFFIX)]
+            followed[key] = {factor: weight for factor in value}
+        elif isinstance(value, dict):
+            followed[key] = followed_specs(value)
+        else:
+            followed[key] = value
+    return followed
 
 
 def join_adapters(adapters: dict, rest: dict) -> dict:

@@ -185,7 +185,7 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
 
     `slices` is a tree of ints like `updates` (None: all 1), each the number of equal slices along
     its parameter's first dimension (one no device splits) that the parameter is updated in, one
-    after another in a loop: a stack's layers (`jaxscale.training.state.state_specs`), the
+    after another in a loop: a stack's layers (`jaxscale.parallel.placement.streamed_slices`), the
     embedding's rows. Each iteration moves that slice's moments to the device, updates them and
     writes them back into the host arrays, so the device holds one slice's moments (and, with
     `apply`, adds the slice's update to its parameters in place, so it holds one slice's update

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -14,13 +13,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale import models
-from jaxscale.errors import ConfigError
 from jaxscale.models.fp8 import Fp8Meta
-from jaxscale.models.lora import ADAPTER_SUFFIX, join_adapters, lora_config, split_adapters
+from jaxscale.models.lora import followed_specs, join_adapters, lora_config, split_adapters
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling
-from jaxscale.parallel.sharding import (Rules, logical_to_mesh, rules_from_config, spec_axes,
-                                        split_further, tree_shardings)
+from jaxscale.parallel.placement import moment_specs, param_specs, streamed_slices
+from jaxscale.parallel.sharding import Rules, rules_from_config, tree_shardings
 
 
 class TrainState(NamedTuple):
@@ -164,133 +162,16 @@ def state_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
                 layout: str) -> StateSpecs:
     """Where the parameters and optimizer moments of `spec`'s model live on a mesh of
     `mesh_shape` under `rules`, with the moments' `layout` (sharding.optimizer_state: 'params',
-    or 'data' for ZeRO-1), and the slices their offloaded update streams in. ConfigError when
-    'data' cannot split a parameter's moments."""
-    params = _param_specs(spec, rules, mesh_shape)
-    moments = _moment_specs(spec, params, rules, mesh_shape, layout)
-    return StateSpecs(params, moments, _streamed_slices(spec, params, moments, mesh_shape))
-
-
-def _param_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int]) -> Any:
-    """Where every parameter of the model (base and adapters) lives in training, as
-    PartitionSpecs over mesh axes: as its logical axes map by `rules`, and with LoRA each adapter
-    factor also split like its weight (`_split_like_weight`)."""
-    specs = jax.tree.map(lambda logical: logical_to_mesh(logical, rules), spec.logical_specs,
-                         is_leaf=lambda x: isinstance(x, P))
-    if not spec.config.lora:
-        return specs
-    # Only the data-parallel axes (the `batch` rule's) are added, see `_split_like_weight`.
-    data_axes = rules.get("batch", ())
-
-    def factor(path, logical, factor_spec, abstract):
-        owner = str(path[-2].key) if len(path) > 1 else ""
-        if not owner.endswith(ADAPTER_SUFFIX):
-            return factor_spec
-        parent = functools.reduce(lambda tree, key: tree[key.key], path[:-2], specs)
-        weight_spec = parent[owner.removesuffix(ADAPTER_SUFFIX)]
-        return _split_like_weight(factor_spec, logical, abstract.shape, weight_spec, data_axes,
-                                  mesh_shape)
-
-    return jax.tree_util.tree_map_with_path(factor, spec.logical_specs, specs,
-                                            spec.abstract_params,
-                                            is_leaf=lambda x: isinstance(x, P))
-
-
-def _split_like_weight(factor_spec: P, logical: P, shape: tuple[int, ...], weight_spec: P,
-                       data_axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> P:
-    """A LoRA factor's spec, also split over the data-parallel axes (`data_axes`) that its
-    weight is split over and it is not (B of q [rank, heads, head_dim] lacks the `embed` that
-    fsdp splits), on its first dimension within a layer they divide; as it was when none does.
-
-    Why only those: a split over a data-parallel axis (FSDP) is storage, gathered before each
-    use while the rows stay split; the factor is gathered like its weight (a small all-gather)
-    and its float32 copy, gradient and moments shrink by the FSDP degree (benchmarks/lora.py,
-    fsdp=4: 3x less adapter state, 0.5% more bytes all-gathered, the factors' gradients
-    reduce-scattered instead of all-reduced, no all-to-all). `tensor` splits the computation:
-    the activations are split over it on heads or mlp, which the factor either splits already
-    or lacks (A of q [embed, rank]); spread over another dimension, its matmuls gather within
-    the tensor group per layer and pass (the same step with fsdp=2 x tensor=2: 1.4 GiB more
-    all-gathered over tensor per step, for 0.01 GiB less state per chip). `pipeline` is on
-    `layers`, which the factor has already."""
-    weight_axes = {a for entry in weight_spec for a in spec_axes(entry)}
-    axes = tuple(a for a in data_axes if a in weight_axes)
-    split = split_further(factor_spec, _within_layer(logical, shape), axes, mesh_shape)
-    return factor_spec if split is None else split
-
-
-def _within_layer(logical: P, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """`shape` with its stacked `layers` dimension as 1, so that `split_further` never picks it.
-    The scan's backward makes one layer's gradient at a time, which is reduce-scattered as it is
-    made; split by layer, each layer's gradient would be all-reduced whole and kept by one
-    device."""
-    return tuple(1 if name == "layers" else size for name, size in zip(logical, shape))
-
-
-def _moment_specs(spec: ModelSpec, params: Any, rules: Rules, mesh_shape: Mapping[str, int],
-                  layout: str) -> Any:
-    """Where each trained parameter's optimizer moments (and its gradient, before the update)
-    live, as PartitionSpecs over mesh axes.
-
-    `layout` `params`: with the parameter (its entry of `params`). `data` (ZeRO-1): also split
-    over the data-parallel axes the parameter is not split over (those of the `batch` rule), so
-    each data-parallel replica holds and updates 1/N of the state; the gradients are
-    reduce-scattered onto that layout and the updated parameters gathered back to theirs.
-    ConfigError when a parameter has no dimension (besides its stacked layers) those axes divide.
-    """
-    logical_specs = spec.trained(spec.logical_specs)
-    trained_specs = spec.trained(params)
-    if layout == "params":
-        return trained_specs
-    data_axes = rules.get("batch", ())
-
-    def further(path, logical, param_spec, abstract):
-        split = split_further(param_spec, _within_layer(logical, abstract.shape), data_axes,
-                              mesh_shape)
-        if split is None:
-            name = jax.tree_util.keystr(path, simple=True, separator="/")
-            degree = "x".join(f"{a}={mesh_shape[a]}" for a in data_axes if mesh_shape[a] > 1)
-            aside = " besides its stacked layers" if "layers" in logical else ""
-            raise ConfigError(
-                f"sharding.optimizer_state='data': parameter {name!r} {list(abstract.shape)} has "
-                f"no dimension{aside} divisible by the data-parallel degree {degree}; use "
-                "sharding.optimizer_state='params' or a data degree that divides its dimensions")
-        return split
-
-    return jax.tree_util.tree_map_with_path(further, logical_specs, trained_specs,
-                                            spec.trained(spec.abstract_params),
-                                            is_leaf=lambda x: isinstance(x, P))
-
-
-def _streamed_slices(spec: ModelSpec, params: Any, moments: Any,
-                     mesh_shape: Mapping[str, int]) -> Any:
-    """For each trained parameter, in how many slices along its first dimension the update of
-    offloaded moments streams it (jaxscale/training/optim.py `streamed_update`): a stack by
-    layer; another parameter (the embedding, the head) in the fewest equal slices no larger
-    than a layer of the largest stack, of a multiple of 8 rows (a TPU's tile: the compiler
-    refuses some other slices of arrays in host memory); whole (1) where none is, or where a
-    device holds only part of that dimension, of the parameter or of its moments (its entries
-    of `params` and `moments`): a pipeline's layers, a split vocabulary. A slice of a split
-    dimension would be gathered in the loop."""
-    logical = spec.trained(spec.logical_specs)
-    abstract = spec.trained(spec.abstract_params)
-    layer = max((a.size // a.shape[0] for names, a in
-                 zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P)),
-                     jax.tree.leaves(abstract)) if names[:1] == ("layers",)), default=0)
-
-    def split(mesh_spec: P) -> bool:
-        return bool(mesh_spec) and any(mesh_shape[a] > 1 for a in spec_axes(mesh_spec[0]))
-
-    def count(names, param_spec, moment_spec, a) -> int:
-        if not a.shape or split(param_spec) or split(moment_spec):
-            return 1
-        if names[:1] == ("layers",):
-            return a.shape[0]
-        rows = a.shape[0]
-        return next((k for k in range(1, rows // 8 + 1)
-                     if rows % (8 * k) == 0 and a.size // k <= layer), 1)
-
-    return jax.tree.map(count, logical, spec.trained(params), moments, abstract,
-                        is_leaf=lambda x: isinstance(x, P))
+    or 'data' for ZeRO-1), and the slices their offloaded update streams in
+    (jaxscale/parallel/placement.py). With LoRA each adapter factor is placed like its weight,
+    and the moments and slices are the adapters' alone. ConfigError when 'data' cannot split a
+    parameter's moments."""
+    logical, shapes = spec.logical_specs, spec.abstract_params
+    followed = followed_specs(logical)  # each LoRA factor's storage follows its weight's
+    params = param_specs(logical, shapes, followed, rules, mesh_shape)
+    trained = [spec.trained(tree) for tree in (logical, shapes, params)]
+    moments = moment_specs(*trained, rules, mesh_shape, layout)
+    return StateSpecs(params, moments, streamed_slices(*trained, moments, mesh_shape))
 
 
 def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
