@@ -45,8 +45,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     check_samples(config)
     check_data(config)
     check_memory_options(config.optim)
-    check_lora(config)
     sizes = logical_axis_sizes(config)
+    check_lora(config)
     check_window(config.profile, config.train.steps)
     check_trackers(config)
     m = config.model
