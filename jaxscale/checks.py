@@ -71,9 +71,8 @@ def checked_mesh(config: ml_collections.ConfigDict, devices: list) -> Mesh:
     """The mesh `config` runs on over `devices`, once the config is checked whole for them
     (`validate`) and for their kind: the attention kernel, host offload, fp8 matmuls."""
     ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
+    check_fp8(config.precision.matmul, devices[0])
     check_attention(config, devices[0])
     if config.optim.offload_state:
         offload.check_supported(devices)
-    mesh = build_mesh(ici, dcn, devices)
-    check_fp8(config.precision.matmul, devices[0], mesh.shape["pipeline"])
-    return mesh
+    return build_mesh(ici, dcn, devices)

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from jaxscale.checkpoint import Checkpoints
-from jaxscale.checks import checked_mesh, validate
+from jaxscale.checks import validate
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
 from jaxscale.models.fp8 import check_fp8, fp8_matmul
 from jaxscale.models.layers import weight_matmul
+from jaxscale.plan.search import candidates
 from jaxscale.trainer import Trainer
 from jaxscale.training.state import TrainState
 from tests.helpers import random_batch, small_config
@@ -275,18 +276,30 @@ def test_bad_precision_settings_are_refused(key, value, names):
     (FakeDevice("cpu"), None), (FakeDevice("tpu"), None),  # emulated by XLA
 ])
 def test_fp8_needs_fp8_tensor_cores_on_a_gpu(device, refused):
-    check_fp8("bfloat16", device, 1)  # bfloat16 runs anywhere
+    check_fp8("bfloat16", device)  # bfloat16 runs anywhere
     if refused is None:
-        check_fp8("fp8", device, 1)
+        check_fp8("fp8", device)
         return
     with pytest.raises(ConfigError, match=f"precision.matmul='fp8' needs a GPU with fp8 tensor "
                                           f"cores .*{refused}.*precision.matmul=bfloat16"):
-        check_fp8("fp8", device, 1)
+        check_fp8("fp8", device)
 
 
-def test_fp8_with_pipeline_stages_is_refused():
+def test_fp8_with_pipeline_stages_is_refused_by_the_device_free_check():
+    """`validate` refuses it (what the planner's search and the launchers' pre-check run, with
+    no devices), not only the trainer's device checks."""
     config = fp8_config(pipeline=2)
     with pytest.raises(ConfigError, match="precision.matmul='fp8' with mesh.pipeline=2 stages"):
-        checked_mesh(config, jax.devices()[:2])
+        validate(config, 2)
     config.precision.matmul = "bfloat16"
-    checked_mesh(config, jax.devices()[:2])
+    validate(config, 2)
+
+
+def test_the_planner_offers_an_fp8_run_no_layout_with_pipeline_stages():
+    """Every layout the planner searches is one the run accepts: for fp8 none has stages (the
+    same model in bfloat16 has some), so mesh.auto cannot choose a layout the trainer refuses."""
+    config = fp8_config()
+    found = candidates(config, 8)
+    assert found and all(c.mesh_shape["pipeline"] == 1 for c in found)
+    config.precision.matmul = "bfloat16"
+    assert any(c.mesh_shape["pipeline"] > 1 for c in candidates(config, 8))

@@ -32,7 +32,7 @@ non-finite step, so an inf never enters a history). With microbatches the next v
 their maximum, not their sum: each microbatch's history is the old one rolled, with its own amax
 in front, so the maximum is the history with the batch's amax in front. Pipeline schedules use a
 layer once per microbatch inside one differentiation, where autodiff would sum those values:
-fp8 with pipeline stages is refused (`check_fp8`).
+fp8 with pipeline stages is refused (jaxscale/parallel/pipeline.py `check_pipeline`).
 
 Sharding. Scales are one float and histories `history` floats per layer: replicated, but for the
 stacked `layers` axis, which follows its rule like every block parameter (logical axes
@@ -155,26 +155,20 @@ def combine_updates(a, b):
     return jax.tree.map(jnp.maximum, a, b)
 
 
-def check_fp8(matmul: str, device, pipeline_stages: int) -> None:
+def check_fp8(matmul: str, device) -> None:
     """ConfigError when `precision.matmul=matmul` cannot run on devices like `device` (a GPU
-    without fp8 tensor cores) or with `pipeline_stages` stages. CPUs and TPUs run it (XLA
-    converts fp8 where the hardware lacks it): the numerics are the same, the speed is not."""
-    if matmul != "fp8":
+    without fp8 tensor cores). CPUs and TPUs run it (XLA converts fp8 where the hardware lacks
+    it): the numerics are the same, the speed is not."""
+    if matmul != "fp8" or device.platform != "gpu":
         return
-    if device.platform == "gpu":
-        capability = str(getattr(device, "compute_capability", ""))
-        match = re.fullmatch(r"(\d+)\.(\d+)", capability)
-        if match is None or (int(match[1]), int(match[2])) < FP8_CAPABILITY:
-            raise ConfigError(
-                f"precision.matmul='fp8' needs a GPU with fp8 tensor cores (CUDA compute "
-                f"capability {'.'.join(map(str, FP8_CAPABILITY))} or higher: Ada, Hopper) and "
-                f"the devices are gpu with compute capability {capability!r}; use "
-                "precision.matmul=bfloat16")
-    if pipeline_stages > 1:
+    capability = str(getattr(device, "compute_capability", ""))
+    match = re.fullmatch(r"(\d+)\.(\d+)", capability)
+    if match is None or (int(match[1]), int(match[2])) < FP8_CAPABILITY:
         raise ConfigError(
-            f"precision.matmul='fp8' with mesh.pipeline={pipeline_stages} stages is not "
-            "supported yet (a stage uses its layers' fp8 scales once per microbatch); use "
-            "mesh.pipeline=1 or precision.matmul=bfloat16")
+            f"precision.matmul='fp8' needs a GPU with fp8 tensor cores (CUDA compute "
+            f"capability {'.'.join(map(str, FP8_CAPABILITY))} or higher: Ada, Hopper) and "
+            f"the devices are gpu with compute capability {capability!r}; use "
+            "precision.matmul=bfloat16")
 
 
 def fresh_meta(abstract):

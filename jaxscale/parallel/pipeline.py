@@ -349,6 +349,13 @@ def check_pipeline(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]
         raise ConfigError(f"model.attention='cudnn' cannot run in mesh.pipeline={stages} stages: "
                           "JAX's cuDNN attention has no batching rule for the stages' vmap; use "
                           "model.attention=auto (XLA's attention there) or xla")
+    if config.precision.matmul == "fp8":
+        # A stage uses a layer once per microbatch inside one differentiation, where autodiff
+        # would sum the fp8 meta's next values (jaxscale/models/fp8.py).
+        raise ConfigError(
+            f"precision.matmul='fp8' with mesh.pipeline={stages} stages is not supported yet (a "
+            "stage uses its layers' fp8 scales once per microbatch); use mesh.pipeline=1 or "
+            "precision.matmul=bfloat16")
     if config.model.moe.every:
         raise ConfigError(f"mesh.pipeline={stages} with MoE layers (model.moe.every="
                           f"{config.model.moe.every}) is not supported yet; set mesh.pipeline=1 "
