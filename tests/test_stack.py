@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.models.stack import scan_layers, scan_layers_overwriting_weights
+from jaxscale.parallel.stack import scan_layers, scan_layers_overwriting_weights
 from jaxscale.plan.targets import parse_target, target_devices
 
 LAYERS, WIDTH = 4, 8

@@ -26,8 +26,8 @@ from jaxscale.models.layers import (CACHE_AXES, MLP, MLP_CHUNK, WEIGHT_MATMUL, A
 from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling
-from jaxscale.models.stack import LayerFn, Stack, scan_layers, scan_layers_overwriting_weights
 from jaxscale.parallel.sharding import constrain
+from jaxscale.parallel.stack import LayerFn, Stack, scan_layers, scan_layers_overwriting_weights
 
 REMAT_POLICIES = {
     "none": None,
@@ -259,7 +259,7 @@ class Llama(nnx.Module):
     def default_stack(self) -> Stack:
         """A `lax.scan` over the layers. With remat `full` the backward pass recomputes each layer
         from its input anyway, and writes its weights' gradient over its weights in the stack
-        (jaxscale/models/stack.py): the same gradients, one stack-sized buffer fewer."""
+        (jaxscale/parallel/stack.py): the same gradients, one stack-sized buffer fewer."""
         if self.cfg.remat == "full":
             return scan_layers_overwriting_weights
         return scan_layers

@@ -37,8 +37,8 @@ import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.errors import ConfigError
-from jaxscale.models.stack import LayerFn, scan_layers
 from jaxscale.parallel.sharding import active_mesh_and_rules, constrain
+from jaxscale.parallel.stack import LayerFn, scan_layers
 
 # (tail params, a microbatch's last-stage output, *its per-row tail inputs) -> summed loss.
 TailFn = Callable[..., jax.Array]
@@ -70,7 +70,7 @@ class Pipeline:
                 f"{repeats}, {self.schedule}: bubble {self.bubble_fraction():.1%} of each step")
 
     def stack(self, layer_fn: LayerFn, stacked_state, x: jax.Array, *per_row) -> jax.Array:
-        """A `Stack` (jaxscale.models.stack) running the layers as this schedule's forward pass;
+        """A `Stack` (jaxscale.parallel.stack) running the layers as this schedule's forward pass;
         autodiff through it is GPipe's backward. 1F1B trains through `one_f_one_b_loss`; its
         forward alone (evaluation) is the same as GPipe's."""
         return _gpipe(layer_fn, stacked_state, x, per_row, self.stages,
