@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
+from jaxscale.config import check_schema
 from jaxscale.errors import ConfigError
 from jaxscale.observe.device_memory import StepMemory, device_capacity
 from jaxscale.parallel.attention import check_attention
@@ -22,8 +23,7 @@ def planned_config(config: ml_collections.ConfigDict, devices
     """(`config` with the layout the planner chooses for `devices`, the chosen train step as the
     planner compiled it, with its memory), after printing the table and the choice (process 0);
     ConfigError naming the shortfall when nothing fits. Every process plans alike (same config,
-    same devices, same compiler), so all choose the same layout. `config`'s schema is checked
-    (jaxscale.config.check_schema: the command line's parse checks it before JAX starts).
+    same devices, same compiler), so all choose the same layout.
 
     The planner compiles a candidate as a run of `candidate.apply(config)` on `devices` does
     (the local devices are a target it compiles for, so the chosen row is compiled): the very
@@ -33,6 +33,7 @@ def planned_config(config: ml_collections.ConfigDict, devices
         if jax.process_index() == 0:
             print(line, flush=True)
 
+    check_schema(config)  # the numbers read below, before the planner's validate reads them
     gib, trials = config.mesh.auto_memory_gib, config.mesh.auto_trials
     # Without mesh.auto_memory_gib, plan for the capacity the run's memory check will hold the
     # step to (performance.device_memory_gib, else the allocator's limit), else the chip's.
