@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 
 from jaxscale.cli import load_config_file
 from jaxscale.checks import validate
+from jaxscale.errors import ConfigError
 from jaxscale.models import REMAT_POLICIES
 from jaxscale.plan import auto, planner, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
@@ -68,6 +70,19 @@ def test_mesh_auto_plans_on_the_8_cpus_logs_the_choice_and_trains_with_it(tmp_pa
         for part in rest:
             node = node[part]
         assert str(node) == value, flag
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("auto_trials", 0, "mesh.auto_trials=0 must be >= 1"),
+    ("auto_memory_gib", -1.0, "mesh.auto_memory_gib=-1.0 must be >= 0"),
+])
+def test_mesh_auto_from_python_names_the_bad_value(key, value, message):
+    """A Python caller of planned_config (which the Trainer's error names) gets the schema's
+    message, not the "no layout divides" that a search refusing every candidate would give."""
+    config = small_config(data=8)
+    config.mesh.update({"auto": True, key: value})
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        auto.planned_config(config, jax.devices()[:8])
 
 
 def test_mesh_auto_stops_with_one_line_when_nothing_fits(tmp_path):
