@@ -69,7 +69,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
 
 def checked_mesh(config: ml_collections.ConfigDict, devices: list) -> Mesh:
     """The mesh `config` runs on over `devices`, once the config is checked whole for them
-    (`validate`) and for their kind: the attention kernel, host offload, fp8 matmuls."""
+    (`validate`) and for their kind: fp8 matmuls, the attention kernel, host offload."""
     ici, dcn = validate(config, len(devices), dcn_granules(config.mesh, devices))
     check_fp8(config.precision.matmul, devices[0])
     check_attention(config, devices[0])

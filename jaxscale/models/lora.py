@@ -12,10 +12,11 @@ weight, so it is stacked along the blocks' `layers` axis like every block parame
 factor's logical axes are its weight's (the rank dimension gets none): whatever rules shard W
 over fsdp, tensor or pipeline shard A and B the same way. A factor that lacks the dimension its
 weight's storage is split on (B of q has no `embed`) is also split over that data-parallel axis
-on another dimension in training (`followed_specs`, jaxscale/parallel/placement.py). In a params
-tree (the pure dicts of `nnx.to_pure_dict`) the adapters are the entries under a `*_lora` key;
-`split_adapters` and `join_adapters` take such a tree apart and back together, which is how the
-train state holds the adapters as its trainable `params` and the rest as `frozen`.
+on another dimension in training (jaxscale/parallel/placement.py `param_specs`; `followed_specs`
+names each factor's weight). In a params tree (the pure dicts of `nnx.to_pure_dict`) the
+adapters are the entries under a `*_lora` key; `split_adapters` and `join_adapters` take such a
+tree apart and back together, which is how the train state holds the adapters as its trainable
+`params` and the rest as `frozen`.
 
 Dropout (`model.lora.dropout` p, PEFT's `lora_dropout`): in the train step only, the adapter's
 path is (alpha / r) (dropout(x) A) B, each element of x kept with probability 1 - p and scaled by
@@ -42,6 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError
 
@@ -170,7 +172,8 @@ def followed_specs(logical_specs: dict) -> dict:
     for key, value in logical_specs.items():
         if str(key).endswith(ADAPTER_SUFFIX):
             weight = logical_specs[str(key).removesuffix(ADAPTER_SUFFIX)]
-            followed[key] = {factor: weight for factor in value}
+            followed[key] = jax.tree.map(lambda _: weight, value,
+                                         is_leaf=lambda x: isinstance(x, P))
         elif isinstance(value, dict):
             followed[key] = followed_specs(value)
         else:

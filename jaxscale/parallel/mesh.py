@@ -43,7 +43,7 @@ def dcn_granules(mesh_config: ml_collections.ConfigDict, devices) -> int:
 
 
 def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
-    """The Mesh of (ici, dcn) axis sizes (from `jaxscale.config.validate`) over `devices`.
+    """The Mesh of (ici, dcn) axis sizes (from `jaxscale.checks.validate`) over `devices`.
 
     With every DCN factor 1 the whole mesh is laid out as if ICI-connected; otherwise
     `create_hybrid_device_mesh` keeps the fast axes inside a slice (or host) and the DCN factors

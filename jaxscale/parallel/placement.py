@@ -1,15 +1,16 @@
 """Where the train state's arrays live on a mesh, as PartitionSpecs over its axes: the parameters,
 their optimizer moments, and the slices an offloaded update streams them in.
 
-    params = param_specs(logical, shapes, like, rules, mesh_shape)
-    moments = moment_specs(logical, shapes, params, rules, mesh_shape, layout)
-    slices = streamed_slices(logical, shapes, params, moments, mesh_shape)
+    params = param_specs(logical, shapes, like, rules, mesh_shape)     # every parameter
+    moments = moment_specs(t_logical, t_shapes, t_params, rules, mesh_shape, layout)
+    slices = streamed_slices(t_logical, t_shapes, t_params, moments, mesh_shape)
 
 Each takes params-shaped trees: the parameters' logical PartitionSpecs (`logical`), their
 ShapeDtypeStructs (`shapes`), and for `param_specs` the logical spec of the parameter whose
 storage each one follows (`like`: its own, or a LoRA factor's weight's, jaxscale/models/lora.py
-`split_like`). Nothing here knows a model: jaxscale/training/state.py `state_specs` hands it the
-trees.
+`followed_specs`). The moments and slices are the trained parameters' alone (`t_`: with LoRA
+the adapters' entries of those trees). Nothing here knows a model: jaxscale/training/state.py
+`state_specs` hands it the trees.
 """
 
 from __future__ import annotations

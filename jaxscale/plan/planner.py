@@ -4,7 +4,7 @@ for the target, keep those that fit, and choose by estimated step time.
     plan = make_plan(config, parse_target("v5p-64"), top=3)
     plan.chosen.candidate.overrides()   # the --config flags that run it
 
-Steps: (1) `search.candidates` lists every layout `config.validate` accepts; (2) each gets the
+Steps: (1) `search.candidates` lists every layout `checks.validate` accepts; (2) each gets the
 analytic memory estimate and step time; (3) the `top` fastest whose estimate fits in
 `FIT_FRACTION` of the chip's memory are compiled ahead of time for the target's devices (abstract
 inputs, nothing allocated) and judged by the compiler's own bytes per device and the collectives

@@ -199,7 +199,7 @@ def _mesh_allowed(config: ml_collections.ConfigDict, ici: tuple, dcn: tuple) -> 
 
 def candidates(config: ml_collections.ConfigDict, num_devices: int,
                granules: int = 1) -> list[Candidate]:
-    """Every candidate that `jaxscale.config.validate` accepts for `config` on `num_devices`
+    """Every candidate that `jaxscale.checks.validate` accepts for `config` on `num_devices`
     devices in `granules` DCN-connected slices or nodes."""
     def valid(candidate: Candidate) -> bool:
         try:
