@@ -85,6 +85,22 @@ def test_mesh_auto_from_python_names_the_bad_value(key, value, message):
         auto.planned_config(config, jax.devices()[:8])
 
 
+def test_when_no_layout_is_valid_the_plainest_ones_refusal_says_why():
+    """A mistake whatever the layout (here a LoRA target) and a batch no layout splits are both
+    named, not hidden behind a message about layouts."""
+    config = small_config(data=8)
+    config.model.lora.update(rank=4, targets=("zz",))
+    with pytest.raises(ConfigError, match=r"^no layout of 8 devices is valid for this config; the "
+                                          r"plainest, data=8 with 1 microbatch: "
+                                          r"model\.lora\.targets=\('zz',\): name each weight"):
+        candidates(config, 8)
+    config = small_config(data=8)
+    config.train.batch_size = 3
+    with pytest.raises(ConfigError, match=r"data=8 with 1 microbatch: logical axis 'batch' has "
+                                          r"size 3, not divisible"):
+        candidates(config, 8)
+
+
 def test_mesh_auto_stops_with_one_line_when_nothing_fits(tmp_path):
     result = _train_cli(tmp_path, "--config.mesh.auto_memory_gib=0.001")
     assert result.returncode == 2

@@ -31,7 +31,6 @@ from typing import Callable
 import jax
 import ml_collections
 
-from jaxscale.errors import ConfigError
 from jaxscale.parallel.attention import auto_kernel, packed_layout_bound
 from jaxscale.plan import rank
 from jaxscale.runtime.chips import GIB, Chip
@@ -156,10 +155,6 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
     n, granules = target.num_devices, target.granules
     spec = model_spec(config)
     found = candidates(config, n, granules)
-    if not found:
-        raise ConfigError(f"no layout of {n} devices over the mesh axes divides this model "
-                          f"and batch (train.batch_size={config.train.batch_size}); use a batch "
-                          f"size that is a multiple of {n}")
     rows = {}
     for c in found:
         c_config = c.apply(config)

@@ -200,7 +200,10 @@ def _mesh_allowed(config: ml_collections.ConfigDict, ici: tuple, dcn: tuple) -> 
 def candidates(config: ml_collections.ConfigDict, num_devices: int,
                granules: int = 1) -> list[Candidate]:
     """Every candidate that `jaxscale.checks.validate` accepts for `config` on `num_devices`
-    devices in `granules` DCN-connected slices or nodes."""
+    devices in `granules` DCN-connected slices or nodes. ConfigError when there is none, with
+    validate's refusal of the plainest layout (every device data-parallel, one microbatch): a
+    batch that no layout splits, or a mistake whatever the layout (a LoRA target, a data
+    source), which a message about layouts alone would hide."""
     def valid(candidate: Candidate) -> bool:
         try:
             validate(candidate.apply(config), num_devices, granules)
@@ -232,4 +235,12 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
             if zero1:
                 layouts.append(sharded)
             found += [dataclasses.replace(c, remat=r) for c in layouts for r in REMAT_POLICIES]
+    if not found:
+        plain = Candidate((per_granule,) + (1,) * (len(SEARCHED_AXES) - 1),
+                          (granules,) + (1,) * (len(DCN_AXES) - 1), config.model.remat, 1, "params")
+        try:
+            validate(plain.apply(config), num_devices, granules)
+        except ConfigError as e:
+            raise ConfigError(f"no layout of {num_devices} devices is valid for this config; the "
+                              f"plainest, {plain.mesh_label} with 1 microbatch: {e}") from None
     return found
