@@ -274,7 +274,8 @@ def test_offloaded_moments_stream_in_slices_of_a_dimension_no_device_splits():
     """`state_specs(...).slices`: a stacked parameter streams a layer at a time; the embedding in the
     fewest slices of a multiple of 8 rows no larger than the largest layer (small_config: an
     MLP weight's 64 x 128; the embedding [384, 64] in 3 of 128 rows, the head [64, 384] in 4 of
-    16); the final norm (a layer's size already) whole. A dimension that a device holds only
+    16); the final norm (a layer's size already) and the stacks of norm scales (one row of
+    which, in host memory, the TPU compiler refuses) whole. A dimension that a device holds only
     part of, of the parameter or of its moments, streams whole: the stack on pipeline stages,
     the head's rows under fsdp, the embedding's vocabulary under tensor, and under ZeRO-1 every
     parameter that the data axes split on its first dimension."""
@@ -285,23 +286,27 @@ def test_offloaded_moments_stream_in_slices_of_a_dimension_no_device_splits():
     def slices(layout="params", **axes):
         mesh_shape = dict(data=1, pipeline=1, fsdp=1, context=1, expert=1, tensor=1) | axes
         counts = state_specs(spec, rules, mesh_shape, layout).slices
-        return (set(jax.tree.leaves(counts["blocks"])), counts["embed"], counts["head"],
-                counts["final_norm"]["scale"])
+        stacked = list(zip(jax.tree.leaves(counts["blocks"]),
+                           jax.tree.leaves(spec.abstract_params["blocks"])))
+        return ({n for n, a in stacked if a.ndim > 2}, {n for n, a in stacked if a.ndim == 2},
+                counts["embed"], counts["head"], counts["final_norm"]["scale"])
 
-    assert slices() == ({2}, 3, 4, 1)
-    assert slices(fsdp=2) == ({2}, 3, 1, 1)
-    assert slices(fsdp=2, pipeline=2) == ({1}, 3, 1, 1)
-    assert slices(tensor=2) == ({2}, 1, 4, 1)
+    assert slices() == ({2}, {1}, 3, 4, 1)
+    assert slices(fsdp=2) == ({2}, {1}, 3, 1, 1)
+    assert slices(fsdp=2, pipeline=2) == ({1}, {1}, 3, 1, 1)
+    assert slices(tensor=2) == ({2}, {1}, 1, 4, 1)
     # ZeRO-1 splits the embedding's and the head's moments on their rows, the stack's within a
     # layer.
-    assert slices("data", data=2) == ({2}, 1, 1, 1)
+    assert slices("data", data=2) == ({2}, {1}, 1, 1, 1)
 
 
 def test_a_stacked_parameter_streams_its_moments_a_layer_at_a_time():
     """Compiled for a TPU chip (libtpu; the CPU's host memory is its device memory), the update
     of a stacked parameter whose moments are offloaded holds less than its two moments when it
     streams a layer at a time, and more when it streams the parameter whole: the loop is what
-    keeps XLA from moving every layer's moments in at once."""
+    keeps XLA from moving every layer's moments in at once. Nothing runs on the host's processor:
+    the slices are copies between host and device (an index or a scatter of the host arrays ran
+    there: llama3_8b's step took 6.7 s on one H200)."""
     mesh = jax.sharding.Mesh(target_devices(parse_target("v5p:2x2x1"))[:1], ("x",))
     device = jax.sharding.NamedSharding(mesh, P())
     host = device.with_memory_kind("pinned_host")
@@ -325,6 +330,7 @@ def test_a_stacked_parameter_streams_its_moments_a_layer_at_a_time():
                        out_shardings=(device, state_shardings), donate_argnums=(1, 2))
         compiled = step.lower(params, state, params).compile()
         temporaries[sliced] = compiled.memory_analysis().temp_size_in_bytes
+        assert "HostExecute" not in compiled.as_text()
     assert temporaries[True] < two_moments < temporaries[False]
 
 

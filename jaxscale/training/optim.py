@@ -279,15 +279,14 @@ def _in_slices(update_slice, update: jax.Array, moments: list[jax.Array], param:
     if rest:
         raise ValueError(f"{count} slices do not divide a dimension of {update.shape[0]}")
 
-    # A layer is indexed, not sliced: the TPU compiler refuses a one-row slice of a bfloat16
-    # array in host memory (two rows share a packed tile), and a stack's norm scales are
-    # [layers, embed].
+    # Host memory is read and written by dynamic (update) slices, which XLA turns into copies
+    # between host and device; an index (a gather) or `.at[].set` (a scatter) of an array in host
+    # memory runs on the host's processor instead (measured: llama3_8b's step on one H200 took
+    # 6.7 s). The update is elementwise, so a layer keeps its leading dimension of 1.
     def take(x: jax.Array, k) -> jax.Array:
-        return x[k] if rows == 1 else jax.lax.dynamic_slice_in_dim(x, k * rows, rows)
+        return jax.lax.dynamic_slice_in_dim(x, k * rows, rows)
 
     def put(x: jax.Array, part: jax.Array, k) -> jax.Array:
-        if rows == 1:
-            return x.at[k].set(part)
         return jax.lax.dynamic_update_slice_in_dim(x, part, k * rows, 0)
 
     def one_slice(k, carry):
