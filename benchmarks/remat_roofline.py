@@ -13,7 +13,8 @@ bytes counted with every loop once per trip (`jaxscale.plan.traffic`, what the p
 planner's compute and memory seconds and its estimated step, at the rates of --chip (default:
 the devices'); on local accelerators, the median seconds per step measured here
 (`jaxscale.plan.measure.seconds_per_step`). The last lines give the estimated and the measured
-order, fastest first.
+order, fastest first. With --hlo_dir=DIR each policy's compiled program goes to
+DIR/remat_POLICY.hlo.txt, for reading what the count adds up (`jaxscale/plan/traffic.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main(argv: list[str]) -> None:
     absl.flags.DEFINE_integer("batch", 4, "rows per device", flag_values=flags)
     absl.flags.DEFINE_enum("chip", None, list(CHIPS), "the chip whose rates the estimates use "
                            "(default: the devices')", flag_values=flags)
+    absl.flags.DEFINE_string("hlo_dir", "", "a folder to write each policy's compiled program "
+                             "into (empty: none)", flag_values=flags)
     try:
         flags(argv)
         target = parse_target(flags.target) if flags.target else local_target(jax.devices())
@@ -70,7 +73,12 @@ def main(argv: list[str]) -> None:
         compiled, memory = compile_train_step(config, devices)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        counted = bytes_accessed(compiled.as_text())
+        hlo = compiled.as_text()
+        counted = bytes_accessed(hlo)
+        if flags.hlo_dir:
+            os.makedirs(flags.hlo_dir, exist_ok=True)
+            with open(os.path.join(flags.hlo_dir, f"remat_{remat}.hlo.txt"), "w") as f:
+                f.write(hlo)
         candidate = Candidate(*layout({"fsdp": n}), remat, 1, "params")
         t = rank.step_time(config, model_spec(config), candidate, [], chip, n, counted)
         estimated[remat] = t.total
