@@ -474,9 +474,9 @@ def test_offloaded_moments_count_only_what_the_streamed_update_holds(vocab_size)
     (training/optim.py streamed_update): one slice's of the parameter with the largest slices
     and the IN_FLIGHT largest whole others' (the stacks of norm scales go whole too), counted
     here from the shapes on one device; the rest of the estimate is as without offload. tiny's
-    embedding and head are smaller than a layer (256 x 768) and go whole; with a vocabulary of 4096 (4000 padded) each goes in 8
-    slices (of 512 and 32 rows: a multiple of 8 that divides the rows), none larger than a
-    layer."""
+    embedding and head are smaller than a layer (256 x 768) and go whole; with a vocabulary of
+    4096 (4000 padded) each goes in 8 slices (of 512 and 32 rows: a multiple of 8 that divides
+    the rows), none larger than a layer."""
     config = tiny_float32()
     config.model.vocab_size = vocab_size
     config.optim.update(offload_state=True, moment_dtype="float32")

@@ -102,8 +102,8 @@ def streamed_slices(logical: Any, shapes: Any, params: Any, moments: Any,
     offloaded moments streams it (jaxscale/training/optim.py `streamed_update`): a stack by
     layer; another parameter (the embedding, the head) in the fewest equal slices no larger
     than a layer of the largest stack, of a multiple of 8 rows (a TPU's tile: the compiler
-    refuses some other slices of arrays in host memory, one row of a stack of vectors too, so a
-    stack of norm scales goes whole); whole (1) where none is, or where a
+    refuses some other slices of arrays in host memory, and one row of a stack of vectors in
+    bfloat16, so a stack of norm scales goes whole); whole (1) where none is, or where a
     device holds only part of that dimension, of the parameter or of its moments (its entries
     of `params` and `moments`): a pipeline's layers, a split vocabulary. A slice of a split
     dimension would be gathered in the loop."""
