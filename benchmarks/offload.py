@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxscale.checks import checked_mesh  # noqa: E402
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.observe.device_memory import step_memory  # noqa: E402
+from jaxscale.parallel.sharding import with_rules  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
 from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.training.optim import make_optimizer  # noqa: E402
@@ -53,7 +54,8 @@ def all_at_once_step(program: TrainProgram) -> jax.stages.Wrapped:
     model = program.model
     tx, schedule = make_optimizer(plain.optim, config.train.steps,
                                   model.trained(model.logical_specs))
-    step = program.with_rules(make_train_step(config, model.train_graphdef, tx, schedule))
+    step = with_rules(make_train_step(config, model.train_graphdef, tx, schedule,
+                                      pipeline=program.pipeline), program.mesh, program.rules)
     on_device = jax.tree.map(lambda sharding: sharding.with_memory_kind(None),
                              program.state_shardings.opt_state)
 

@@ -51,7 +51,6 @@ from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capac
                                             memory_metrics)
 from jaxscale.observe.profiling import ProfileWindow
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
-from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
 from jaxscale.runtime.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                                       set_aside_earlier_start)
@@ -275,7 +274,7 @@ class Trainer:
                 self.say(f"jaxscale: {program.model.num_params / 1e6:.2f}M parameters, mesh "
                          f"{dict(program.mesh.shape)} on {program.mesh.size} {devices_kind(program.mesh)} "
                          f"device(s), {jax.process_count()} process(es)")
-                if pipeline := config_pipeline(config, program.mesh.shape["pipeline"]):
+                if pipeline := program.pipeline:
                     self.say(pipeline.summary())
                 cache = stack.enter_context(contextlib.closing(CompilationCache(cache_dir)))
                 train_step, memory = self.compile_train_step()

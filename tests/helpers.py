@@ -121,6 +121,7 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
     import jax.numpy as jnp
 
     from jaxscale.parallel.context import length_shards, load_balanced
+    from jaxscale.parallel.sharding import with_rules
     from jaxscale.training.step import loss_and_grad
 
     program = mesh_trainer(config, workdir).program
@@ -132,9 +133,11 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
 
     def mean_loss_and_grad(params, batch):
         tokens = jnp.sum(batch["loss_mask"])
-        total, grads = loss_and_grad(config, program.model.graphdef, params, batch, 1 / tokens)
+        total, grads = loss_and_grad(config, program.model.graphdef, params, batch, 1 / tokens,
+                                      program.pipeline)
         return total / tokens, grads
     # Compiled ahead of time and called as compiled: one compilation gives the HLO and the values.
-    compiled = jax.jit(program.with_rules(mean_loss_and_grad)).lower(params, batch).compile()
+    step = jax.jit(with_rules(mean_loss_and_grad, program.mesh, program.rules))
+    compiled = step.lower(params, batch).compile()
     loss, grads = jax.device_get(compiled(params, batch))
     return MeshLossAndGradients(loss, grads, compiled.as_text())

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxscale.parallel.sharding import with_rules
 from jaxscale.training.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
@@ -30,10 +31,12 @@ def train(config, tmp_path, devices=None, batches=None):
 
 def initial_gradients(trainer, params, batch):
     """Gradient of the mean token loss, computed under the trainer's mesh and rules."""
+    program = trainer.program
+
     def mean_loss(p):
-        total, tokens = summed_loss(trainer.program.model.graphdef, p, batch)
+        total, tokens = summed_loss(program.model.graphdef, p, batch)
         return total / tokens
-    return jax.jit(trainer.program.with_rules(jax.grad(mean_loss)))(params)
+    return jax.jit(with_rules(jax.grad(mean_loss), program.mesh, program.rules))(params)
 
 
 def assert_same_training(run, reference):

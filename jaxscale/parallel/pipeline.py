@@ -77,19 +77,6 @@ class Pipeline:
                       self.num_microbatches, self.repeats)
 
 
-def stages_of_active_mesh() -> int:
-    """The pipeline degree: the size of the mesh axes the `layers` rule maps to (1 outside the
-    trainer's mesh)."""
-    active = active_mesh_and_rules()
-    if active is None:
-        return 1
-    mesh, rules = active
-    size = 1
-    for axis in rules.get("layers", ()):
-        size *= mesh.shape[axis]
-    return size
-
-
 def split_rows(x: jax.Array, k: int) -> jax.Array:
     """[B, ...] -> [k, B/k, ...], part j taking rows j, j + k, ...: with the batch sharded over
     devices, every device keeps an equal share of each part and no data moves."""
@@ -323,9 +310,8 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
     return (total * seed, total), (state_grad, merge_rows(x_grad), tail_grad)
 
 
-def config_pipeline(config: Any, stages: int | None = None) -> Pipeline | None:
-    """The run's pipeline of `stages` stages (default: the active mesh's), or None for one."""
-    stages = stages or stages_of_active_mesh()
+def config_pipeline(config: Any, stages: int) -> Pipeline | None:
+    """The run's pipeline of `stages` stages (its mesh's `pipeline` axis), or None for one."""
     if stages == 1:
         return None
     p = config.pipeline

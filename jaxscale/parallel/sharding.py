@@ -2,14 +2,16 @@
 
 Model code names the axes of its parameters and activations (`embed`, `heads`, ...). A rules table
 maps each logical name to the mesh axes it is split over. The trainer installs the mesh and rules
-with `use_rules`; `constrain` then pins activations to the resulting sharding, and is a no-op when
-no rules are installed (a plain single-device call of the model).
+with `use_rules` (`with_rules` wraps a function in it); `constrain` then pins activations to the
+resulting sharding, and is a no-op when no rules are installed (a plain single-device call of the
+model).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -95,6 +97,15 @@ def use_rules(mesh: Mesh, rules: Rules):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def with_rules(fn, mesh: Mesh, rules: Rules):
+    """`fn`, run (and so traced under `jit`) with `mesh` and `rules` installed (`use_rules`)."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with use_rules(mesh, rules):
+            return fn(*args)
+    return wrapped
 
 
 def active_mesh_and_rules() -> tuple[Mesh, Rules] | None:

@@ -19,8 +19,9 @@ import ml_collections
 from jax.sharding import Mesh
 
 from jaxscale.observe.device_memory import StepMemory, step_memory
+from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_from_config,
-                                        tree_shardings, use_rules)
+                                        tree_shardings, with_rules)
 from jaxscale.training import offload
 from jaxscale.training.optim import make_optimizer
 from jaxscale.training.state import init_state, model_spec, state_shardings, state_specs
@@ -62,25 +63,21 @@ class TrainProgram:
         self.batch_sharding = batch_sharding(mesh, self.rules)
         batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.init_state = jax.jit(init, out_shardings=self.state_shardings)
+        # The steps run the blocks in the mesh's pipeline stages (None: one stage), and are traced
+        # with the mesh and rules active, so the model's `constrain` shards its activations.
+        self.pipeline = config_pipeline(config, mesh.shape["pipeline"])
         zero1 = config.sharding.optimizer_state == "data"
         train_step = make_train_step(config, model.train_graphdef, self.tx, self.schedule,
+                                     pipeline=self.pipeline,
                                      grad_shardings=moments if zero1 else None)
         self.train_step = jax.jit(
-            self.with_rules(train_step),
+            with_rules(train_step, mesh, self.rules),
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
         self.eval_step = jax.jit(
-            self.with_rules(make_eval_step(config, model.graphdef)),
+            with_rules(make_eval_step(config, model.graphdef, pipeline=self.pipeline), mesh,
+                       self.rules),
             in_shardings=(self.param_shardings, batch_shardings))
-
-    def with_rules(self, fn):
-        """`fn`, traced with this program's mesh and rules active, so the model's `constrain`
-        works."""
-        @functools.wraps(fn)
-        def wrapped(*args):
-            with use_rules(self.mesh, self.rules):
-                return fn(*args)
-        return wrapped
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """A batch's shapes, dtypes and sharding, with nothing allocated: what the step compiles

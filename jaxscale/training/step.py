@@ -23,7 +23,7 @@ from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
 from jaxscale.training.optim import kept, schedule_at, widened_norm
-from jaxscale.parallel.pipeline import Pipeline, config_pipeline, one_f_one_b_loss, split_rows
+from jaxscale.parallel.pipeline import Pipeline, one_f_one_b_loss, split_rows
 from jaxscale.training.state import TrainState, uses_dynamic_loss_scale
 
 Batch = dict[str, jax.Array]
@@ -103,30 +103,35 @@ def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_c
 
 
 def loss_and_grad(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
-                  batch: Batch, multiplier: jax.Array) -> tuple[jax.Array, Any]:
-    """(summed token loss, gradient of the summed loss times `multiplier`), on the run's pipeline
-    schedule when the active mesh has pipeline stages."""
-    total, grads, _ = loss_grad_and_router_metrics(config, graphdef, params, batch, multiplier)
+                  batch: Batch, multiplier: jax.Array, pipeline: Pipeline | None = None
+                  ) -> tuple[jax.Array, Any]:
+    """(summed token loss, gradient of the summed loss times `multiplier`), on `pipeline`'s
+    schedule when there is one."""
+    total, grads, _ = loss_grad_and_router_metrics(config, graphdef, params, batch, multiplier,
+                                                   pipeline)
     return total, grads
 
 
 def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
-                                 params, batch: Batch, multiplier: jax.Array
+                                 params, batch: Batch, multiplier: jax.Array,
+                                 pipeline: Pipeline | None = None
                                  ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """`loss_and_grad` with MoE: the summed loss stays the cross-entropy alone, the gradient is
     that of the cross-entropy plus `router_penalty`; and `router_metrics` ({} without MoE)."""
-    return loss_grad_and_next_fp8(config, graphdef, params, None, batch, multiplier)[:3]
+    return loss_grad_and_next_fp8(config, graphdef, params, None, batch, multiplier,
+                                  pipeline=pipeline)[:3]
 
 
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
                            fp8, batch: Batch, multiplier: jax.Array, frozen=None,
-                           dropout: AdapterDropout | None = None, made_dtypes: bool = False
+                           dropout: AdapterDropout | None = None, made_dtypes: bool = False,
+                           pipeline: Pipeline | None = None
                            ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
     """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
     without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
     returned last. With LoRA `params` are the adapters, the only thing differentiated, and
     `frozen` the base they join; `dropout` (None: none) drops the adapters' inputs, with a key
-    per row of `batch`.
+    per row of `batch`; `pipeline` (None: none) runs the blocks in stages on its schedule.
 
     The gradient is taken with respect to the weights as the model uses them
     (`weights_cast_for_use`: a stack's weights in the compute dtype), so each comes out in the
@@ -134,18 +139,18 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
     for those: the optimizer widens it a slice at a time when it streams, `make_optimizer`);
     otherwise in each parameter's own dtype."""
     chunk = config.model.loss_chunk_len
-    pipeline = config_pipeline(config)
 
     def scaled(adapted, meta):
         p = adapted if frozen is None else join_adapters(adapted, frozen)
-        if pipeline is not None and pipeline.schedule == "1f1b":
-            objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
-                                                       multiplier, dropout)
-            return objective, (total, {})
-        total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk, pipeline,
-                                                             meta, dropout)
-        objective = total + router_penalty(config.model.moe, router, tokens)
-        return objective * multiplier, (total, router_metrics(router))
+        if pipeline is None or pipeline.schedule != "1f1b":
+            total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk,
+                                                                 pipeline, meta, dropout)
+            objective = total + router_penalty(config.model.moe, router, tokens)
+            return objective * multiplier, (total, router_metrics(router))
+        # 1F1B differentiates its own schedule: it takes the multiplier as its seed.
+        objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
+                                                   multiplier, dropout)
+        return objective, (total, {})
     model = nnx.merge(graphdef, params if frozen is None else join_adapters(params, frozen),
                       *([] if fp8 is None else [fp8]))
     (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
@@ -156,9 +161,11 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
 
 
 def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
-                    tx: optax.GradientTransformationExtraArgs, schedule: optax.Schedule,
-                    grad_shardings: Any = None) -> Callable[[TrainState, Batch], tuple]:
-    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call.
+                    tx: optax.GradientTransformationExtraArgs, schedule: optax.Schedule, *,
+                    pipeline: Pipeline | None, grad_shardings: Any = None
+                    ) -> Callable[[TrainState, Batch], tuple]:
+    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call, the
+    blocks in `pipeline`'s stages when there is one (`TrainProgram.pipeline`).
 
     `grad_shardings` (ZeRO-1): the layout of the optimizer moments; the gradients are reduced
     onto it (a reduce-scatter instead of an all-reduce), the update is computed on each shard, and
@@ -173,13 +180,14 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     def accumulate(params, fp8, frozen, batch, multiplier, dropout):
         if k == 1:
             return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier,
-                                          frozen, dropout, made_dtypes=True)
+                                          frozen, dropout, made_dtypes=True, pipeline=pipeline)
 
         def add_microbatch(carry, part):
             microbatch, row_keys = part
             total, grads, router, next_fp8 = loss_grad_and_next_fp8(
                 config, graphdef, params, fp8, microbatch, multiplier, frozen,
-                None if row_keys is None else AdapterDropout(dropout_rate, row_keys))
+                None if row_keys is None else AdapterDropout(dropout_rate, row_keys),
+                pipeline=pipeline)
             acc_total, acc_grads, acc_fp8 = carry
             return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads),
                     combine_updates(acc_fp8, next_fp8)), router
@@ -244,9 +252,10 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     return train_step
 
 
-def make_eval_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef) -> Callable:
-    """Returns eval_step(params, batch) -> (summed loss, real tokens)."""
+def make_eval_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, *,
+                   pipeline: Pipeline | None) -> Callable:
+    """Returns eval_step(params, batch) -> (summed loss, real tokens), the blocks in `pipeline`'s
+    stages when there is one."""
     def eval_step(params, batch: Batch):
-        return summed_loss(graphdef, params, batch, config.model.loss_chunk_len,
-                           config_pipeline(config))
+        return summed_loss(graphdef, params, batch, config.model.loss_chunk_len, pipeline)
     return eval_step
