@@ -96,6 +96,19 @@ def test_feed_forwards_in_chunks_give_the_plain_models_loss_and_gradients_on_sta
     assert_same_loss_and_gradients(loss, grads, reference)
 
 
+def test_layers_sharded_over_fsdp_without_stages_run_no_pipeline(reference, tmp_path):
+    """sharding.rules.layers=('fsdp',) with mesh.pipeline=1 splits the stacked layers over fsdp
+    and runs them in one stage (the step takes its pipeline from the program, which reads
+    mesh.pipeline): the plain model's loss and gradients, and no stage-to-stage shift in the
+    program. (When the step counted stages from the axes the layers rule maps to, it built two
+    over fsdp and failed to trace.)"""
+    config = pipeline_config(fsdp=2)
+    config.sharding.rules.layers = ("fsdp",)
+    loss, grads, hlo = loss_and_gradients_on_mesh(config, tmp_path)
+    assert_same_loss_and_gradients(loss, grads, reference)
+    assert "collective-permute" not in hlo
+
+
 def test_1f1b_with_microbatches_not_a_multiple_of_the_stages(tmp_path):
     """M=4 on 3 stages: the microbatches' inputs are spread over the stages two slots each, the
     last two empty; the loss and gradients are still the plain model's."""
