@@ -115,14 +115,14 @@ class MeshLossAndGradients(NamedTuple):
 
 def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradients:
     """The mean loss of `batch` (default: `random_batch`) at `config`'s initial parameters and its
-    gradient, computed on `config`'s mesh through the train step's own loss_and_grad. The batch
+    gradient, computed on `config`'s mesh through the train step's own loss and gradient. The batch
     goes in as the input pipeline lays it out: in the load-balanced order over the context axis."""
     import jax
     import jax.numpy as jnp
 
     from jaxscale.parallel.context import length_shards, load_balanced
     from jaxscale.parallel.sharding import with_rules
-    from jaxscale.training.step import loss_and_grad
+    from jaxscale.training.step import loss_grad_and_next_fp8
 
     program = mesh_trainer(config, workdir).program
     params = program.init_state(config.train.seed).params
@@ -133,8 +133,9 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
 
     def mean_loss_and_grad(params, batch):
         tokens = jnp.sum(batch["loss_mask"])
-        total, grads = loss_and_grad(config, program.model.graphdef, params, batch, 1 / tokens,
-                                      program.pipeline)
+        total, grads, _, _ = loss_grad_and_next_fp8(
+            config, program.model.graphdef, params, None, batch, 1 / tokens,
+            pipeline=program.pipeline)
         return total / tokens, grads
     # Compiled ahead of time and called as compiled: one compilation gives the HLO and the values.
     step = jax.jit(with_rules(mean_loss_and_grad, program.mesh, program.rules))

@@ -20,7 +20,7 @@ from jaxscale.cli import load_config_file
 from jaxscale.models import LlamaConfig, abstract_model, create_model
 from jaxscale.models.moe import MoE, MoEConfig, route
 from jaxscale.training.state import model_config, model_spec
-from jaxscale.training.step import loss_grad_and_router_metrics, summed_loss_and_router_stats
+from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss_and_router_stats
 from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 from tests.test_bad_inputs import config_file, run_in_process
 
@@ -332,8 +332,8 @@ def test_the_mean_loss_gains_exactly_the_weighted_router_penalties():
     graphdef, params = split_model(model_config(config))
     batch = random_batch(config)
     tokens = float(np.sum(batch["loss_mask"]))
-    total, grads, metrics = jax.jit(lambda p: loss_grad_and_router_metrics(
-        config, graphdef, p, batch, jnp.float32(1 / tokens)))(params)
+    total, grads, metrics, _ = jax.jit(lambda p: loss_grad_and_next_fp8(
+        config, graphdef, p, None, batch, jnp.float32(1 / tokens)))(params)
 
     def mean_objective(p):
         ce, count, stats = summed_loss_and_router_stats(graphdef, p, batch)

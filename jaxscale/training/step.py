@@ -102,34 +102,16 @@ def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_c
                             (norm_state, model.head_weight()), (batch["targets"], mask), seed)
 
 
-def loss_and_grad(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
-                  batch: Batch, multiplier: jax.Array, pipeline: Pipeline | None = None
-                  ) -> tuple[jax.Array, Any]:
-    """(summed token loss, gradient of the summed loss times `multiplier`), on `pipeline`'s
-    schedule when there is one."""
-    total, grads, _ = loss_grad_and_router_metrics(config, graphdef, params, batch, multiplier,
-                                                   pipeline)
-    return total, grads
-
-
-def loss_grad_and_router_metrics(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
-                                 params, batch: Batch, multiplier: jax.Array,
-                                 pipeline: Pipeline | None = None
-                                 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-    """`loss_and_grad` with MoE: the summed loss stays the cross-entropy alone, the gradient is
-    that of the cross-entropy plus `router_penalty`; and `router_metrics` ({} without MoE)."""
-    return loss_grad_and_next_fp8(config, graphdef, params, None, batch, multiplier,
-                                  pipeline=pipeline)[:3]
-
-
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
                            fp8, batch: Batch, multiplier: jax.Array, frozen=None,
                            dropout: AdapterDropout | None = None, made_dtypes: bool = False,
                            pipeline: Pipeline | None = None
                            ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
-    """`loss_grad_and_router_metrics` for a model with fp8 matmuls, whose meta `fp8` (None
-    without) is differentiated too: its "gradient" is its next value (jaxscale/models/fp8.py),
-    returned last. With LoRA `params` are the adapters, the only thing differentiated, and
+    """(summed token loss, gradient of the summed loss times `multiplier`, `router_metrics` ({}
+    without MoE), the fp8 meta's next value). With MoE the summed loss stays the cross-entropy
+    alone and the gradient is that of the cross-entropy plus `router_penalty`. A model with fp8
+    matmuls has its meta `fp8` (None without) differentiated too: its "gradient" is its next
+    value (jaxscale/models/fp8.py). With LoRA `params` are the adapters, the only thing differentiated, and
     `frozen` the base they join; `dropout` (None: none) drops the adapters' inputs, with a key
     per row of `batch`; `pipeline` (None: none) runs the blocks in stages on its schedule.
 
