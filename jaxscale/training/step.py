@@ -111,9 +111,10 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
     without MoE), the fp8 meta's next value). With MoE the summed loss stays the cross-entropy
     alone and the gradient is that of the cross-entropy plus `router_penalty`. A model with fp8
     matmuls has its meta `fp8` (None without) differentiated too: its "gradient" is its next
-    value (jaxscale/models/fp8.py). With LoRA `params` are the adapters, the only thing differentiated, and
-    `frozen` the base they join; `dropout` (None: none) drops the adapters' inputs, with a key
-    per row of `batch`; `pipeline` (None: none) runs the blocks in stages on its schedule.
+    value (jaxscale/models/fp8.py). With LoRA `params` are the adapters, the only thing
+    differentiated, and `frozen` the base they join; `dropout` (None: none) drops the adapters'
+    inputs, with a key per row of `batch`; `pipeline` (None: none) runs the blocks in stages on
+    its schedule.
 
     The gradient is taken with respect to the weights as the model uses them
     (`weights_cast_for_use`: a stack's weights in the compute dtype), so each comes out in the
