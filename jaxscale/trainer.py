@@ -24,12 +24,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -37,7 +33,6 @@ import jax
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.experimental.compilation_cache import compilation_cache
 
 from jaxscale.checkpoint import Checkpoints, Restored, lora_base, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
@@ -52,6 +47,7 @@ from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capac
 from jaxscale.observe.profiling import ProfileWindow
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
+from jaxscale.runtime.compilation_cache import CompilationCache, compilation_cache_dir
 from jaxscale.runtime.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                                       set_aside_earlier_start)
 from jaxscale.training.bad_steps import BadSteps
@@ -60,86 +56,6 @@ from jaxscale.training.state import TrainState
 
 # Room for a failing start-up check's message in the agreement; a longer one is cut.
 _AGREED_MESSAGE_BYTES = 4096
-
-
-def compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> str | None:
-    c = config.checkpoint
-    if not c.compilation_cache:
-        return None
-    return c.compilation_cache_dir or os.path.join(workdir, "compilation_cache")
-
-
-def use_compilation_cache(cache_dir: str | None) -> None:
-    """Points JAX's persistent compilation cache at `cache_dir` (None turns it off): a restarted
-    run loads its compiled programs instead of compiling them again."""
-    compilation_cache.set_cache_dir(cache_dir)
-    # JAX opens the cache once per process; reopen it in case an earlier run here used another.
-    compilation_cache.reset_cache()
-
-
-class CompilationCache:
-    """The persistent compilation cache of a run (`cache_dir`; None: off), on from the train
-    step's compile, which comes before the run may write: until `open()`, JAX's cache is a
-    temporary folder that reads the programs in `cache_dir` (through links) and takes the new
-    ones; `open()`, once the run writes, moves the new ones into `cache_dir`. A start that stops
-    before writing leaves `cache_dir` as it was, or not made.
-
-    The temporary folder's path is the same at every start of the run (per cache folder, process
-    and user): JAX writes the cache folder into the compile options (XLA's autotune cache lives
-    under it), so the programs' cache keys contain it, and a random path would make every restart
-    recompile. A lock keeps two live starts from sharing it; the second takes a folder of its own
-    (and compiles)."""
-
-    def __init__(self, cache_dir: str | None):
-        self.cache_dir = cache_dir
-        self._staging = self._lock = None
-        if cache_dir:
-            self._staging = self._claim_staging(cache_dir)
-            if os.path.isdir(cache_dir):  # a restart reads the programs compiled before
-                for name in os.listdir(cache_dir):
-                    os.symlink(os.path.abspath(os.path.join(cache_dir, name)),
-                               os.path.join(self._staging, name))
-        use_compilation_cache(self._staging)
-
-    def open(self) -> None:
-        """The run writes from here on: the cache is `cache_dir`, with what was compiled since."""
-        if self._staging:
-            os.makedirs(self.cache_dir, exist_ok=True)
-            for entry in os.scandir(self._staging):
-                if not entry.is_symlink():
-                    shutil.move(entry.path, os.path.join(self.cache_dir, entry.name))
-            use_compilation_cache(self.cache_dir)
-            self._remove_staging()
-
-    def close(self) -> None:
-        """A start that stopped before writing keeps nothing, and leaves the cache off."""
-        if self._staging:
-            use_compilation_cache(None)
-            self._remove_staging()
-
-    def _claim_staging(self, cache_dir: str) -> str:
-        """This run's staging folder, empty and locked, in a folder of this user's only."""
-        root = os.path.join(tempfile.gettempdir(), f"jaxscale_compilation_cache-{os.getuid()}")
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        run = hashlib.sha256(os.path.abspath(cache_dir).encode()).hexdigest()[:16]
-        staging = os.path.join(root, f"{run}-{jax.process_index()}")
-        self._lock = open(staging + ".lock", "w")  # noqa: SIM115 - held until _remove_staging
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another start of this cache folder is compiling right now
-            self._lock.close()
-            self._lock = None
-            return tempfile.mkdtemp(dir=root)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a start that crashed
-        os.makedirs(staging)
-        return staging
-
-    def _remove_staging(self) -> None:
-        shutil.rmtree(self._staging, ignore_errors=True)
-        self._staging = None
-        if self._lock is not None:
-            self._lock.close()  # releases the flock
-            self._lock = None
 
 
 @contextlib.contextmanager
@@ -276,7 +192,8 @@ class Trainer:
                          f"device(s), {jax.process_count()} process(es)")
                 if pipeline := program.pipeline:
                     self.say(pipeline.summary())
-                cache = stack.enter_context(contextlib.closing(CompilationCache(cache_dir)))
+                cache = stack.enter_context(contextlib.closing(
+                    CompilationCache(cache_dir, jax.process_index())))
                 train_step, memory = self.compile_train_step()
                 capacity = device_capacity(self.local_devices,
                                            config.performance.device_memory_gib)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxscale.trainer import CompilationCache, Trainer
+from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import latest_metrics
 from tests.helpers import resumable_cli_losses, small_config
 
@@ -113,21 +113,3 @@ def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
     assert train_steps  # the first start wrote its program
     resumable_cli_losses(tmp_path / "second", 2, **flags)
     assert {name for name in os.listdir(cache) if "train_step" in name} == train_steps
-
-
-def test_compilation_cache_staging_is_one_path_per_run_and_never_shared_by_live_starts(tmp_path):
-    """One start after another stages in the same folder (the programs' cache keys hold its
-    path); two live at once (two runs sharing a cache folder on one host) get folders of their
-    own, in a folder only this user can enter."""
-    cache = str(tmp_path / "cache")
-    first = CompilationCache(cache)
-    staging = first._staging
-    second = CompilationCache(cache)  # while the first is live
-    assert second._staging != staging and os.path.isdir(second._staging)
-    second.close()
-    first.close()
-    assert not os.path.exists(staging)
-    again = CompilationCache(cache)
-    assert again._staging == staging
-    assert os.stat(os.path.dirname(staging)).st_mode & 0o777 == 0o700
-    again.close()
