@@ -31,6 +31,7 @@ from jaxscale.training.state import model_spec
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2 ** 20
 
 
@@ -333,6 +334,40 @@ def test_plan_for_a_tpu_slice_compiles_for_its_chips(v5p_devices):
     assert 0 < chosen.time.mfu(4, plan.chip.peak_bf16_flops) <= 1
 
 
+def test_a_mesh_the_torus_cannot_hold_is_refused_with_the_reason_not_a_crash(monkeypatch):
+    """On a 4x4x1 slice no mesh axis can be 8 or 2 (the torus lays an axis over whole physical
+    axes: 4 or 16). Such a candidate is recorded as refused, naming the torus, and the planner
+    goes on (on ff727fb, NotImplementedError from jax's mesh_utils ended `python -m
+    jaxscale.plan --config=configs/llama3_8b.py --target=v5p-64` at data=2 x fsdp=32); a run
+    asking for one stops with a ConfigError (exit 2)."""
+    from jaxscale.checks import checked_mesh
+    from jaxscale.parallel.mesh import MeshLayoutError
+
+    devices = target_devices(parse_target("v5p:4x4x1"))
+    config = small_config()
+    config.train.batch_size = 32
+    config.mesh.update(data=2, fsdp=8)
+    with pytest.raises(MeshLayoutError, match=r"^mesh \{'data': 2, 'fsdp': 8\} cannot be laid "
+                                              r"out on the 4x4x1 torus .*\[4, 4, 1\]"):
+        checked_mesh(config, devices)
+    config.mesh.update(data=4, fsdp=4)
+    assert checked_mesh(config, devices).shape["fsdp"] == 4
+
+    def mesh_then_out_of_memory(config, devices):  # what the planner compiles, without compiling
+        checked_mesh(config, devices)
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: (no compile in this test)")
+
+    monkeypatch.setattr("jaxscale.plan.planner.compile_train_step", mesh_then_out_of_memory)
+    config.mesh.update(data=1, fsdp=1)
+    plan = make_plan(config, parse_target("v5p:4x4x1"), top=8)
+    refused = [r for r in plan.rows if r.error and "cannot be laid out" in r.error]
+    assert refused and plan.chosen is None
+    for row in refused:
+        sizes = [n for n in row.candidate.ici if n > 1]
+        assert any(n not in (4, 16) for n in sizes), row.candidate
+        assert report.as_json(plan)["rows"][plan.rows.index(row)]["verdict"] == "compile failed"
+
+
 @pytest.mark.parametrize("line, groups", [
     ("x = f32[8] all-reduce(y), replica_groups={{0,2},{1,3}}, to_apply=%add", [[0, 2], [1, 3]]),
     ("x = f32[8] all-gather(y), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}",
@@ -388,6 +423,40 @@ def _plan_cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "jaxscale.plan", *args], capture_output=True,
                           text=True, env=env, timeout=600)
+
+
+def documented_plan_commands() -> list[str]:
+    """Every `python -m jaxscale.plan` command that docs/planning.md's first code block and the
+    README show, in their order, once each."""
+    with open(os.path.join(REPO, "docs", "planning.md"), encoding="utf-8") as f:
+        block = f.read().split("```bash", 1)[1].split("```", 1)[0]
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = re.findall(r"`(python -m jaxscale\.plan [^`]*)`", f.read())
+    commands = [line.strip() for line in block.splitlines()
+                if line.strip().startswith("python -m jaxscale.plan ")]
+    return list(dict.fromkeys(commands + readme))
+
+
+def test_the_documented_plan_commands_are_found():
+    found = documented_plan_commands()
+    assert "python -m jaxscale.plan --config=configs/llama3_8b.py --target=v5p-64" in found
+    assert len(found) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", documented_plan_commands())
+def test_a_documented_plan_command_runs_and_chooses(command):
+    """The commands a new user copies first finish with a choice: llama3_8b on v5p-64 compiles
+    three candidates of an 8B model for a 4x4x4 torus (about 10 minutes on 2 cores)."""
+    result = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO,
+                            capture_output=True, text=True, timeout=1800,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, output[-3000:]
+    if "--json" in command:
+        assert json.loads(result.stdout)["chosen"]["verdict"] == "chosen"
+    else:
+        assert re.search(r"^chosen: \S", result.stdout, re.M), output[-3000:]
 
 
 def test_cli_prints_json_and_the_flags_it_prints_are_accepted():

@@ -16,6 +16,12 @@ from jaxscale.errors import ConfigError
 MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
 
+class MeshLayoutError(ConfigError):
+    """The devices' network cannot hold the mesh: a TPU torus lays each mesh axis over whole
+    physical axes, and some axis size is no product of them. The planner records it as that
+    candidate's refusal; a run stops with it (exit 2)."""
+
+
 def granules_are_slices(devices) -> bool:
     """TPU devices are grouped by slice (ICI inside, DCN between); everything else by host. GPU
     and CPU devices of a multi-process run carry a `slice_index` too, but it is 0 on every host:
@@ -52,17 +58,37 @@ def build_mesh(ici: dict[str, int], dcn: dict[str, int], devices) -> Mesh:
     devices = list(devices)
     ici_shape = [ici.get(a, 1) for a in MESH_AXES]  # an axis not named has size 1
     dcn_shape = [dcn.get(a, 1) for a in MESH_AXES]
-    if any(n > 1 for n in dcn_shape):
-        device_array = mesh_utils.create_hybrid_device_mesh(
-            ici_shape, dcn_shape, devices,
-            process_is_granule=not granules_are_slices(devices))
-    elif devices[0].platform == "cpu":
-        # CPU devices have no physical topology; keep their order so that process-local devices
-        # stay contiguous along the leading axes.
-        device_array = np.array(devices).reshape(ici_shape)
-    else:
-        device_array = mesh_utils.create_device_mesh(ici_shape, devices)
+    try:
+        if any(n > 1 for n in dcn_shape):
+            device_array = mesh_utils.create_hybrid_device_mesh(
+                ici_shape, dcn_shape, devices,
+                process_is_granule=not granules_are_slices(devices))
+        elif devices[0].platform == "cpu":
+            # CPU devices have no physical topology; keep their order so that process-local
+            # devices stay contiguous along the leading axes.
+            device_array = np.array(devices).reshape(ici_shape)
+        else:
+            device_array = mesh_utils.create_device_mesh(ici_shape, devices)
+    except NotImplementedError:  # how mesh_utils says a torus cannot hold the shape unsplit
+        sizes = {a: n for a, n in ici.items() if n > 1}
+        torus = torus_shape(devices)
+        raise MeshLayoutError(
+            f"mesh {sizes} cannot be laid out on the {'x'.join(map(str, torus)) or 'physical'} "
+            f"torus of these {devices[0].device_kind} chips: each mesh axis spans whole torus "
+            f"axes, its size a product of some of {list(torus) or 'their sizes'}; choose such "
+            "sizes, or --config.mesh.auto=True") from None
     return Mesh(device_array, MESH_AXES)
+
+
+def torus_shape(devices) -> tuple[int, ...]:
+    """The physical (x, y, z) extent of TPU chips in one slice, from their coordinates; () for
+    devices without any."""
+    coords = [d.coords for d in devices if getattr(d, "coords", None) is not None
+              and getattr(d, "slice_index", 0) == getattr(devices[0], "slice_index", 0)]
+    if not coords:
+        return ()
+    return tuple(max(c[i] for c in coords) - min(c[i] for c in coords) + 1
+                 for i in range(len(coords[0])))
 
 
 def resolve_mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int,

@@ -32,6 +32,7 @@ import jax
 import ml_collections
 
 from jaxscale.parallel.attention import auto_kernel, packed_layout_bound
+from jaxscale.parallel.mesh import MeshLayoutError
 from jaxscale.plan import rank
 from jaxscale.runtime.chips import GIB, Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
@@ -266,12 +267,12 @@ def _compile(row: Row, config: ml_collections.ConfigDict, devices, chip: Chip, l
     out = dataclasses.replace(row)
     try:
         compiled, out.compiled = compile_train_step(c_config, devices)
-    except jax.errors.JaxRuntimeError as e:
-        if not refused_by_xla(e):
+    except (jax.errors.JaxRuntimeError, MeshLayoutError) as e:
+        if not (isinstance(e, MeshLayoutError) or refused_by_xla(e)):
             raise
         out.error = " ".join(str(e).split())[:200] or type(e).__name__
         out.compile_seconds = time.perf_counter() - start
-        log(f"  compiler refused it: {out.error}")
+        log(f"  refused: {out.error}")
         return out
     out.compile_seconds = time.perf_counter() - start
     out.executable = compiled
