@@ -43,11 +43,11 @@ sys.path.insert(0, REPO)
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.data import make_input  # noqa: E402
-from jaxscale.models import abstract_model  # noqa: E402
+from jaxscale.models.spec import abstract_model  # noqa: E402
 from jaxscale.plan.collectives import bytes_by_kind, parse_collectives  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.training.state import model_config  # noqa: E402
+from jaxscale.models.spec import model_config  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 
 SETTINGS = ("bfloat16", "float32")

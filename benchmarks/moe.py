@@ -40,7 +40,7 @@ from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402
 from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.training.state import model_spec  # noqa: E402
+from jaxscale.models.spec import model_spec  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 from tests.helpers import random_batch  # noqa: E402
 

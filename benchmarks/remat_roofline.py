@@ -28,7 +28,7 @@ import jax  # noqa: E402
 
 from jaxscale.cli import fail, load_config_file  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.models import REMAT_POLICIES  # noqa: E402
+from jaxscale.models.llama import REMAT_POLICIES  # noqa: E402
 from jaxscale.plan import rank  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402
 from jaxscale.plan.measure import seconds_per_step  # noqa: E402
@@ -37,7 +37,7 @@ from jaxscale.plan.search import Candidate, layout  # noqa: E402
 from jaxscale.plan.targets import local_target, parse_target, target_devices  # noqa: E402
 from jaxscale.plan.traffic import bytes_accessed  # noqa: E402
 from jaxscale.runtime.chips import CHIPS, GIB  # noqa: E402
-from jaxscale.training.state import model_spec  # noqa: E402
+from jaxscale.models.spec import model_spec  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

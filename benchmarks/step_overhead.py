@@ -26,8 +26,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.config import default_config  # noqa: E402
-from jaxscale.models import create_model  # noqa: E402
-from jaxscale.training.state import model_config  # noqa: E402
+from jaxscale.models.spec import create_model  # noqa: E402
+from jaxscale.models.spec import model_config  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 
 

@@ -4,8 +4,9 @@
     mesh = checked_mesh(config, devices)                  # the same, then the devices' own checks
 
 config.py checks the schema and the rules between its own values; each component checks its own
-section (the model's remat and attention names, the data, the profile window, the XLA flags, the
-optimizer's memory options, the pipeline, experts, context and sharding rules against the mesh).
+section (the model's family, remat and attention names, the data, the profile window, the XLA
+flags, the optimizer's memory options, the pipeline, experts, context and sharding rules against
+the mesh).
 This module only composes them, in the order a user fixes them: it sits above every component it
 names, so that config.py imports none of them.
 """
@@ -19,7 +20,8 @@ from jaxscale.config import check_settings
 from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import check_samples
-from jaxscale.models import REMAT_POLICIES
+from jaxscale.models.llama import REMAT_POLICIES
+from jaxscale.models import family
 from jaxscale.models.fp8 import check_fp8
 from jaxscale.models.lora import check_lora
 from jaxscale.observe.profiling import check_window
@@ -41,6 +43,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     """Raises ConfigError on the first problem in `config` for a run on `num_devices` devices in
     `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
     check_settings(config)
+    family(config.model.name)  # ConfigError for a model.name that names no family
     # Then each component its own section, from the samples and the data down to the mesh's axes.
     check_samples(config)
     check_data(config)

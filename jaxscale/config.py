@@ -95,7 +95,7 @@ def default_config() -> ml_collections.ConfigDict:
     # stage holds `repeats` groups of layers (circular); schedule gpipe | 1f1b (repeats 1).
     c.pipeline = dict(microbatches=0, repeats=1, schedule="gpipe")
     c.model = dict(
-        name="llama",
+        name="llama",  # the model family: llama | qwen3 (jaxscale/models/__init__.py)
         vocab_size=259,  # the byte tokenizer: 256 bytes + pad, bos, eos
         vocab_multiple=128,  # the embedding is padded to a multiple of this (shards evenly)
         d_model=256,
@@ -374,8 +374,6 @@ def check_settings(config: ml_collections.ConfigDict) -> None:
                           f"{m.n_heads} (grouped-query attention)")
     _check_rope(m)
     _check_moe(m)
-    if m.name != "llama":
-        raise ConfigError(f"model.name={m.name!r} is unknown; the available model is 'llama'")
     if config.precision.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute_dtype={config.precision.compute_dtype!r} is "
                           f"unknown; use one of {COMPUTE_DTYPES}")

@@ -1,11 +1,11 @@
 """`python -m jaxscale.export_hf --workdir=W --out=DIR [--step=N] [--dtype=bfloat16]`
 
-Writes a run's parameters (its newest checkpoint, or step N) as a Hugging Face Llama folder that
-transformers' LlamaForCausalLM.from_pretrained(DIR) loads: config.json, safetensors sharded at
-5 GB without the padded vocabulary rows, and the run's tokenizer file (tokenizer.json, or a
-SentencePiece tokenizer.model) when it used one. The model comes from W/config.json, so it is
-exported as it was trained. The parameters are restored onto the first device and written one
-tensor at a time; the host holds one tensor at a time.
+Writes a run's parameters (its newest checkpoint, or step N) as a Hugging Face folder of its model's
+family that transformers' LlamaForCausalLM (Qwen3ForCausalLM, ...).from_pretrained(DIR) loads:
+config.json, safetensors sharded at 5 GB without the padded vocabulary rows, and the run's tokenizer
+file (tokenizer.json, or a SentencePiece tokenizer.model) when it used one. The model comes from
+W/config.json, so it is exported as it was trained. The parameters are restored onto the first
+device and written one tensor at a time; the host holds one tensor at a time.
 
 A LoRA run (model.lora.rank > 0) checkpoints its adapters alone: they are merged into the weights
 of the base they were trained on -- the run's checkpoint.restore_from (a Hugging Face folder or a
@@ -23,6 +23,7 @@ import sys
 
 from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.kinds import whole
+from jaxscale.models import FAMILIES
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.workdir import check_writable, read_config
@@ -34,8 +35,8 @@ CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")  # jaxsca
 
 def make_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m jaxscale.export_hf",
-                            description="Export a run's parameters as a Hugging Face Llama "
-                                        "folder.")
+                            description="Export a run's parameters as a Hugging Face model "
+                                        "folder (Llama, Qwen3).")
     parser.add_argument("--workdir", required=True, type=folder_flag,
                         help="The run's workdir (its config.json and checkpoints).")
     parser.add_argument("--out", required=True, help="The folder to write; it must not exist "
@@ -43,7 +44,7 @@ def make_parser() -> ArgumentParser:
     parser.add_argument("--step", type=number_flag(whole("[0, inf)")), default=None,
                         help="The checkpoint's step (default: the newest).")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                        help="The files' dtype (default bfloat16, as Llama ships; float32 "
+                        help="The files' dtype (default bfloat16, as Llama and Qwen3 ship; float32 "
                              "keeps the parameters exactly).")
     parser.add_argument("--adapters_only", action="store_true",
                         help="A LoRA run: write its adapters as a PEFT folder "
@@ -87,12 +88,12 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
            adapters_only: bool = False) -> str:
     """Writes the folder; returns a line saying what was written."""
     from jaxscale.checkpoint.manager import (checkpoint_dir, lora_base,  # JAX from here on
-                                             restore_from)
+                                             restore_params)
     from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
     from jaxscale.hf import save_model
     from jaxscale.hf.config import is_hf_folder
     from jaxscale.hf.peft import save_adapters
-    from jaxscale.training.state import TrainState, model_spec
+    from jaxscale.models.spec import model_spec
 
     config = read_config(workdir)
     if adapters_only:
@@ -111,20 +112,17 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                             spec.abstract_params)
 
-    def restored(source: str, params: dict):
-        return restore_from(source, TrainState(step=None, params=params, opt_state=None,
-                                               loss_scale=None, good_steps=None),
-                            params_only=True, model_config=spec.config)
-
     # The checkpoint's params: every parameter, or with LoRA the adapters alone.
-    params = restored(os.path.join(directory, str(step)), spec.trained(abstract)).params
+    params = restore_params(os.path.join(directory, str(step)), spec.trained(abstract),
+                            spec.config).params
     base, rank = config.checkpoint.restore_from, config.model.lora.rank
     if adapters_only:
         hf_base = os.path.abspath(base) if is_hf_folder(base) else None
         files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base,
                               dropout=config.model.lora.dropout)
         what = f"the LoRA adapters (rank {rank}) of step {step} of {workdir} to {out} ({dtype})"
-        then = (f"; load them with peft.PeftModel.from_pretrained(LlamaForCausalLM."
+        architecture = FAMILIES[config.model.name].hf_architecture
+        then = (f"; load them with peft.PeftModel.from_pretrained({architecture}."
                 f"from_pretrained({hf_base!r}), {out!r})" if hf_base else
                 f"; their base is the jaxscale run {base!r}: export it with python -m "
                 "jaxscale.export_hf and load them onto that with peft")

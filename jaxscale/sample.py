@@ -2,11 +2,11 @@
 [--temperature=T] [--top_p=P] [--seed=S]`
 
 Continues a prompt with a trained run's newest checkpoint (its parameters only) or a Hugging Face
-Llama folder, and prints the continuation. One jitted program prefills a KV cache with the prompt
-and decodes one token at a time, sharded on the run's mesh (all devices on `data` when the run's
-mesh does not fit the devices here). Temperature 0 is greedy; top-p keeps the smallest set of most
-likely tokens whose probability reaches P. The same seed gives the same text. The text stops at the
-tokenizer's EOS when the run framed documents with one. A mistake the user can fix prints one
+Llama or Qwen3 folder, and prints the continuation. One jitted program prefills a KV cache with the
+prompt and decodes one token at a time, sharded on the run's mesh (all devices on `data` when the
+run's mesh does not fit the devices here). Temperature 0 is greedy; top-p keeps the smallest set of
+most likely tokens whose probability reaches P. The same seed gives the same text. The text stops at
+the tokenizer's EOS when the run framed documents with one. A mistake the user can fix prints one
 `error: ...` line and exits with status 2.
 """
 
@@ -37,7 +37,7 @@ def make_parser() -> ArgumentParser:
     source.add_argument("--workdir", metavar="DIR", type=folder_flag,
                         help="A run's workdir: its config.json and newest checkpoint.")
     source.add_argument("--hf", metavar="FOLDER", type=folder_flag,
-                        help="A Hugging Face Llama folder (config.json, safetensors, "
+                        help="A Hugging Face Llama or Qwen3 folder (config.json, safetensors, "
                              "tokenizer.json).")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="The text to continue.")
     parser.add_argument("--max_new_tokens", type=number_flag(MAX_NEW_TOKENS), default=100,

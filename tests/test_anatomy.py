@@ -4,6 +4,8 @@ Python, not from a reader. README's Layout section describes the same layers."""
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxscale"
 
@@ -104,3 +106,37 @@ def test_the_guard_sees_a_cycle_and_an_upward_import(tmp_path):
     assert first_cycle(graph) == ["jaxscale.config", "jaxscale.parallel.mesh", "jaxscale.config"]
     assert upward_imports(graph) == [
         "jaxscale.config (foundation) imports jaxscale.parallel.mesh (models and parallelism)"]
+
+
+# They read the model (its families, its abstract form, its parameters on a mesh) from models/,
+# not from training/, which builds the train step on it; the checkpoint saves any train state.
+MODEL_READERS = ("jaxscale.hf", "jaxscale.checkpoint", "jaxscale.inference", "jaxscale.export_hf")
+
+
+def test_the_model_readers_import_nothing_from_training():
+    graph = import_graph()
+    found = [f"{module} imports {target}" for module, targets in sorted(graph.items())
+             for target in sorted(targets) if target.startswith("jaxscale.training")
+             and any(module == r or module.startswith(r + ".") for r in MODEL_READERS)]
+    assert not found, "\n".join(found)
+
+
+def test_the_family_table_and_hf_config_import_no_jax():
+    """configs/hf.py reads a Hugging Face config.json through them before JAX starts."""
+    code = ("import sys, jaxscale.models, jaxscale.hf.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent,
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_readmes_layout_names_every_package_module_and_config():
+    """README's Layout section is the tree's map: each of jaxscale's packages and top-level
+    modules, and each shipped config, is named there."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("```")[1]
+    names = [f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()]
+    names += [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    names += [p.name for p in (PACKAGE.parent / "configs").glob("*.py")]
+    missing = sorted(name for name in names if name not in layout)
+    assert not missing, f"README's Layout does not name {missing}"

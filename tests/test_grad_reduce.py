@@ -15,12 +15,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale.config import check_settings
 from jaxscale.errors import ConfigError
-from jaxscale.models import abstract_model, create_model
+from jaxscale.models.spec import abstract_model, create_model, model_config
 from jaxscale.models import llama
 from jaxscale.models.layers import weight_matmul, weights_cast_for_use
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.training.state import model_config
 from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss
 from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxscale import hf, models
+from jaxscale import hf
+from jaxscale.models.spec import abstract_model
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import model_section
 from jaxscale.models.rope import rotation
@@ -82,7 +83,7 @@ def test_the_fixture_needs_the_rope_scaling():
     test above can fail on a RoPE mistake."""
     model, cfg = hf.load_model(TIED, compute_dtype="float32")
     plain = dataclasses.replace(cfg, rope_scaling=None)
-    unscaled = nnx.merge(nnx.graphdef(models.abstract_model(plain)), nnx.state(model))
+    unscaled = nnx.merge(nnx.graphdef(abstract_model(plain)), nnx.state(model))
     assert relative_error(logits_of(unscaled, plain), REFERENCE["tied_logits"]) > 1e-3
 
 

@@ -11,9 +11,8 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxscale.models import create_model
+from jaxscale.models.spec import create_model, model_config
 from jaxscale.models.lora import LoraConfig
-from jaxscale.training.state import model_config
 from jaxscale.models.layers import (MLP, MLP_CHUNK, Attention, RMSNorm, apply_rope,
                                     embedding_lookup, fewest_parts, gathered, gathered_before,
                                     swiglu)

@@ -15,7 +15,7 @@ import pytest
 from jaxscale.checks import checked_mesh
 from jaxscale.models import lora
 from jaxscale.training.program import TrainProgram
-from jaxscale.training.state import model_spec
+from jaxscale.models.spec import model_spec
 from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss
 from tests.helpers import REPO, mesh_devices, mesh_trainer, random_batch, small_config
 

@@ -15,7 +15,7 @@ import pytest
 from jaxscale.config import check_schema
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
-from jaxscale.training.state import model_spec
+from jaxscale.models.spec import model_spec
 from jaxscale.training.step import loss_grad_and_next_fp8
 from tests.helpers import one_line_error, random_batch
 from tests.test_lora import lora_config, program_for, with_nonzero_b

@@ -65,21 +65,19 @@ def restored_adapters(config, workdir: str) -> dict:
     """The adapters of the run's newest checkpoint, on the first device."""
     from jax.sharding import SingleDeviceSharding
 
-    from jaxscale.checkpoint import restore_from
-    from jaxscale.training.state import TrainState, model_spec
+    from jaxscale.checkpoint import restore_params
+    from jaxscale.models.spec import model_spec
 
     spec = model_spec(config)
     device = SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                             spec.trained(spec.abstract_params))
-    return restore_from(workdir, TrainState(step=None, params=abstract, opt_state=None,
-                                            loss_scale=None, good_steps=None),
-                        params_only=True, model_config=spec.config).params
+    return restore_params(workdir, abstract, spec.config).params
 
 
 def adapted_logits(config, base: dict, adapters: dict) -> np.ndarray:
     """The logits of the base with the adapters beside it, run by jaxscale's layers."""
-    from jaxscale.training.state import model_spec
+    from jaxscale.models.spec import model_spec
 
     spec = model_spec(config)
     params = jax.device_put(join_adapters(adapters, base), jax.devices()[0])

@@ -19,7 +19,8 @@ from jaxscale.parallel.sharding import logical_to_mesh, rules_from_config, spec_
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.memory_model import estimate_memory
 from jaxscale.training.program import TrainProgram
-from jaxscale.training.state import model_spec, state_specs
+from jaxscale.models.spec import model_spec
+from jaxscale.training.state import state_specs
 from tests.helpers import mesh_devices, random_batch, small_config
 
 UNSPLIT = dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from jaxscale.training.loss import chunk_length, summed_cross_entropy, vocab_tiles
-from jaxscale.models import create_model
-from jaxscale.training.state import model_config
+from jaxscale.models.spec import create_model, model_config
 from jaxscale.training.step import summed_loss
 from flax import nnx
 from tests.helpers import random_batch, small_config

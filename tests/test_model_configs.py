@@ -6,8 +6,8 @@ import os
 import pytest
 
 from jaxscale.cli import load_config_file
-from jaxscale.models import LlamaConfig, abstract_model, count_params
-from jaxscale.training.state import model_spec
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import abstract_model, count_params, model_spec
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 from jaxscale.cli import load_config_file
-from jaxscale.models import LlamaConfig, abstract_model, create_model
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
 from jaxscale.models.moe import MoE, MoEConfig, route
-from jaxscale.training.state import model_config, model_spec
 from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss_and_router_stats
 from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 from tests.test_bad_inputs import config_file, run_in_process

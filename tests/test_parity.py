@@ -1,5 +1,6 @@
 """Parallelism parity: the same seed and batch give the same losses and parameters on any mesh,
-and k microbatches of b sequences give the update of one batch of k*b."""
+and k microbatches of b sequences give the update of one batch of k*b; for each model family
+(Qwen3 below: on the meshes, in pipeline stages and context shards, with LoRA and fp8)."""
 
 import jax
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from jaxscale.parallel.sharding import with_rules
 from jaxscale.training.step import summed_loss
 from jaxscale.trainer import Trainer
-from tests.helpers import random_batch, small_config
+from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 
 STEPS = 3
 
@@ -52,18 +53,41 @@ def assert_same_training(run, reference):
                  params, ref_params)
 
 
+def qwen3_config(**mesh):
+    """`small_config` as a Qwen3 (jaxscale/models/qwen3.py): per-head q/k norms, heads twice
+    d_model wide (4 x 32 over 64), theta 1e6, tied embeddings."""
+    config = small_config(**mesh)
+    config.model.update(name="qwen3", head_dim=32, rope_theta=1e6, norm_eps=1e-6,
+                        tie_embeddings=True)
+    return config
+
+
+CONFIGS = {"llama": small_config, "qwen3": qwen3_config}  # a small model of each family
+
+
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    return train(small_config(), tmp_path_factory.mktemp("one"), devices=jax.devices()[:1])
+    """family -> its run on one device (made when first asked for)."""
+    runs = {}
+
+    def run(family):
+        if family not in runs:
+            runs[family] = train(CONFIGS[family](), tmp_path_factory.mktemp(family),
+                                 devices=jax.devices()[:1])
+        return runs[family]
+    return run
 
 
-@pytest.mark.parametrize("mesh", [
-    pytest.param(dict(data=8), marks=pytest.mark.slow),
-    pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.slow),
-    dict(data=2, fsdp=2, tensor=2)])
-def test_meshes_match_one_device(mesh, single_device, tmp_path):
-    run = train(small_config(**mesh), tmp_path)
-    assert_same_training(run, single_device)
+@pytest.mark.parametrize("family,mesh", [
+    pytest.param("llama", dict(data=8), marks=pytest.mark.slow),
+    pytest.param("llama", dict(fsdp=4, tensor=2), marks=pytest.mark.slow),
+    ("llama", dict(data=2, fsdp=2, tensor=2)),
+    # Qwen3's layers on these meshes without the slow mark: its gradients, below.
+    *(pytest.param("qwen3", mesh, marks=pytest.mark.slow)
+      for mesh in (dict(data=8), dict(fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2)))])
+def test_meshes_match_one_device(mesh, family, single_device, tmp_path):
+    run = train(CONFIGS[family](**mesh), tmp_path)
+    assert_same_training(run, single_device(family))
     losses = run[0]
     assert losses[-1] < losses[0]  # the steps really trained
 
@@ -72,7 +96,7 @@ def test_meshes_match_one_device(mesh, single_device, tmp_path):
 def test_microbatches_match_one_big_batch(single_device, tmp_path):
     config = small_config(data=2, fsdp=2, tensor=2)
     config.train.microbatches = 2
-    assert_same_training(train(config, tmp_path), single_device)
+    assert_same_training(train(config, tmp_path), single_device("llama"))
 
 
 @pytest.mark.slow
@@ -85,3 +109,62 @@ def test_loss_ignores_masked_tokens(tmp_path):
     a = train(config, tmp_path / "a", devices=jax.devices()[:1], batches=[batch] * STEPS)
     b = train(config, tmp_path / "b", devices=jax.devices()[:1], batches=[altered] * STEPS)
     np.testing.assert_array_equal(a[0], b[0])
+
+
+# -- Qwen3 beyond the meshes above: stages, context shards, LoRA, fp8 ------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_gradients(tmp_path_factory):
+    """The mean loss and its gradient on one device."""
+    return loss_and_gradients_on_mesh(qwen3_config(), tmp_path_factory.mktemp("qwen3_grads"))
+
+
+@pytest.mark.parametrize("mesh,schedule", [
+    (dict(data=2, fsdp=2, tensor=2), "gpipe"),
+    (dict(pipeline=2, tensor=2), "gpipe"),
+    pytest.param(dict(pipeline=2, fsdp=2), "1f1b", marks=pytest.mark.slow),
+    (dict(context=2, fsdp=2), "gpipe")],
+    ids=["data-fsdp-tensor", "pipeline-gpipe", "pipeline-1f1b", "context"])
+def test_qwen3_meshes_stages_and_context_shards_give_one_devices_gradients(
+        mesh, schedule, qwen3_gradients, tmp_path):
+    config = qwen3_config(**mesh)
+    config.pipeline.schedule = schedule
+    got = loss_and_gradients_on_mesh(config, tmp_path)
+    np.testing.assert_allclose(got.loss, qwen3_gradients.loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max())), got.grads, qwen3_gradients.grads)
+
+
+@pytest.mark.slow
+def test_qwen3_lora_trains_in_1f1b_stages_as_on_one_device():
+    """The adapters (q and k's among them, before the norms) train in pipeline stages as on one
+    device."""
+    from tests.test_lora import steps_on
+
+    def lora(**mesh):
+        config = qwen3_config(**mesh)
+        config.model.lora.update(rank=4, alpha=8.0)
+        config.pipeline.schedule = "1f1b"
+        return config
+    losses, adapters = steps_on(lora(pipeline=2, tensor=2))
+    one_losses, one_adapters = steps_on(lora())
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 adapters, one_adapters)
+
+
+@pytest.mark.slow
+def test_qwen3_trains_in_fp8_close_to_bfloat16(tmp_path):
+    """fp8 matmuls (q, k, v, o and the feed-forward's) with the q/k norms after them: every site
+    has its meta, and the losses stay within fp8's rounding of bfloat16's as they fall."""
+    from tests.test_fp8 import train_steps
+
+    def fp8(matmul):
+        config = qwen3_config()
+        config.precision.update(compute_dtype="bfloat16", matmul=matmul, fp8_amax_history=4)
+        return config
+    state, losses, _ = train_steps(fp8("fp8"), workdir=tmp_path / "fp8")
+    _, bf16_losses, _ = train_steps(fp8("bfloat16"), workdir=tmp_path / "bf16")
+    assert set(state.fp8["blocks"]["attn"]) == {"q_fp8", "k_fp8", "v_fp8", "o_fp8"}
+    np.testing.assert_allclose(losses, bf16_losses, rtol=0.02)
+    assert losses[-1] < losses[0]

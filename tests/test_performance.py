@@ -24,7 +24,8 @@ from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import model_spec, state_specs
+from jaxscale.models.spec import model_spec
+from jaxscale.training.state import state_specs
 from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
 

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.models import LlamaConfig
+from jaxscale.models.llama import LlamaConfig
 from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.plan.compiled import compile_train_step
-from jaxscale.training.state import model_config
+from jaxscale.models.spec import model_config
 from jaxscale.training.step import summed_loss
 from jaxscale.trainer import Trainer
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,

@@ -15,7 +15,7 @@ import pytest
 from jaxscale.cli import load_config_file
 from jaxscale.checks import validate
 from jaxscale.errors import ConfigError
-from jaxscale.models import REMAT_POLICIES
+from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.plan import auto, planner, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import compile_train_step
@@ -27,7 +27,7 @@ from jaxscale.plan.planner import (FIT_FRACTION, NOMINAL_CPU, TIMING_TIE, Row, _
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.optim import IN_FLIGHT
-from jaxscale.training.state import model_spec
+from jaxscale.models.spec import model_spec
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
 

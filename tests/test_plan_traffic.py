@@ -11,7 +11,7 @@ from jaxscale.plan import rank
 from jaxscale.plan.search import Candidate, layout
 from jaxscale.plan.traffic import bytes_accessed
 from jaxscale.runtime.chips import CHIPS
-from jaxscale.training.state import model_spec
+from jaxscale.models.spec import model_spec
 from tests.helpers import small_config
 
 

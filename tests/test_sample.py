@@ -16,7 +16,9 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxscale.config
-from jaxscale import hf, models
+from jaxscale import hf
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import create_model
 from jaxscale.checkpoint import restore_from
 from jaxscale.config import default_config
 from jaxscale.parallel.mesh import MESH_AXES
@@ -35,10 +37,10 @@ VOCAB = 100  # padded to 128: 28 ids no tokenizer makes
 def random_model(tie_embeddings=False):
     """A float32 GQA model whose parameters are scaled up from the init, so that its logits spread
     as a trained model's do and argmax has no near-ties."""
-    cfg = models.LlamaConfig(vocab_size=VOCAB, vocab_multiple=64, d_model=32, n_layers=2,
-                             n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
-                             tie_embeddings=tie_embeddings, dtype="float32", max_seq_len=64)
-    graphdef, state = nnx.split(models.create_model(cfg, 0))
+    cfg = LlamaConfig(vocab_size=VOCAB, vocab_multiple=64, d_model=32, n_layers=2,
+                      n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
+                      tie_embeddings=tie_embeddings, dtype="float32", max_seq_len=64)
+    graphdef, state = nnx.split(create_model(cfg, 0))
     return nnx.merge(graphdef, jax.tree.map(lambda x: x * 4, state))
 
 

@@ -14,7 +14,8 @@ from jaxscale.parallel.sharding import rules_from_config, spec_axes, split_furth
 from jaxscale.plan.collectives import bytes_by_kind, parse_collectives
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.training.state import model_spec, state_specs
+from jaxscale.models.spec import model_spec
+from jaxscale.training.state import state_specs
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
 

@@ -38,15 +38,15 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxscale.checkpoint.reading import (FP8_ITEM, Restored, finalized_steps, handler_registry,
-                                         path_kind, restore_once, train_part)
+from jaxscale.checkpoint.reading import (FP8_ITEM, ParamsOnly, Restored, State, finalized_steps,
+                                         handler_registry, path_kind, restore_once, train_part)
 from jaxscale.checkpoint.verdict import (Verdict, agreed, raise_unless_ok, retrying,
                                          save_failure)
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder
 from jaxscale.hf.weights import load_params
-from jaxscale.models import LlamaConfig, create_model
-from jaxscale.training.state import ModelSpec, TrainState
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import ModelSpec, create_model
 from jaxscale.runtime.workdir import check_writable, reason, storage_error
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class Checkpoints:
             return _process_0_decides(time.monotonic() - self._last_save >= 60 * every_minutes)
         return False
 
-    def save(self, step: int, state: TrainState, data_state: dict, meta: dict, *,
+    def save(self, step: int, state: State, data_state: dict, meta: dict, *,
              finite: bool = True) -> bool:
         """Starts saving; returns once the state is copied off the devices, so training can go on
         (and donate the state's buffers) while the files are written. Waits first for the save
@@ -214,7 +214,7 @@ class Checkpoints:
 
     # -- restoring ---------------------------------------------------------------------------
 
-    def restore_newest(self, abstract_state: TrainState) -> Restored | None:
+    def restore_newest(self, abstract_state: State) -> Restored | None:
         """The newest checkpoint that restores, into `abstract_state`'s shapes and shardings.
 
         Reads only, but for damaged checkpoints newer than the one restored: they are renamed
@@ -275,7 +275,7 @@ class Checkpoints:
                            problem, target.name, restored)
 
 
-def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
+def restore_from(path: str, abstract_state: State, *, params_only: bool,
                  model_config: LlamaConfig) -> Restored:
     """Another run's checkpoint (`checkpoint.restore_from`): a workdir, its checkpoint folder or
     one step folder; or a Hugging Face model folder, whose weights are the params (params only,
@@ -308,6 +308,13 @@ def restore_from(path: str, abstract_state: TrainState, *, params_only: bool,
     return outcome.value
 
 
+def restore_params(path: str, abstract_params: Any, model_config: LlamaConfig) -> Restored:
+    """`restore_from` of the parameters alone, read into `abstract_params` (shapes, dtypes and
+    shardings; with LoRA, the adapters or the base, whichever the caller wants)."""
+    return restore_from(path, ParamsOnly(abstract_params), params_only=True,
+                        model_config=model_config)
+
+
 def lora_base(config: ml_collections.ConfigDict, spec: ModelSpec,
               abstract_frozen: Any) -> tuple[Any, str]:
     """(the frozen base that a LoRA run's adapters are trained on, what it is), laid out as
@@ -315,10 +322,7 @@ def lora_base(config: ml_collections.ConfigDict, spec: ModelSpec,
     Hugging Face folder or a run), else the init of `train.seed`. That init is made with the
     adapters, as the run made it: they draw from the same random stream as the base."""
     if config.checkpoint.restore_from:
-        only_params = TrainState(step=None, params=abstract_frozen, opt_state=None,
-                                 loss_scale=None, good_steps=None)
-        restored = restore_from(config.checkpoint.restore_from, only_params, params_only=True,
-                                model_config=spec.config)
+        restored = restore_params(config.checkpoint.restore_from, abstract_frozen, spec.config)
         return restored.params, restored.path
 
     def init():

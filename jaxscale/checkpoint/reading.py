@@ -36,12 +36,21 @@ from jax.experimental import multihost_utils
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
 from jaxscale.errors import ConfigError
 from jaxscale.models.fp8 import fresh_meta
-from jaxscale.training.state import TrainState
 
 FP8_ITEM = "fp8"  # the item of TrainState.fp8, when the run has one
+# A train state as the checkpoint sees it (jaxscale/training/state.py `TrainState`, whose module
+# builds on this one): a NamedTuple whose `params` are the params item, `fp8` (None: none) the
+# fp8 item, `frozen` (LoRA's base, named by the config) saved nowhere, the rest the train item.
+State = Any
 # Orbax's record of a step folder, written when the save starts and given `commit_timestamp_nsecs`
 # when it finishes (every Orbax version this package supports, local folders and buckets alike).
 _COMMIT_RECORD = "_CHECKPOINT_METADATA"
+
+
+class ParamsOnly(NamedTuple):
+    """The `State` of a params-only restore: the parameters' shapes, dtypes and shardings."""
+    params: Any
+    fp8: None = None
 
 
 class Restored(NamedTuple):
@@ -53,7 +62,7 @@ class Restored(NamedTuple):
     seconds: float
 
 
-def restore_once(directory: epath.Path, step: int, abstract_state: TrainState, *,
+def restore_once(directory: epath.Path, step: int, abstract_state: State, *,
                  params_only: bool) -> Outcome:
     """One agreed try at restoring checkpoint `step`: its files are inspected and its metadata
     read, then (once it is known to fit `abstract_state`) its items. Raises ConfigError when the
@@ -134,7 +143,7 @@ def _json_file(path: epath.Path, name: str) -> Any:
         raise Damage(f"{name} is not JSON ({e})") from None
 
 
-def _restore_args(abstract_state: TrainState, params_only: bool,
+def _restore_args(abstract_state: State, params_only: bool,
                   with_fp8: bool) -> ocp.args.Composite:
     items = dict(params=ocp.args.StandardRestore(abstract_state.params),
                  meta=ocp.args.JsonRestore())
@@ -174,14 +183,14 @@ def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path, *,
 
 
 def _leaves_by_name(tree: Any) -> dict[str, Any]:
-    """{'a/b/0/c': leaf}: the same names for a TrainState's NamedTuples and the dicts and lists
+    """{'a/b/0/c': leaf}: the same names for a State's NamedTuples and the dicts and lists
     Orbax reads back."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {jax.tree_util.keystr(p, simple=True, separator="/"): leaf for p, leaf in leaves}
 
 
-def train_part(state: TrainState) -> dict:
-    """Everything in a TrainState but the params, the fp8 meta and LoRA's frozen base, saved as
+def train_part(state: State) -> dict:
+    """Everything in a State but the params, the fp8 meta and LoRA's frozen base, saved as
     the `train` item: the same entries whatever precision.matmul, so checkpoints restore across
     it."""
     return {k: v for k, v in state._asdict().items() if k not in ("params", "fp8", "frozen")}

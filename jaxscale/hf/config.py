@@ -1,5 +1,7 @@
-"""A Hugging Face Llama folder's config.json <-> jaxscale's `model` section, and the folder's
-tokenizer. No JAX here: config files (configs/hf.py) import it before JAX may start.
+"""A Hugging Face model folder's config.json <-> jaxscale's `model` section, and the folder's
+tokenizer, for every family jaxscale has (jaxscale/models/__init__.py FAMILIES: the family's
+architecture and model_type pick it; its fixed settings are checked and written). No JAX here:
+config files (configs/hf.py) import it before JAX may start.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from typing import Any
 import ml_collections
 
 from jaxscale.errors import JaxscaleError
+from jaxscale.models import FAMILIES, Family
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_ARCHITECTURE = "LlamaForCausalLM"
-_FOLDER_HINT = ("point at a local Hugging Face Llama folder: config.json and model.safetensors "
+_FOLDER_HINT = ("point at a local Hugging Face model folder: config.json and model.safetensors "
                 "(or model.safetensors.index.json and its shards), as save_pretrained writes")
 
 
@@ -27,8 +29,9 @@ def is_hf_folder(path: str) -> bool:
         os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, INDEX_FILE))
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """The folder's config.json; JaxscaleError unless it describes a Llama jaxscale can load."""
+def read_config(path: str) -> tuple[dict[str, Any], Family]:
+    """(the folder's config.json, its family); JaxscaleError unless it describes a model of a
+    family jaxscale can load."""
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
         raise JaxscaleError(f"Hugging Face model folder {path!r} does not exist; {_FOLDER_HINT}")
@@ -40,17 +43,20 @@ def read_config(path: str) -> dict[str, Any]:
             hf = json.load(f)
     except ValueError as e:
         raise JaxscaleError(f"{file} is not JSON ({e}); {_FOLDER_HINT}") from None
-    model_type, architectures = hf.get("model_type"), hf.get("architectures") or [_ARCHITECTURE]
-    if model_type != "llama" or architectures != [_ARCHITECTURE]:
+    model_type = hf.get("model_type")
+    family = next((f for f in FAMILIES.values() if f.hf_model_type == model_type), None)
+    architectures = hf.get("architectures") or [family and family.hf_architecture]
+    if family is None or architectures != [family.hf_architecture]:
+        known = ", ".join(f"{f.hf_model_type!r} with ['{f.hf_architecture}']"
+                          for f in FAMILIES.values())
         raise JaxscaleError(
             f"{file}: model_type {model_type!r}, architectures {architectures} is not supported; "
-            f"jaxscale imports model_type 'llama' with architectures ['{_ARCHITECTURE}']")
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False),
-                           ("mlp_bias", False)):
+            f"jaxscale imports model_type {known}")
+    for key, supported in family.hf_settings.items():
         if hf.get(key, supported) != supported:
-            raise JaxscaleError(f"{file}: {key}={hf[key]!r} is not supported; jaxscale's Llama "
-                                f"has {key}={supported!r}")
-    return hf
+            raise JaxscaleError(f"{file}: {key}={hf[key]!r} is not supported; jaxscale's "
+                                f"{family.name} has {key}={supported!r}")
+    return hf, family
 
 
 def _rope(hf: dict[str, Any], file: str) -> tuple[float, dict[str, Any]]:
@@ -80,13 +86,13 @@ def _rope(hf: dict[str, Any], file: str) -> tuple[float, dict[str, Any]]:
 
 def model_section(path: str) -> dict[str, Any]:
     """The folder's model as jaxscale's `config.model` keys (rope_scaling is a group of keys)."""
-    hf = read_config(path)
+    hf, family = read_config(path)
     file = os.path.join(path, CONFIG_FILE)
     try:
         d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         theta, rope_scaling = _rope(hf, file)
         return dict(
-            vocab_size=int(hf["vocab_size"]), d_model=d_model,
+            name=family.name, vocab_size=int(hf["vocab_size"]), d_model=d_model,
             n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
@@ -96,8 +102,8 @@ def model_section(path: str) -> dict[str, Any]:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     except KeyError as e:
-        raise JaxscaleError(f"{file} lacks {e.args[0]!r}; a Llama config.json has it (see "
-                            "transformers' LlamaConfig)") from None
+        raise JaxscaleError(f"{file} lacks {e.args[0]!r}; a {family.name} config.json has it "
+                            f"(see transformers' {family.hf_architecture})") from None
 
 
 def apply_model_section(config: ml_collections.ConfigDict, section: dict[str, Any]) -> None:
@@ -113,7 +119,7 @@ def update_config(config: ml_collections.ConfigDict, path: str) -> None:
     config.json's BOS/EOS ids as data.bos_token/eos_token) and its weights
     (checkpoint.restore_from)."""
     apply_model_section(config, model_section(path))
-    hf = read_config(path)
+    hf, _ = read_config(path)
     tokenizer = os.path.join(path, TOKENIZER_FILE)
     if os.path.isfile(tokenizer):
         config.data.tokenizer = tokenizer
@@ -147,20 +153,21 @@ def _token(tokenizer: str, token_id: int | list[int] | None) -> str | None:
 
 def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
               eos_token_id: int | None = None) -> dict[str, Any]:
-    """config.json for `model_config` (a LlamaConfig) in the `rope_theta` + `rope_scaling` form,
-    which transformers 4 and 5 both read."""
-    c, r = model_config, model_config.rope_scaling
+    """config.json for `model_config` (a LlamaConfig, or its family's extension of one) in the
+    `rope_theta` + `rope_scaling` form, which transformers 4 and 5 both read."""
+    c, r, family = model_config, model_config.rope_scaling, FAMILIES[model_config.family]
     rope_scaling = None if r is None else dict(
         rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
         high_freq_factor=r.high_freq_factor,
         original_max_position_embeddings=r.original_max_seq_len)
     config = dict(
-        architectures=[_ARCHITECTURE], model_type="llama", vocab_size=c.vocab_size,
-        hidden_size=c.d_model, intermediate_size=c.mlp_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
+        architectures=[family.hf_architecture], model_type=family.hf_model_type,
+        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.mlp_dim,
+        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
         max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-        rope_scaling=rope_scaling, tie_word_embeddings=c.tie_embeddings, hidden_act="silu",
-        attention_bias=False, mlp_bias=False, torch_dtype=dtype)
+        rope_scaling=rope_scaling, tie_word_embeddings=c.tie_embeddings, **family.hf_settings,
+        torch_dtype=dtype)
     config.update({k: v for k, v in (("bos_token_id", bos_token_id),
                                      ("eos_token_id", eos_token_id)) if v is not None})
     return config

@@ -1,4 +1,5 @@
-"""`load_model` and `save_model`: a Hugging Face Llama folder as a jaxscale model, and back."""
+"""`load_model` and `save_model`: a Hugging Face folder of a family jaxscale has
+(jaxscale/models/__init__.py) as a jaxscale model, and back."""
 
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ from jaxscale.config import default_config
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import weights
 from jaxscale.hf.config import CONFIG_FILE, apply_model_section, hf_config, model_section
-from jaxscale.models import LlamaConfig
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import model_spec, params_on_mesh
 from jaxscale.parallel.mesh import MESH_AXES, build_mesh
 from jaxscale.parallel.sharding import Rules, rules_from_config
-from jaxscale.training.state import model_spec, params_on_mesh
 
 
 def load_model(path: str, dtype: str = "float32", *, compute_dtype: str = "bfloat16",
                mesh: Mesh | None = None, rules: Rules | None = None
                ) -> tuple[nnx.Module, LlamaConfig]:
-    """(model, its LlamaConfig) from a local Hugging Face Llama folder.
+    """(model, its config: a LlamaConfig, or its family's extension of one) from a local Hugging
+    Face folder of a family jaxscale has (Llama, Qwen3).
 
     `dtype`: the parameters' (float32, the training master copy; bfloat16 halves the memory to
     sample). `compute_dtype`: matmuls and activations. With `mesh`, every parameter is sharded by
     `rules` (default: jaxscale's default rules) and each process reads only its devices' slices;
-    without, the model lands on the first device. JaxscaleError when the folder is not a Llama
+    without, the model lands on the first device. JaxscaleError when the folder is not a model
     jaxscale can load (the message names the file or tensor).
     """
     config = default_config()
@@ -50,7 +52,8 @@ def save_model(model_or_params: nnx.Module | Any, model_config: LlamaConfig, pat
                shard_bytes: int = weights.SHARD_BYTES) -> list[str]:
     """Writes `path`/config.json and the weights as safetensors (sharded at `shard_bytes`, with
     model.safetensors.index.json), without the padded vocabulary rows, in `dtype`, so that
-    transformers' LlamaForCausalLM.from_pretrained(path) loads them. `path` must not exist or be
+    transformers' ...ForCausalLM of the family (LlamaForCausalLM, Qwen3ForCausalLM)
+    .from_pretrained(path) loads them. `path` must not exist or be
     an empty folder. Every process calls it; process 0 writes. Returns the weight files."""
     if dtype not in weights.DTYPES:
         raise JaxscaleError(f"dtype {dtype!r} cannot be saved; use one of {weights.DTYPES}")
@@ -78,13 +81,13 @@ def _check_params(params: Any, cfg: LlamaConfig) -> None:
         name = "/".join(t.path)
         if node is None:
             raise JaxscaleError(f"the params have no {name!r}, which the model config needs; "
-                                "pass the LlamaConfig the params were made with")
+                                "pass the model config the params were made with")
         ours = [t.view[p] for p in t.perm]
         vocab_dim = {("embed",): 0, ("head",): 1}.get(t.path)
         if vocab_dim is not None:  # the embedding and head have the padded rows
             ours[vocab_dim] = cfg.padded_vocab_size
-        expected = ((cfg.n_layers,) if "{}" in t.hf_name else ()) + tuple(ours)
+        expected = ((cfg.n_layers,) if t.stacked else ()) + tuple(ours)
         if tuple(np.shape(node)) != expected:
             raise JaxscaleError(f"parameter {name!r} is {list(np.shape(node))} but the model "
-                                f"config needs {list(expected)}; pass the LlamaConfig the params "
+                                f"config needs {list(expected)}; pass the model config the params "
                                 "were made with")

@@ -1,6 +1,6 @@
 """LoRA adapters as a PEFT folder: `save_adapters(adapters, model_config, path)` writes
 adapter_config.json and adapter_model.safetensors, which `peft.PeftModel.from_pretrained(base,
-path)` loads onto the base's LlamaForCausalLM (docs/huggingface.md).
+path)` loads onto the base's ...ForCausalLM (docs/huggingface.md).
 
 PEFT's LoRA layer computes W x + (lora_alpha / r) B (A x) with torch's [out, in] layouts:
 `lora_A.weight` is [r, in] and `lora_B.weight` [out, r]. jaxscale's adapter of a weight has A
@@ -22,20 +22,21 @@ import numpy as np
 
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors, weights
-from jaxscale.models import LlamaConfig
+from jaxscale.models.hf_layout import HfTensor
+from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.lora import ADAPTER_SUFFIX
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> LlamaForCausalLM's module names
+_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the ...ForCausalLM's module names
 
 
-def _module(tensor: weights.Tensor) -> str:
+def _module(tensor: HfTensor) -> str:
     """The torch module of a Hugging Face weight: "model.layers.{}.self_attn.q_proj"."""
     return tensor.hf_name.removesuffix(".weight")
 
 
-def targets(cfg: LlamaConfig) -> list[weights.Tensor]:
+def targets(cfg: LlamaConfig) -> list[HfTensor]:
     """The weights `cfg`'s adapters sit beside, in the order transformers writes them."""
     if cfg.lora is None:
         raise JaxscaleError("the model has no LoRA adapters (model.lora.rank=0); a PEFT folder "
@@ -59,7 +60,7 @@ def adapter_config(cfg: LlamaConfig, base_model_name_or_path: str | None,
         layers_pattern=None, rank_pattern={}, alpha_pattern={})
 
 
-def _factors(cfg: LlamaConfig) -> dict[str, tuple[weights.Tensor, int, str]]:
+def _factors(cfg: LlamaConfig) -> dict[str, tuple[HfTensor, int, str]]:
     """{PEFT tensor name: (the weight, its layer, "a" or "b")}, layer by layer as PEFT orders
     its state dict."""
     names = {}
@@ -71,13 +72,13 @@ def _factors(cfg: LlamaConfig) -> dict[str, tuple[weights.Tensor, int, str]]:
     return names
 
 
-def _adapter(adapters: Any, tensor: weights.Tensor) -> dict:
+def _adapter(adapters: Any, tensor: HfTensor) -> dict:
     node = adapters
     for key in tensor.path[:-1] + (tensor.path[-1] + ADAPTER_SUFFIX,):
         node = node.get(key) if isinstance(node, dict) else None
         if node is None:
             raise JaxscaleError(f"the adapters have no {'/'.join(tensor.path)}{ADAPTER_SUFFIX}, "
-                                "which the model config targets; pass the LlamaConfig they were "
+                                "which the model config targets; pass the model config they were "
                                 "made with")
     return node
 
@@ -102,7 +103,7 @@ def save_adapters(adapters: Any, model_config: LlamaConfig, path: str, dtype: st
         if (a, b) != (want_a, want_b):
             raise JaxscaleError(f"adapter {'/'.join(t.path)}{ADAPTER_SUFFIX} is a {list(a)}, b "
                                 f"{list(b)} but the model config needs a {list(want_a)}, b "
-                                f"{list(want_b)}; pass the LlamaConfig the adapters were made "
+                                f"{list(want_b)}; pass the model config the adapters were made "
                                 "with")
         inputs, outputs = int(np.prod(n_in)), int(np.prod(n_out))
         shapes[name] = (rank, inputs) if which == "a" else (outputs, rank)

@@ -1,9 +1,5 @@
-"""Hugging Face Llama weights <-> jaxscale parameters.
-
-Each jaxscale parameter is one Hugging Face tensor (or one per layer, stacked on the `layers`
-axis) reshaped and transposed: HF's Linear weights are [out, in], ours [in, ..., out] with the
-heads split out; both use RoPE's "rotate half" layout, so no permutation of q/k rows is needed.
-The embedding and head have `padded_vocab_size` rows here and `vocab_size` in the files.
+"""Hugging Face weights <-> jaxscale parameters, for any family: each parameter is the tensor its
+family's `hf_tensors` names (jaxscale/models/hf_layout.py says how they correspond).
 
 Loading is sharded: every parameter is made by `jax.make_array_from_callback`, which asks for
 the slices this process's devices hold, and each slice is read from a memory map of the file,
@@ -12,7 +8,6 @@ so no process reads (or holds) more than its devices' part, one tensor at a time
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -26,65 +21,21 @@ from jax.experimental import multihost_utils
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors
 from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
-from jaxscale.models import LlamaConfig
+from jaxscale.models.hf_layout import HfTensor
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import family_module
 from jaxscale.runtime.workdir import reason, storage_error
 
 SHARD_BYTES = 5_000_000_000  # transformers' save_pretrained default, "5GB"
 DTYPES = ("float32", "bfloat16", "float16")
-# Tensors a Llama file may hold that jaxscale has no parameter for: non-persistent RoPE buffers
-# saved by old transformers versions.
+# Tensors a Hugging Face file may hold that jaxscale has no parameter for: non-persistent RoPE
+# buffers saved by old transformers versions.
 _IGNORED_SUFFIX = ".rotary_emb.inv_freq"
 
 
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One parameter: `hf_name` ("{}" = the layer), whose [out, in] tensor reshaped to `view` and
-    transposed by `perm` is our (one layer's, unpadded) array."""
-    path: tuple[str, ...]
-    hf_name: str
-    view: tuple[int, ...]
-    perm: tuple[int, ...]
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        """The file's shape: `view` with the heads merged back into one dimension."""
-        if len(self.view) == 3:  # q/k/v: [heads, head_dim, in]; o: [out, heads, head_dim]
-            return ((self.view[0] * self.view[1], self.view[2]) if self.perm[0] == 2
-                    else (self.view[0], self.view[1] * self.view[2]))
-        return self.view
-
-    def names(self, n_layers: int) -> list[str]:
-        return [self.hf_name.format(i) for i in range(n_layers)] if "{}" in self.hf_name \
-            else [self.hf_name]
-
-
-def layout(cfg: LlamaConfig) -> list[Tensor]:
-    """Every parameter of `cfg`'s model, in the order transformers writes them."""
-    if cfg.moe is not None:
-        raise JaxscaleError("mixture-of-experts models (model.moe.every > 0) have no Hugging "
-                            "Face Llama layout; export and import Llama models (moe.every=0)")
-    d, h, kv, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                          cfg.vocab_size)
-    layer = "model.layers.{}."
-    tensors = [
-        Tensor(("embed",), "model.embed_tokens.weight", (v, d), (0, 1)),
-        Tensor(("blocks", "attn_norm", "scale"), layer + "input_layernorm.weight", (d,), (0,)),
-        Tensor(("blocks", "attn", "q"), layer + "self_attn.q_proj.weight", (h, hd, d), (2, 0, 1)),
-        Tensor(("blocks", "attn", "k"), layer + "self_attn.k_proj.weight", (kv, hd, d),
-               (2, 0, 1)),
-        Tensor(("blocks", "attn", "v"), layer + "self_attn.v_proj.weight", (kv, hd, d),
-               (2, 0, 1)),
-        Tensor(("blocks", "attn", "o"), layer + "self_attn.o_proj.weight", (d, h, hd), (1, 2, 0)),
-        Tensor(("blocks", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", (d,),
-               (0,)),
-        Tensor(("blocks", "mlp", "gate"), layer + "mlp.gate_proj.weight", (f, d), (1, 0)),
-        Tensor(("blocks", "mlp", "up"), layer + "mlp.up_proj.weight", (f, d), (1, 0)),
-        Tensor(("blocks", "mlp", "down"), layer + "mlp.down_proj.weight", (d, f), (1, 0)),
-        Tensor(("final_norm", "scale"), "model.norm.weight", (d,), (0,)),
-    ]
-    if not cfg.tie_embeddings:
-        tensors.append(Tensor(("head",), "lm_head.weight", (v, d), (1, 0)))
-    return tensors
+def layout(cfg: LlamaConfig) -> list[HfTensor]:
+    """Every parameter of `cfg`'s model as its family names it in a Hugging Face folder."""
+    return family_module(cfg.family).hf_tensors(cfg)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -185,15 +136,15 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, safetensors.TensorInfo],
                    if n not in expected and n != tied_head and not n.endswith(_IGNORED_SUFFIX))
     if extra:
         raise JaxscaleError(f"tensor {extra[0]!r} in {tensors[extra[0]].path} has no place in "
-                            "jaxscale's Llama (biases or another architecture?); only plain "
-                            "Llama weights load")
+                            f"jaxscale's {cfg.family} (biases or another architecture?); only "
+                            f"the weights of a plain {cfg.family} load")
 
 
-def _reader(tensor: Tensor, infos: list[safetensors.TensorInfo], shape: tuple[int, ...],
+def _reader(tensor: HfTensor, infos: list[safetensors.TensorInfo], shape: tuple[int, ...],
             dtype: np.dtype):
     """`make_array_from_callback`'s callback for one parameter of global `shape`: the requested
     slice, read layer by layer, with the padding (vocabulary rows past the file's) zero."""
-    stacked = "{}" in tensor.hf_name
+    stacked = tensor.stacked
     layer_shape = shape[1:] if stacked else shape  # padded
     ours = tuple(tensor.view[p] for p in tensor.perm)  # unpadded
     inverse = np.argsort(tensor.perm)
@@ -253,7 +204,7 @@ def save_params(params: Any, cfg: LlamaConfig, path: str, dtype: str,
     tensors = {}  # hf name -> (Tensor, layer)
     for t in layout(cfg):
         for layer, name in enumerate(t.names(cfg.n_layers)):
-            tensors[name] = (t, layer if "{}" in t.hf_name else None)
+            tensors[name] = (t, layer if t.stacked else None)
 
     def produce(name: str) -> np.ndarray:
         t, layer = tensors[name]

@@ -1,6 +1,7 @@
-"""Sampling from a Llama: a jitted prefill that fills the model's KV cache with the prompt, then
-one decode step per new token, optionally sharded on a mesh (the model's `constrain` places the
-cache and the activations by the logical rules). `python -m jaxscale.sample` is its command line.
+"""Sampling from a model of any family: a jitted prefill that fills the model's KV cache with the
+prompt, then one decode step per new token, optionally sharded on a mesh (the model's `constrain`
+places the cache and the activations by the logical rules). `python -m jaxscale.sample` is its
+command line.
 
     tokens = Sampler(model, mesh, rules).generate(prompt_ids, max_new_tokens=100,
                                                   temperature=0.8, top_p=0.95, seed=0)
@@ -17,12 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.checkpoint import lora_base, restore_from
+from jaxscale.checkpoint import lora_base, restore_params
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.mesh import MESH_AXES, build_mesh, resolve_mesh_shape
 from jaxscale.parallel.sharding import Rules, tree_shardings, use_rules
 from jaxscale.models.lora import join_adapters
-from jaxscale.training.state import TrainState, model_spec, params_on_mesh
+from jaxscale.models.spec import model_spec, params_on_mesh
 
 
 def next_token(logits, key, temperature: float, top_p: float, vocab_size: int):
@@ -108,10 +109,7 @@ def restored_model(config: ml_collections.ConfigDict, source: str, mesh: Mesh,
     base they were trained on (`lora_base`)."""
     spec = model_spec(config)
     abstract = params_on_mesh(spec, mesh, rules)
-    # A params-only restore reads nothing of the state but its params.
-    only_params = TrainState(step=None, params=spec.trained(abstract), opt_state=None,
-                             loss_scale=None, good_steps=None)
-    restored = restore_from(source, only_params, params_only=True, model_config=spec.config)
+    restored = restore_params(source, spec.trained(abstract), spec.config)
     params = restored.params
     if spec.config.lora:
         params = join_adapters(params, lora_base(config, spec, spec.frozen(abstract))[0])

@@ -1,31 +1,44 @@
-"""The model: a Flax NNX Llama built from a `LlamaConfig` the caller makes; its parameter count."""
+"""Model families behind one door: `model.name` names one of FAMILIES.
+
+A family is a module of this folder that holds its config (a frozen dataclass, `Config`), its
+Flax module (`Model`), and the Hugging Face tensor each of its parameters is (`hf_tensors`).
+jaxscale/models/spec.py builds any family's model from a run's config; nothing outside this folder
+names a family's classes. A family's Flax module may be another's with its own config: Qwen3 is
+the Llama decoder with per-head q/k norms (jaxscale/models/qwen3.py).
+
+This module imports no JAX: jaxscale/hf/config.py reads a Hugging Face config.json with the table
+below before JAX starts (a config file, configs/hf.py, does). Adding a family: its module, its row.
+"""
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from typing import Any, Mapping
 
-import jax
-from flax import nnx
-
-from jaxscale.models.llama import REMAT_POLICIES, Llama, LlamaConfig
-
-__all__ = ["REMAT_POLICIES", "Llama", "LlamaConfig", "abstract_model", "count_params",
-           "create_model"]
-
-# Parameters are created unsharded and placed by the trainer's jit out_shardings; Flax's eager
-# sharding would need a mesh at construction time, which model code must not know about.
-nnx.use_eager_sharding(False)
+from jaxscale.errors import ConfigError
 
 
-def create_model(config: LlamaConfig, seed) -> nnx.Module:
-    """The model with freshly initialised float32 parameters; `seed` may be traced."""
-    return Llama(config, nnx.Rngs(params=jax.random.key(seed)))
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What jaxscale knows of a family without building it."""
+    name: str  # model.name
+    module: str  # the module with its Config, Model and hf_tensors
+    hf_architecture: str  # a Hugging Face config.json's `architectures` entry
+    hf_model_type: str  # and its `model_type`
+    # The config.json entries the family has one value of: checked on import, written on export.
+    hf_settings: Mapping[str, Any]
 
 
-def abstract_model(config: LlamaConfig) -> nnx.Module:
-    """The model with shapes and logical axes but no allocated parameters."""
-    return nnx.eval_shape(lambda: create_model(config, 0))
+FAMILIES = {family.name: family for family in (
+    Family("llama", "jaxscale.models.llama", "LlamaForCausalLM", "llama",
+           {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
+    Family("qwen3", "jaxscale.models.qwen3", "Qwen3ForCausalLM", "qwen3",
+           {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
+)}
 
 
-def count_params(model: nnx.Module) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+def family(name: str) -> Family:
+    """The family `model.name` names; ConfigError for another name."""
+    if name not in FAMILIES:
+        raise ConfigError(f"model.name={name!r} is unknown; use one of {tuple(FAMILIES)}")
+    return FAMILIES[name]

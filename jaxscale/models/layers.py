@@ -22,6 +22,9 @@ from jaxscale.models.rope import RopeScaling, apply_rope
 from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
 
+# Parameters are created unsharded and placed by the trainer's jit out_shardings; Flax's eager
+# sharding would need a mesh at construction time, which model code must not know about.
+nnx.use_eager_sharding(False)
 
 # The name of every weight matmul's output in a block: what remat "save_dots" keeps. Named rather
 # than recognised by shape (a dot without batch dimensions): a pipeline stage's vmap gives every
@@ -249,10 +252,11 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm, computed in float32 whatever the input dtype."""
+    """Root-mean-square norm over the last axis (logical name `axis`), computed in float32
+    whatever the input dtype."""
 
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",))
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -278,7 +282,8 @@ class Attention(nnx.Module):
     gradients are made and reduced in (`weight_matmul`; None: `dtype`). `fp8_history` > 0: the
     four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`).
     `lora`: the adapters of the projections it targets (`models/lora.py`); `dropout` (train
-    step only): on their inputs."""
+    step only): on their inputs. `qk_norm_eps` (None: none): each head's q and k go through an
+    RMSNorm over head_dim with this epsilon before RoPE (Qwen3's q_norm and k_norm)."""
 
     WEIGHT_AXES = {"q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
                    "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed")}
@@ -287,7 +292,7 @@ class Attention(nnx.Module):
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
                  rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0,
                  grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, qk_norm_eps: float | None = None):
         axes = self.WEIGHT_AXES
         self.q = param(rngs, (d_model, n_heads, head_dim), axes["q"], 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), axes["k"], 0.02)
@@ -303,6 +308,8 @@ class Attention(nnx.Module):
         self.q_lora, self.k_lora, self.v_lora = (adapter(lora, name, getattr(self, name), 1, rngs)
                                                  for name in ("q", "k", "v"))
         self.o_lora = adapter(lora, "o", self.o, 2, rngs)  # o contracts heads and head_dim
+        self.q_norm, self.k_norm = (None, None) if qk_norm_eps is None else (
+            RMSNorm(head_dim, qk_norm_eps, "head_dim"), RMSNorm(head_dim, qk_norm_eps, "head_dim"))
 
     def weight_dtypes(self) -> dict[str, jnp.dtype]:
         """The weights (by attribute) and the dtype each is cast to where it is used, fp8
@@ -333,11 +340,14 @@ class Attention(nnx.Module):
 
     def project(self, x: jax.Array, positions: jax.Array,
                 dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(q, k, v) in the compute dtype, q and k rotated to their positions."""
+        """(q, k, v) in the compute dtype, q and k normed (`qk_norm_eps`) and rotated to their
+        positions."""
         d = dropout
         q = adapted_matmul("btd,dnh->btnh", x, self.weight("q"), self.q_fp8, self.q_lora, d)
         k = adapted_matmul("btd,dkh->btkh", x, self.weight("k"), self.k_fp8, self.k_lora, d)
         v = adapted_matmul("btd,dkh->btkh", x, self.weight("v"), self.v_fp8, self.v_lora, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
                       ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),

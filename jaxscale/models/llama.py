@@ -7,18 +7,25 @@ With mixture-of-experts (`LlamaConfig.moe`), every `moe.every`-th block's feed-f
 layer. The stack stays homogeneous: its unit is then a `BlockGroup` of `every` blocks whose last
 is the MoE one, stacked along `layers` (n_layers / every of them), and the router statistics
 travel through the stack in the carry, next to the activations.
+
+The Llama family (jaxscale/models/__init__.py): `LlamaConfig`, `Llama`, and `hf_tensors`, the
+Hugging Face tensor each parameter is. Other families reuse the decoder with their own config
+(Qwen3: `qk_norm`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.errors import JaxscaleError
+from jaxscale.models.hf_layout import LAYER, HfTensor
 from jaxscale.models.layers import (CACHE_AXES, MLP, MLP_CHUNK, WEIGHT_MATMUL, Attention, KVCache,
                                     RMSNorm, embedding_lookup, fewest_parts,
                                     float32_accumulating, param, weight_matmul,
@@ -40,8 +47,9 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The model's own config, made by the caller (the trainer builds it from `config.model` and
-    `config.precision`); nothing here knows the app's config or the mesh."""
+    """The model's own config, made by the caller (jaxscale/models/spec.py builds it from
+    `config.model` and `config.precision`); nothing here knows the app's config or the mesh."""
+    family: ClassVar[str] = "llama"  # its row of jaxscale/models/__init__.py FAMILIES
     vocab_size: int  # the tokenizer's ids
     d_model: int
     n_layers: int
@@ -56,6 +64,7 @@ class LlamaConfig:
     # max_position_embeddings); positions are exact up to 2^24 whatever it is
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: bool = False  # an RMSNorm of each head's q and k before RoPE (Qwen3's)
     remat: str = "none"  # a key of REMAT_POLICIES
     attention: str = "auto"  # jaxscale.parallel.attention.IMPLEMENTATIONS
     # The most runs of one segment id a packed row holds (0: unbounded); a bound lets GPU
@@ -142,7 +151,7 @@ class Block(nnx.Module):
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
                               rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments,
                               grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
-                              lora=cfg.lora)
+                              lora=cfg.lora, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
@@ -242,18 +251,29 @@ class Llama(nnx.Module):
                             dropout: AdapterDropout | None = None
                             ) -> tuple[jax.Array, RouterStats | None]:
         """(`features`, the routers' statistics averaged over the MoE layers; None when the
-        model has none). With MoE the stack's carry is the pair (x, statistics summed so far).
-        `dropout` (the train step's): on the LoRA adapters' inputs."""
+        model has none): `parts` run with `stack`. `dropout` (the train step's): on the LoRA
+        adapters' inputs."""
+        parts = self.parts(tokens, positions, segment_ids, dropout)
+        return parts.features(stack or self.default_stack)
+
+    def parts(self, tokens: jax.Array, positions: jax.Array | None = None,
+              segment_ids: jax.Array | None = None,
+              dropout: AdapterDropout | None = None) -> ModelParts:
+        """The model on `tokens` cut where a layer schedule takes over (a scan, or a pipeline's
+        stages): the stack's input, the layers as a pure function with their stacked state and
+        per-row inputs, then the final norm and the head (`ModelParts`). With MoE the stack's
+        carry is the pair (x, router statistics summed so far)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed_tokens(tokens)
-        carry = (x, RouterStats.zeros(self.cfg.moe.experts)) if self.cfg.moe else x
+        if self.cfg.moe:
+            x = (x, RouterStats.zeros(self.cfg.moe.experts))
         layer_fn, stacked, per_row = self.stack_inputs(positions, segment_ids, dropout)
-        carry = (stack or self.default_stack)(layer_fn, stacked, carry, *per_row)
-        if not self.cfg.moe:
-            return self.final_norm(carry), None
-        x, stats = carry
-        return self.final_norm(x), stats.scaled(1 / self.cfg.moe_layers)
+        norm_def, norm_state = nnx.split(self.final_norm)
+        return ModelParts(x, layer_fn, stacked, per_row,
+                          lambda state, y: nnx.merge(norm_def, state)(y), norm_state,
+                          self.cfg.moe_layers, self.head_weight(), HEAD_AXES,
+                          functools.partial(logits_from, cfg=self.cfg))
 
     @property
     def default_stack(self) -> Stack:
@@ -350,6 +370,34 @@ class Llama(nnx.Module):
 HEAD_AXES = ("embed", "vocab")
 
 
+class ModelParts(NamedTuple):
+    """The model on a batch, cut where a layer schedule takes over (`Llama.parts`): what a scan
+    or a pipeline's stages run, and what comes after them, each a pure function of its state so
+    that a schedule can differentiate it where it runs it (1F1B runs the norm and the loss in its
+    loop: jaxscale/parallel/pipeline.py `one_f_one_b_loss`)."""
+    x: Any  # the stack's input: the embedded tokens (with MoE, the pair (x, zero statistics))
+    layer_fn: LayerFn  # (one layer's state, x, *per_row) -> x
+    stacked: Any  # the layers' state, stacked on `layers`
+    per_row: tuple  # the layers' other inputs, one row each: positions, segment ids, ...
+    norm: Callable[[Any, jax.Array], jax.Array]  # (norm_state, the stack's x) -> features
+    norm_state: Any
+    moe_layers: int  # the MoE layers whose router statistics the stack's carry sums; 0: none
+    head: jax.Array  # [d_model, padded_vocab_size] (`Llama.head_weight`)
+    head_axes: tuple[str, ...]  # its logical axes, which its gradient is kept in
+    # (features, head, vocab_ids=None) -> float32 logits (`logits_from` with the model's config)
+    logits_fn: Callable[..., jax.Array]
+
+    def features(self, stack: Stack) -> tuple[jax.Array, RouterStats | None]:
+        """(the final norm's output [batch, length, d_model], the routers' statistics averaged
+        over the MoE layers; None without), the layers run by `stack` (`Llama.default_stack`, or
+        a pipeline schedule's, which splits the same stacked layers over stages)."""
+        carry = stack(self.layer_fn, self.stacked, self.x, *self.per_row)
+        if not self.moe_layers:
+            return self.norm(self.norm_state, carry), None
+        x, stats = carry
+        return self.norm(self.norm_state, x), stats.scaled(1 / self.moe_layers)
+
+
 def logits_from(features: jax.Array, head: jax.Array, cfg: LlamaConfig,
                 vocab_ids: jax.Array | None = None) -> jax.Array:
     """[..., d_model] features x head [d_model, padded_vocab_size] -> float32 logits; or, with
@@ -363,3 +411,39 @@ def logits_from(features: jax.Array, head: jax.Array, cfg: LlamaConfig,
         ids = jnp.arange(cfg.padded_vocab_size) if vocab_ids is None else vocab_ids
         logits = jnp.where(ids < cfg.vocab_size, logits, jnp.finfo(jnp.float32).min)
     return constrain(logits, ("batch", "length", "vocab")[-logits.ndim:])
+
+
+def hf_tensors(cfg: LlamaConfig) -> list[HfTensor]:
+    """Every parameter of `cfg`'s model as a Hugging Face Llama tensor (jaxscale/hf/), in the
+    order transformers writes them."""
+    if cfg.moe is not None:
+        raise JaxscaleError("mixture-of-experts models (model.moe.every > 0) have no Hugging "
+                            f"Face {cfg.family} layout; export and import dense models "
+                            "(moe.every=0)")
+    d, h, kv, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                          cfg.vocab_size)
+    tensors = [
+        HfTensor(("embed",), "model.embed_tokens.weight", (v, d), (0, 1)),
+        HfTensor(("blocks", "attn_norm", "scale"), LAYER + "input_layernorm.weight", (d,), (0,)),
+        HfTensor(("blocks", "attn", "q"), LAYER + "self_attn.q_proj.weight", (h, hd, d),
+                 (2, 0, 1)),
+        HfTensor(("blocks", "attn", "k"), LAYER + "self_attn.k_proj.weight", (kv, hd, d),
+                 (2, 0, 1)),
+        HfTensor(("blocks", "attn", "v"), LAYER + "self_attn.v_proj.weight", (kv, hd, d),
+                 (2, 0, 1)),
+        HfTensor(("blocks", "attn", "o"), LAYER + "self_attn.o_proj.weight", (d, h, hd),
+                 (1, 2, 0)),
+        HfTensor(("blocks", "mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight",
+                 (d,), (0,)),
+        HfTensor(("blocks", "mlp", "gate"), LAYER + "mlp.gate_proj.weight", (f, d), (1, 0)),
+        HfTensor(("blocks", "mlp", "up"), LAYER + "mlp.up_proj.weight", (f, d), (1, 0)),
+        HfTensor(("blocks", "mlp", "down"), LAYER + "mlp.down_proj.weight", (d, f), (1, 0)),
+        HfTensor(("final_norm", "scale"), "model.norm.weight", (d,), (0,)),
+    ]
+    if not cfg.tie_embeddings:
+        tensors.append(HfTensor(("head",), "lm_head.weight", (v, d), (1, 0)))
+    return tensors
+
+
+# The family's door (jaxscale/models/__init__.py): what jaxscale/models/spec.py builds it from.
+Config, Model = LlamaConfig, Llama

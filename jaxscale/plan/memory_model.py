@@ -44,7 +44,8 @@ from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
-from jaxscale.training.state import ModelSpec, state_specs
+from jaxscale.models.spec import ModelSpec
+from jaxscale.training.state import state_specs
 from jaxscale.training.step import BATCH_KEYS
 
 

@@ -42,7 +42,7 @@ from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
 from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
 from jaxscale.plan.traffic import bytes_accessed
-from jaxscale.training.state import model_spec
+from jaxscale.models.spec import model_spec
 
 FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input
 # Candidates whose estimated step time is within this fraction of the fastest's are near-ties for

@@ -56,7 +56,7 @@ import ml_collections
 from jaxscale.runtime.chips import Chip
 from jaxscale.plan.collectives import Collective
 from jaxscale.plan.search import DCN_AXES, Candidate
-from jaxscale.training.state import ModelSpec
+from jaxscale.models.spec import ModelSpec
 
 # On near-ties (within this fraction of the fastest) the simpler candidate wins: fewer mesh
 # axes, no pipeline, less recomputation, fewer microbatches, no ZeRO-1.

@@ -28,7 +28,7 @@ import ml_collections
 from jaxscale.checks import validate
 from jaxscale.parallel.mesh import MESH_AXES
 from jaxscale.errors import ConfigError
-from jaxscale.models import REMAT_POLICIES
+from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.parallel.pipeline import Pipeline
 
 SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")

@@ -24,7 +24,8 @@ from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_fr
                                         tree_shardings, with_rules)
 from jaxscale.training import offload
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import init_state, model_spec, state_shardings, state_specs
+from jaxscale.models.spec import model_spec
+from jaxscale.training.state import init_state, state_shardings, state_specs
 from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -12,13 +11,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxscale import models
 from jaxscale.models.fp8 import Fp8Meta
-from jaxscale.models.lora import followed_specs, join_adapters, lora_config, split_adapters
-from jaxscale.models.moe import MoEConfig
-from jaxscale.models.rope import RopeScaling
+from jaxscale.models.lora import followed_specs, join_adapters, split_adapters
+from jaxscale.models.spec import ModelSpec, create_model, model_config, model_spec
 from jaxscale.parallel.placement import moment_specs, param_specs, streamed_slices
-from jaxscale.parallel.sharding import Rules, rules_from_config, tree_shardings
+from jaxscale.parallel.sharding import Rules, rules_from_config
 
 
 class TrainState(NamedTuple):
@@ -41,100 +38,12 @@ class TrainState(NamedTuple):
         return self.params if self.frozen is None else join_adapters(self.params, self.frozen)
 
 
-def rope_scaling(section: ml_collections.ConfigDict) -> RopeScaling | None:
-    """`model.rope_scaling` as the model takes it: None for type "none"."""
-    if section.type == "none":
-        return None
-    return RopeScaling(factor=section.factor, low_freq_factor=section.low_freq_factor,
-                       high_freq_factor=section.high_freq_factor,
-                       original_max_seq_len=section.original_max_seq_len)
-
-
-def model_config(config: ml_collections.ConfigDict) -> models.LlamaConfig:
-    """The model's config from the run's `model` and `precision` sections (and the bound on
-    documents per row that the input pipeline keeps, which fused attention needs)."""
-    m = config.model
-    return models.LlamaConfig(
-        vocab_size=m.vocab_size, vocab_multiple=m.vocab_multiple, d_model=m.d_model,
-        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-        mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
-        max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
-        tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
-        max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
-        grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe),
-        fp8_history=config.precision.fp8_amax_history if config.precision.matmul == "fp8" else 0,
-        lora=lora_config(m.lora.rank, m.lora.alpha, m.lora.targets))
-
-
-def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
-    """`model.moe` as the model takes it: None when no layer is MoE (`every` 0)."""
-    if not section.every:
-        return None
-    return MoEConfig(experts=section.experts, top_k=section.top_k,
-                     capacity_factor=section.capacity_factor, every=section.every)
-
-
-class ModelSpec(NamedTuple):
-    """What the step needs to know about the model, taken from its abstract (unallocated) form."""
-    config: models.LlamaConfig
-    graphdef: nnx.GraphDef  # the model of the params alone: eval, sampling, export
-    logical_specs: Any  # same tree as params, leaves are PartitionSpecs of logical axis names
-    abstract_params: Any  # same tree, leaves are ShapeDtypeStructs
-    num_params: int
-    # The model the train step runs: `graphdef`, or with fp8 matmuls the one that also takes
-    # the fp8 meta (merged as nnx.merge(train_graphdef, params, fp8)).
-    train_graphdef: nnx.GraphDef = None
-    fp8_specs: Any = None  # the fp8 meta's logical PartitionSpecs; None without fp8
-    abstract_fp8: Any = None  # its ShapeDtypeStructs
-
-    def trained(self, tree: Any) -> Any:
-        """The part of a params-shaped tree that training changes (TrainState.params): all of
-        it, or with LoRA the adapters."""
-        return split_adapters(tree)[0] if self.config.lora else tree
-
-    def frozen(self, tree: Any) -> Any:
-        """The rest (TrainState.frozen): with LoRA the base, else None."""
-        return split_adapters(tree)[1] if self.config.lora else None
-
-    @property
-    def num_trained(self) -> int | None:
-        """The parameters training changes, when not all of them (LoRA's adapters); else None."""
-        if not self.config.lora:
-            return None
-        return sum(a.size for a in jax.tree.leaves(self.trained(self.abstract_params)))
-
-
-def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
-    cfg = model_config(config)
-    # The params-only model: the same parameters in compute-dtype matmuls.
-    abstract = models.abstract_model(dataclasses.replace(cfg, fp8_history=0))
-    graphdef, state = nnx.split(abstract)
-    spec = ModelSpec(cfg, graphdef, nnx.to_pure_dict(nnx.get_partition_spec(state)),
-                     nnx.to_pure_dict(state), models.count_params(abstract),
-                     train_graphdef=graphdef)
-    if not cfg.fp8_history:
-        return spec
-    train_graphdef, _, meta = nnx.split(models.abstract_model(cfg), nnx.Param, Fp8Meta)
-    return spec._replace(train_graphdef=train_graphdef,
-                         fp8_specs=nnx.to_pure_dict(nnx.get_partition_spec(meta)),
-                         abstract_fp8=nnx.to_pure_dict(meta))
-
-
-def params_on_mesh(spec: ModelSpec, mesh: Mesh, rules: Rules, dtype: str | None = None) -> Any:
-    """The parameters as ShapeDtypeStructs placed on `mesh` by `rules` (in `dtype`, else their
-    own): what a checkpoint or a Hugging Face folder is read into, each array born sharded."""
-    return jax.tree.map(
-        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding),
-        spec.abstract_params, tree_shardings(spec.logical_specs, mesh, rules))
-
-
 def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
                seed: int) -> TrainState:
     """A fresh state. Call it under `jit` with out_shardings so every array is born sharded.
     With LoRA the base is frozen in the compute dtype: it needs no float32 master, never being
     updated."""
-    _, params, fp8 = nnx.split(models.create_model(model_config(config), seed), nnx.Param,
-                               Fp8Meta)
+    _, params, fp8 = nnx.split(create_model(model_config(config), seed), nnx.Param, Fp8Meta)
     params, fp8, frozen = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8) or None, None
     if config.model.lora.rank:
         params, frozen = split_adapters(params)

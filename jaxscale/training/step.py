@@ -7,7 +7,6 @@ tokens of the whole batch, so k microbatches give exactly the update of one k-ti
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -19,7 +18,6 @@ from flax import nnx
 from jaxscale.training.loss import summed_cross_entropy
 from jaxscale.models.fp8 import combine_updates
 from jaxscale.models.layers import weights_cast_for_use
-from jaxscale.models.llama import HEAD_AXES, logits_from
 from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
 from jaxscale.training.optim import kept, schedule_at, widened_norm
@@ -48,11 +46,10 @@ def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
     the fp8 matmuls' meta, for a `graphdef` that has them (`ModelSpec.train_graphdef`);
     `dropout`: on the LoRA adapters' inputs (the train step's)."""
     model = nnx.merge(graphdef, params) if fp8 is None else nnx.merge(graphdef, params, fp8)
-    stack = pipeline.stack if pipeline is not None else None
-    features, router = model.features_with_stats(batch["inputs"], batch["positions"],
-                                                 batch["segment_ids"], stack, dropout)
+    parts = model.parts(batch["inputs"], batch["positions"], batch["segment_ids"], dropout)
+    features, router = parts.features(model.default_stack if pipeline is None else pipeline.stack)
     mask = batch["loss_mask"].astype(jnp.float32)
-    total = summed_cross_entropy(_logits_fn(model), model.head_weight(), HEAD_AXES, features,
+    total = summed_cross_entropy(parts.logits_fn, parts.head, parts.head_axes, features,
                                  batch["targets"], mask, loss_chunk_len)
     return total, jnp.sum(mask), router
 
@@ -75,31 +72,22 @@ def router_metrics(router: RouterStats | None) -> dict[str, jax.Array]:
                 moe_dropped_fraction=router.dropped_fraction, moe_expert_load=router.expert_load)
 
 
-def _logits_fn(model) -> Callable:
-    return functools.partial(logits_from, cfg=model.cfg)
-
-
 def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int,
                             pipeline: Pipeline, seed: jax.Array,
                             dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array]:
     """(seed * summed loss, summed loss) with the blocks, final norm and loss on the 1F1B schedule
     (`jaxscale.parallel.pipeline.one_f_one_b_loss`): differentiate the first."""
-    model = nnx.merge(graphdef, params)
-    x = model.embed_tokens(batch["inputs"])
-    layer_fn, stacked, per_row = model.stack_inputs(batch["positions"], batch["segment_ids"],
-                                                    dropout)
-    norm_def, norm_state = nnx.split(model.final_norm)
-    logits_fn = _logits_fn(model)
+    parts = nnx.merge(graphdef, params).parts(batch["inputs"], batch["positions"],
+                                              batch["segment_ids"], dropout)
 
     def tail(tail_params, y, targets, mask):
-        norm, head = tail_params
-        features = nnx.merge(norm_def, norm)(y)
-        return summed_cross_entropy(logits_fn, head, HEAD_AXES, features, targets, mask,
-                                    loss_chunk_len)
+        norm_state, head = tail_params
+        return summed_cross_entropy(parts.logits_fn, head, parts.head_axes,
+                                    parts.norm(norm_state, y), targets, mask, loss_chunk_len)
 
     mask = batch["loss_mask"].astype(jnp.float32)
-    return one_f_one_b_loss(pipeline, layer_fn, stacked, x, per_row, tail,
-                            (norm_state, model.head_weight()), (batch["targets"], mask), seed)
+    return one_f_one_b_loss(pipeline, parts.layer_fn, parts.stacked, parts.x, parts.per_row,
+                            tail, (parts.norm_state, parts.head), (batch["targets"], mask), seed)
 
 
 def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
