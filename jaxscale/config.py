@@ -116,9 +116,14 @@ def default_config() -> ml_collections.ConfigDict:
         # The attention kernel: auto (splash on TPU, cudnn on GPU, else xla) | xla | splash (TPU)
         # | cudnn (NVIDIA GPU); see jaxscale/parallel/attention.py.
         attention="auto",
-        # Sequence positions whose float32 logits the loss holds at once (0: the whole
-        # sequence); smaller saves memory per device at large vocabularies, same loss.
-        loss_chunk_len=1024,
+        # How the step runs (jaxscale/training/step_settings.py): layers per iteration of the
+        # layer loop (lax.scan's unroll; 0: no loop), the sequence positions and vocabulary
+        # entries whose float32 logits the loss holds at once (0: all). The same loss either
+        # way; -1: chosen for the device (GPUs: unrolled, whole logits where that fits; TPUs and
+        # CPUs: a loop, 1024 positions x 16384 entries).
+        scan_unroll=-1,
+        loss_chunk_len=-1,
+        loss_vocab_tile=-1,
         # Mixture of experts (jaxscale/models/moe.py): every `every`-th layer's feed-forward is
         # `experts` SwiGLU experts of mlp_dim, each token routed to its top_k (0: all dense).
         # Each expert takes capacity_factor x an even share of a sequence's tokens; the rest
@@ -267,7 +272,12 @@ NUMBERS = {
     "model.rope_scaling.high_freq_factor": real("(0, inf)"),
     "model.rope_scaling.original_max_seq_len": _SIZE,
     "model.norm_eps": real("(0, inf)"),
-    "model.loss_chunk_len": whole("[0, inf)", {0: "the whole sequence at once"}),
+    "model.scan_unroll": whole("[0, inf)", {0: "no loop: every layer unrolled",
+                                            -1: "chosen for the device"}),
+    "model.loss_chunk_len": whole("[0, inf)", {0: "the whole sequence at once",
+                                               -1: "chosen for the device"}),
+    "model.loss_vocab_tile": whole("[0, inf)", {0: "the whole vocabulary at once",
+                                                -1: "chosen for the device"}),
     "model.moe.experts": whole("[0, inf)"),
     "model.moe.top_k": _SIZE,
     "model.moe.capacity_factor": real("[0, inf)", {0: "dropless"}),

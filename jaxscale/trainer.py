@@ -123,6 +123,7 @@ class Trainer:
         self.is_primary = jax.process_index() == 0
         check_workdir(workdir)
         self.program = TrainProgram(config, mesh)
+        self.config = self.program.config  # the step settings left to the device, set
         # This process's devices, whose memory the metrics report.
         self.local_devices = [d for d in mesh.devices.flat
                               if d.process_index == jax.process_index()]
@@ -132,13 +133,19 @@ class Trainer:
                                                          model.num_trained),
             num_devices=mesh.size, peak_flops_per_device=peak_flops_per_device(devices_kind(mesh)))
 
-    def compile_train_step(self) -> tuple[jax.stages.Compiled, StepMemory]:
+    def compile_train_step(self, capacity: tuple[int, str] | None = None
+                           ) -> tuple[jax.stages.Compiled, StepMemory]:
         """The train step compiled for this run's abstract state and batch, and what it needs per
-        device; the loop calls it, so nothing compiles twice. With mesh.auto it is the planner's
-        compiled step: the same config on the same devices, so the same program."""
+        device; the loop calls it, so nothing compiles twice. The step settings left to the
+        device are its first choice whose step fits `capacity` (the program and config become
+        that choice's). With mesh.auto it is the planner's compiled step: the same config on
+        the same devices, so the same program."""
         if self._planned_step is not None:
             return self._planned_step
-        return self.program.compile_train_step()
+        self.program, compiled, memory = self.program.compile_fitting_step(
+            capacity[0] if capacity else None)
+        self.config = self.program.config
+        return compiled, memory
 
     def say(self, message: str) -> None:
         if self.is_primary:
@@ -194,13 +201,15 @@ class Trainer:
                     self.say(pipeline.summary())
                 cache = stack.enter_context(contextlib.closing(
                     CompilationCache(cache_dir, jax.process_index())))
-                train_step, memory = self.compile_train_step()
                 capacity = device_capacity(self.local_devices,
                                            config.performance.device_memory_gib)
                 # Tests make one process's devices too small with
                 # JAXSCALE_TEST_FAIL_CHECK=<process>: its check_fits fails, the others' pass.
                 if os.environ.get("JAXSCALE_TEST_FAIL_CHECK") == str(jax.process_index()):
                     capacity = (1, "JAXSCALE_TEST_FAIL_CHECK")
+                train_step, memory = self.compile_train_step(capacity)
+                config, program = self.config, self.program  # the step settings chosen
+                self.say(f"train step: {program.settings.label()}")
                 self.say(memory_line(memory, capacity))
                 check_fits(memory, capacity)
 

@@ -15,8 +15,9 @@ from tests.helpers import random_batch, small_config
 
 
 def test_vocab_tiles_are_the_fewest_that_divide_the_vocabulary_within_the_limit():
-    assert vocab_tiles(128256) == 8  # Llama 3: 8 tiles of 16032
-    assert vocab_tiles(32000) == 2
+    assert vocab_tiles(128256, 16384) == 8  # Llama 3: 8 tiles of 16032
+    assert vocab_tiles(128256, 0) == 1  # 0: the whole vocabulary
+    assert vocab_tiles(32000, 16384) == 2
     assert vocab_tiles(384, 128) == 3
     assert vocab_tiles(384, 100) == 4  # 96 each: 128 is too many, 3 does not fit
     assert vocab_tiles(50, 10) == 5
@@ -172,3 +173,4 @@ def test_vocabulary_tiles_on_a_sharded_mesh_equal_one_device_and_skip_the_paddin
                   or " reduce-scatter(" in line]
     assert any(f"f32[{cfg.d_model},64]" in line for line in reductions)
     assert not any(f"f32[{cfg.d_model},192]" in line for line in reductions)
+

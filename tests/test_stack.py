@@ -1,5 +1,8 @@
 """The layer stack that writes each layer's gradient over its weights: the same values and
-gradients as the plain scan, one stack-sized buffer fewer in the compiled backward pass."""
+gradients as the plain scan, one stack-sized buffer fewer in the compiled backward pass; and the
+stacks unrolled (`unroll`), the same values again."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +59,35 @@ def test_the_overwriting_stack_equals_the_plain_scan_in_values_and_gradients(dif
     _, grads = results[1]
     assert grads[0]["w"].dtype == jnp.bfloat16 and grads[0]["scale"].dtype == jnp.float32
     assert float(jnp.abs(grads[0]["w"].astype(jnp.float32)).max()) > 0
+
+
+@pytest.mark.parametrize("overwriting", [False, True])
+@pytest.mark.parametrize("unroll", [0, 2])
+def test_an_unrolled_stack_equals_the_loop_in_values_and_gradients(overwriting, unroll):
+    """Every layer unrolled (0), or two a turn: the output and every gradient (weights in
+    bfloat16 and float32, the input) those of the loop over single layers, to float32 rounding;
+    unrolled whole, the program has no loop left, and the plain stack builds the stacked
+    gradients without writing them a layer at a time."""
+    trained, fixed, x, positions = inputs()
+    stack = scan_layers_overwriting_weights if overwriting else scan_layers
+
+    def loss(unroll, trained, x):
+        y, total = stack(layer_fn, {**trained, **fixed}, (x, jnp.zeros((), jnp.float32)),
+                         positions, unroll=unroll)
+        return jnp.sum(y * jnp.arange(WIDTH)) + total
+
+    def value_and_grads(unroll):
+        return jax.jit(jax.value_and_grad(functools.partial(loss, unroll), (0, 1)))(trained, x)
+
+    want, got = value_and_grads(1), value_and_grads(unroll)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g, np.float32),
+                                                         np.asarray(w, np.float32),
+                                                         rtol=1e-6, atol=1e-6), got, want)
+    hlo = jax.jit(jax.grad(functools.partial(loss, unroll), (0, 1))).lower(
+        trained, x).compile().as_text()
+    assert (" while(" in hlo) == (unroll != 0)
+    if unroll == 0 and not overwriting:  # the overwriting stack writes gradients by design
+        assert "dynamic-update-slice" not in hlo
 
 
 def test_the_overwriting_stack_holds_the_weights_and_their_gradients_in_one_buffer():

@@ -78,6 +78,8 @@ class LlamaConfig:
     moe: MoEConfig | None = None  # None: every feed-forward is dense
     lora: LoraConfig | None = None  # None: no adapters (jaxscale/models/lora.py)
     mlp_chunk: int = MLP_CHUNK  # under remat full, the dense feed-forward's widest chunk
+    # Layers per turn of the layer loop (lax.scan's unroll; 0: every layer unrolled, no loop).
+    scan_unroll: int = 1
 
     @property
     def mlp_chunks(self) -> int:
@@ -277,12 +279,12 @@ class Llama(nnx.Module):
 
     @property
     def default_stack(self) -> Stack:
-        """A `lax.scan` over the layers. With remat `full` the backward pass recomputes each layer
-        from its input anyway, and writes its weights' gradient over its weights in the stack
-        (jaxscale/parallel/stack.py): the same gradients, one stack-sized buffer fewer."""
-        if self.cfg.remat == "full":
-            return scan_layers_overwriting_weights
-        return scan_layers
+        """A `lax.scan` over the layers, `scan_unroll` of them a turn. With remat `full` the
+        backward pass recomputes each layer from its input anyway, and writes its weights'
+        gradient over its weights in the stack (jaxscale/parallel/stack.py): the same
+        gradients, one stack-sized buffer fewer."""
+        stack = scan_layers_overwriting_weights if self.cfg.remat == "full" else scan_layers
+        return functools.partial(stack, unroll=self.cfg.scan_unroll)
 
     def stack_inputs(self, positions: jax.Array, segment_ids: jax.Array | None,
                      dropout: AdapterDropout | None = None) -> tuple[LayerFn, Any, tuple]:

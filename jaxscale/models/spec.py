@@ -66,7 +66,11 @@ def model_config(config: ml_collections.ConfigDict) -> LlamaConfig:
         max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
         grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe),
         fp8_history=config.precision.fp8_amax_history if config.precision.matmul == "fp8" else 0,
-        lora=lora_config(m.lora.rank, m.lora.alpha, m.lora.targets))
+        lora=lora_config(m.lora.rank, m.lora.alpha, m.lora.targets),
+        # -1 (chosen for the device, jaxscale/training/step_settings.py) is settled by the
+        # training program before it builds the model; a model built outside one (sampling,
+        # export, the planner's shapes) trains nothing, and runs a plain loop.
+        scan_unroll=m.scan_unroll if m.scan_unroll >= 0 else 1)
 
 
 def create_model(cfg: LlamaConfig, seed) -> nnx.Module:

@@ -15,8 +15,9 @@ What it counts, per device:
     policy, plus one layer's working set during its backward pass, plus the attention scores
     where the XLA path materialises them (CPUs, a context axis, GPUs without cuDNN's kernel; TPUs
     use splash). Not counted: the workspace of cuDNN's packed layout (`data.max_segments`);
-  - the loss: float32 logits of `model.loss_chunk_len` positions and one vocabulary tile at a
-    time (training/loss.py).
+  - the loss: float32 logits of `model.loss_chunk_len` positions and `model.loss_vocab_tile`
+    entries of the vocabulary at a time (training/loss.py; the planner estimates a candidate
+    with its step settings set, jaxscale/training/step_settings.py).
 MoE layers (jaxscale/models/moe.py) add their dispatch buffers [rows, experts, capacity, d_model]
 in both layouts, the experts' hidden activations and the router's logits (`_moe_row`); the
 expert axis splits the experts' weights and moments (their sharding specs say so) and the rows.
@@ -167,7 +168,8 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
 
     chunk = chunk_length(t.seq_len, m.loss_chunk_len) // context
     # The loss holds one vocabulary tile's logits at a time (training/loss.py).
-    vocab = cfg.padded_vocab_size // vocab_tiles(cfg.padded_vocab_size) // shards("vocab")
+    vocab = (cfg.padded_vocab_size // vocab_tiles(cfg.padded_vocab_size, m.loss_vocab_tile)
+             // shards("vocab"))
     # 1F1B computes the loss inside its loop, a microbatch at a time; otherwise after the layers.
     loss_rows = stage_rows if pipeline and pipeline.schedule == "1f1b" else rows
     # A chunk's float32 logits, and half as much again for their gradient (fused with the

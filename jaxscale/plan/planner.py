@@ -43,6 +43,7 @@ from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
 from jaxscale.plan.traffic import bytes_accessed
 from jaxscale.models.spec import model_spec
+from jaxscale.training.step_settings import StepSettings, choices
 
 FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input
 # Candidates whose estimated step time is within this fraction of the fastest's are near-ties for
@@ -127,12 +128,12 @@ def _attention(config: ml_collections.ConfigDict, target: Target,
 
 
 def _reference(rows: dict[Candidate, Row], config, role: str, axis: str, devices: int,
-               granules: int) -> Row | None:
+               granules: int, step: StepSettings) -> Row | None:
     """The row of a familiar layout (pure data, FSDP only: all of a granule's devices on `axis`,
-    the granules too), with the config's remat and no accumulation, to show beside the choice;
-    None when the model does not allow it."""
+    the granules too), with the config's remat, the devices' first `step` settings and no
+    accumulation, to show beside the choice; None when the model does not allow it."""
     wanted = Candidate(*layout({axis: devices // granules}, {axis: granules}),
-                       config.model.remat, 1, "params")
+                       config.model.remat, 1, "params", step=step)
     row = rows.get(wanted)
     return dataclasses.replace(row, role=role) if row else None
 
@@ -155,7 +156,8 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
     budget = FIT_FRACTION * capacity if capacity else float("inf")
     n, granules = target.num_devices, target.granules
     spec = model_spec(config)
-    found = candidates(config, n, granules)
+    platform = target.device_platform
+    found = candidates(config, n, granules, platform)
     rows = {}
     for c in found:
         c_config = c.apply(config)
@@ -168,9 +170,10 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
         f"{budget / GIB:.1f} GiB per device" if capacity else f"{len(found)} candidates")
     by_speed = sorted(rows.values(), key=lambda r: (r.time.total, rank.simplicity(r.candidate)))
     promising = [r for r in by_speed if r.estimate.total <= budget]
+    first_step = choices(config, platform)[0]
     references = [r for r in (
-        _reference(rows, config, "pure data", "data", n, granules),
-        _reference(rows, config, "FSDP only", "fsdp", n, granules)) if r]
+        _reference(rows, config, "pure data", "data", n, granules, first_step),
+        _reference(rows, config, "FSDP only", "fsdp", n, granules, first_step)) if r]
 
     judged: dict[Candidate, Row] = {}  # compiled (or, for GPUs, the estimates' best)
     if target.compiles:

@@ -252,7 +252,7 @@ def _exposed(c: Collective) -> bool:
 def simplicity(candidate: Candidate) -> tuple:
     """Smaller is simpler."""
     return (candidate.axes_used, candidate.pipeline is not None, _REMAT_ORDER[candidate.remat],
-            candidate.microbatches, candidate.pipeline_microbatches,
+            candidate.step_preference, candidate.microbatches, candidate.pipeline_microbatches,
             candidate.schedule == "1f1b", candidate.optimizer_state != "params",
             candidate.mesh_shape["tensor"])
 

@@ -1,6 +1,8 @@
 """The candidates: every layout of the devices over the mesh axes that the model allows, times
-remat policy, gradient accumulation, optimizer-state layout and, with pipeline stages, schedule
-and pipeline microbatches, with the global batch fixed.
+remat policy, gradient accumulation, optimizer-state layout, the step settings the target's
+devices choose among (jaxscale/training/step_settings.py: on GPUs the layer loop unrolled and the
+logits whole, or not) and, with pipeline stages, schedule and pipeline microbatches, with the
+global batch fixed.
 
 Searched: `data`, `fsdp`, `tensor`, `pipeline`, `expert` and `context` inside a slice or node, and
 the split of the DCN-connected granules (GPU nodes) over all of them but `tensor`, which stays on
@@ -30,6 +32,7 @@ from jaxscale.parallel.mesh import MESH_AXES
 from jaxscale.errors import ConfigError
 from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.parallel.pipeline import Pipeline
+from jaxscale.training.step_settings import StepSettings, choices
 
 SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
 DCN_AXES = ("data", "fsdp", "pipeline", "expert", "context")
@@ -65,6 +68,10 @@ class Candidate:
     # With pipeline stages: pipeline.schedule and pipeline.microbatches (M); "" and 0 without.
     schedule: str = ""
     pipeline_microbatches: int = 0
+    # The step settings (None: the config's keys as they are), and their place in the devices'
+    # order of preference (`step_settings.choices`; 0: the first), which breaks near-ties.
+    step: StepSettings | None = None
+    step_preference: int = 0
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -94,8 +101,9 @@ class Candidate:
         p = self.pipeline
         pipelined = (f", {p.schedule} over {p.num_microbatches} pipeline microbatches (bubble "
                      f"{p.bubble_fraction():.1%})" if p else "")
+        step = f", {self.step.label()}" if self.step else ""
         return (f"{self.mesh_label}{pipelined}, remat {self.remat}, {self.microbatches} "
-                f"microbatch(es), optimizer state {self.optimizer_state}")
+                f"microbatch(es), optimizer state {self.optimizer_state}{step}")
 
     @property
     def axes_used(self) -> int:
@@ -113,6 +121,8 @@ class Candidate:
                   f"--config.sharding.optimizer_state={self.optimizer_state}"]
         if self.pipeline:
             flags += [f"--config.pipeline.{k}={v}" for k, v in self._pipeline_keys().items()]
+        if self.step:
+            flags += [f"--config.model.{k}={v}" for k, v in dataclasses.asdict(self.step).items()]
         return flags
 
     def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -127,7 +137,7 @@ class Candidate:
         config.sharding.optimizer_state = self.optimizer_state
         if self.pipeline:
             config.pipeline.update(self._pipeline_keys())
-        return config
+        return self.step.apply(config) if self.step else config
 
     def sizes(self) -> tuple[dict[str, int], dict[str, int]]:
         """(ICI, DCN) size of every mesh axis, in the mesh's order: the axes not searched are 1."""
@@ -197,10 +207,12 @@ def _mesh_allowed(config: ml_collections.ConfigDict, ici: tuple, dcn: tuple) -> 
                                   and seq_len // context >= MIN_CONTEXT_TOKENS)))
 
 
-def candidates(config: ml_collections.ConfigDict, num_devices: int,
-               granules: int = 1) -> list[Candidate]:
+def candidates(config: ml_collections.ConfigDict, num_devices: int, granules: int = 1,
+               platform: str = "cpu") -> list[Candidate]:
     """Every candidate that `jaxscale.checks.validate` accepts for `config` on `num_devices`
-    devices in `granules` DCN-connected slices or nodes. ConfigError when there is none, with
+    devices of `platform` (jax.Device.platform: "cpu", "gpu", "tpu") in `granules`
+    DCN-connected slices or nodes, with each of the step settings the devices choose among for
+    what the config leaves to them (`step_settings.choices`). ConfigError when there is none, with
     validate's refusal of the plainest layout (every device data-parallel, one microbatch): a
     batch that no layout splits, or a mistake whatever the layout (a LoRA target, a data
     source), which a message about layouts alone would hide."""
@@ -212,6 +224,7 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
             return False
 
     per_granule = num_devices // granules
+    steps = list(enumerate(choices(config, platform)))
     found = []
     for ici, dcn in itertools.product(factorisations(per_granule, len(SEARCHED_AXES)),
                                       factorisations(granules, len(DCN_AXES))):
@@ -234,7 +247,8 @@ def candidates(config: ml_collections.ConfigDict, num_devices: int,
                 zero1 = valid(sharded)
             if zero1:
                 layouts.append(sharded)
-            found += [dataclasses.replace(c, remat=r) for c in layouts for r in REMAT_POLICIES]
+            found += [dataclasses.replace(c, remat=r, step=step, step_preference=preference)
+                      for c in layouts for r in REMAT_POLICIES for preference, step in steps]
     if not found:
         plain = Candidate((per_granule,) + (1,) * (len(SEARCHED_AXES) - 1),
                           (granules,) + (1,) * (len(DCN_AXES) - 1), config.model.remat, 1, "params")

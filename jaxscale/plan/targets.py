@@ -52,6 +52,11 @@ class Target:
         return CHIPS[self.chip_name] if self.chip_name else None
 
     @property
+    def device_platform(self) -> str:
+        """Its devices' `jax.Device.platform`: "tpu", "gpu" or "cpu" (local: this process's)."""
+        return jax.devices()[0].platform if self.platform == "local" else self.platform
+
+    @property
     def compiles(self) -> bool:
         """Whether candidates can be compiled for it here (GPUs: estimates only)."""
         return self.platform != "gpu"

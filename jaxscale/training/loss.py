@@ -9,7 +9,7 @@ adds that slice's head gradient into an accumulator kept in the head's own (shar
 neither the logits nor an unsharded head gradient ever exist whole. Same sum, added in another
 order.
 
-A large vocabulary is also split into tiles of at most VOCAB_TILE entries: a slice's softmax is
+A large vocabulary is also split into tiles of at most `vocab_tile` entries: a slice's softmax is
 made tile by tile (a running max and sum, the log-sum-exp kept per token for the backward pass),
 and its gradient too, so a slice holds the logits of one tile, and the head gradient before its
 reduction one tile's columns ([d, tile], not [d, vocab]: 1 GiB for Llama 3 in bfloat16). Tile t
@@ -33,9 +33,6 @@ from jaxscale.parallel.sharding import constrain
 # (features [..., d], head [d, v], vocab_ids=None) -> float32 logits [..., v]; `vocab_ids` [v]:
 # the ids of the head's columns (None: 0 .. v - 1), whose padding the function masks.
 LogitsFn = Callable[..., jax.Array]
-# The most vocabulary entries whose logits a slice holds at once: Llama 3's 128256 are 8 tiles.
-VOCAB_TILE = 16384
-
 
 def chunk_length(length: int, most: int) -> int:
     """The largest divisor of `length` that is at most `most` (0: the whole sequence)."""
@@ -44,21 +41,21 @@ def chunk_length(length: int, most: int) -> int:
     return max(d for d in range(1, most + 1) if length % d == 0)
 
 
-def vocab_tiles(vocab: int, most: int = VOCAB_TILE) -> int:
+def vocab_tiles(vocab: int, most: int) -> int:
     """The fewest tiles, a divisor of `vocab`, that hold at most `most` entries each (1 when the
-    whole vocabulary fits)."""
-    return fewest_parts(vocab, most)
+    whole vocabulary fits, or `most` is 0)."""
+    return fewest_parts(vocab, most) if most > 0 else 1
 
 
 def summed_cross_entropy(logits_fn: LogitsFn, head: jax.Array, head_axes: Sequence[str],
                          features: jax.Array, targets: jax.Array, mask: jax.Array,
-                         chunk_len: int, vocab_tile: int = VOCAB_TILE) -> jax.Array:
+                         chunk_len: int, vocab_tile: int) -> jax.Array:
     """Sum over tokens of `mask * -log softmax(logits_fn(features, head))[target]`, in float32.
 
     features [batch, length, d]; targets [batch, length] int; mask [batch, length] float; `head`
     the output weights, whose logical axes `head_axes` its gradient is kept in. At most
-    `chunk_len` positions of every row (0: all of them), and at most `vocab_tile` entries of
-    the vocabulary, have their logits in memory at once.
+    `chunk_len` positions of every row, and at most `vocab_tile` entries of the vocabulary, have
+    their logits in memory at once (0: all of them).
     """
     size = chunk_length(targets.shape[1], chunk_len)
     tiles = vocab_tiles(head.shape[1], vocab_tile)

@@ -2,12 +2,16 @@
 
     program = TrainProgram(config, mesh)         # nothing compiled, nothing allocated
     compiled, memory = program.compile_train_step()
+    program, compiled, memory = program.compile_fitting_step(capacity)   # leaner if need be
 
-From the config and the mesh it builds, in order: the model's abstract form, the optimizer, where
-every array lives (parameters, optimizer moments, the batch), the abstract train state that a
-checkpoint is restored into, and the jitted init, train and eval steps with those shardings. The
-trainer (jaxscale/trainer.py) adds the workdir, the data, checkpoints and the loop; the planner
-(jaxscale/plan/) compiles a program per candidate layout for devices it may not have.
+The step settings the config leaves to the device (jaxscale/training/step_settings.py) are set
+to the device's first choice; `compile_fitting_step` moves on to its next choices while the
+compiled step does not fit. From the config and the mesh it then builds, in order: the model's
+abstract form, the optimizer, where every array lives (parameters, optimizer moments, the
+batch), the abstract train state that a checkpoint is restored into, and the jitted init, train
+and eval steps with those shardings. The trainer (jaxscale/trainer.py) adds the workdir, the
+data, checkpoints and the loop; the planner (jaxscale/plan/) compiles a program per candidate
+layout for devices it may not have.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from jaxscale.observe.device_memory import StepMemory, step_memory
 from jaxscale.parallel.pipeline import config_pipeline
 from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_from_config,
                                         tree_shardings, with_rules)
-from jaxscale.training import offload
+from jaxscale.training import offload, step_settings
 from jaxscale.training.optim import make_optimizer
 from jaxscale.models.spec import model_spec
 from jaxscale.training.state import init_state, state_shardings, state_specs
@@ -33,8 +37,15 @@ class TrainProgram:
     """The train and eval steps of `config` on `mesh`, jitted with their shardings (the config
     checked for the mesh's devices first: jaxscale.checks.checked_mesh)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh):
-        self.config, self.mesh = config, mesh
+    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
+                 settings: step_settings.StepSettings | None = None):
+        """`settings`: one of `choices`, the step settings it runs (default: the first)."""
+        # What the device may try, in order, for the keys the config leaves to it.
+        self.choices = step_settings.choices(config, mesh.devices.flat[0].platform)
+        self.settings = settings or self.choices[0]
+        self.requested = config  # as given; `config` is the same with the settings set
+        self.config = config = self.settings.apply(config)
+        self.mesh = mesh
         self.model = model = model_spec(config)
         self.rules = rules_from_config(config.sharding.rules)
         # Every parameter of the model, base and adapters (LoRA's split like their weights): what
@@ -93,3 +104,17 @@ class TrainProgram:
         devices, real or a TPU topology's), and what it needs per device."""
         compiled = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
         return compiled, step_memory(compiled)
+
+    def compile_fitting_step(self, capacity: int | None
+                             ) -> tuple[TrainProgram, jax.stages.Compiled, StepMemory]:
+        """(a program, its compiled train step, its memory): this one's, or while a step needs
+        more than `capacity` bytes per device (None: unknown, anything fits), the program of
+        the next of `choices` (the leanest when none fits, for the caller to refuse). Every
+        choice has the same train state, so a checkpoint restored for one serves any."""
+        program, index = self, self.choices.index(self.settings)
+        while True:
+            compiled, memory = program.compile_train_step()
+            index += 1
+            if capacity is None or memory.total <= capacity or index == len(self.choices):
+                return program, compiled, memory
+            program = TrainProgram(self.requested, self.mesh, self.choices[index])

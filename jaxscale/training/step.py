@@ -29,17 +29,20 @@ BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
 def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int = 0,
-                pipeline: Pipeline | None = None) -> tuple[jax.Array, jax.Array]:
+                loss_vocab_tile: int = 0, pipeline: Pipeline | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses over real tokens, number of real tokens), both float32; the logits
-    exist `loss_chunk_len` positions of the sequence at a time (0: all at once). With a
-    `pipeline`, the blocks run on its schedule's forward pass (GPipe's, for either schedule)."""
+    exist `loss_chunk_len` positions of the sequence and `loss_vocab_tile` entries of the
+    vocabulary at a time (0: all at once). With a `pipeline`, the blocks run on its schedule's
+    forward pass (GPipe's, for either schedule)."""
     total, tokens, _ = summed_loss_and_router_stats(graphdef, params, batch, loss_chunk_len,
-                                                    pipeline)
+                                                    loss_vocab_tile, pipeline)
     return total, tokens
 
 
 def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
-                                 loss_chunk_len: int = 0, pipeline: Pipeline | None = None,
+                                 loss_chunk_len: int = 0, loss_vocab_tile: int = 0,
+                                 pipeline: Pipeline | None = None,
                                  fp8=None, dropout: AdapterDropout | None = None
                                  ) -> tuple[jax.Array, jax.Array, RouterStats | None]:
     """`summed_loss`, and the routers' statistics (None for a model without MoE layers). `fp8`:
@@ -50,7 +53,8 @@ def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
     features, router = parts.features(model.default_stack if pipeline is None else pipeline.stack)
     mask = batch["loss_mask"].astype(jnp.float32)
     total = summed_cross_entropy(parts.logits_fn, parts.head, parts.head_axes, features,
-                                 batch["targets"], mask, loss_chunk_len)
+                                 batch["targets"], mask, loss_chunk_len,
+                                 loss_vocab_tile)
     return total, jnp.sum(mask), router
 
 
@@ -73,7 +77,7 @@ def router_metrics(router: RouterStats | None) -> dict[str, jax.Array]:
 
 
 def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int,
-                            pipeline: Pipeline, seed: jax.Array,
+                            loss_vocab_tile: int, pipeline: Pipeline, seed: jax.Array,
                             dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array]:
     """(seed * summed loss, summed loss) with the blocks, final norm and loss on the 1F1B schedule
     (`jaxscale.parallel.pipeline.one_f_one_b_loss`): differentiate the first."""
@@ -83,7 +87,8 @@ def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_c
     def tail(tail_params, y, targets, mask):
         norm_state, head = tail_params
         return summed_cross_entropy(parts.logits_fn, head, parts.head_axes,
-                                    parts.norm(norm_state, y), targets, mask, loss_chunk_len)
+                                    parts.norm(norm_state, y), targets, mask, loss_chunk_len,
+                                    loss_vocab_tile)
 
     mask = batch["loss_mask"].astype(jnp.float32)
     return one_f_one_b_loss(pipeline, parts.layer_fn, parts.stacked, parts.x, parts.per_row,
@@ -109,17 +114,17 @@ def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.Grap
     dtype it was made in. With `made_dtypes` it is returned so (the same values, half the memory
     for those: the optimizer widens it a slice at a time when it streams, `make_optimizer`);
     otherwise in each parameter's own dtype."""
-    chunk = config.model.loss_chunk_len
+    slices = config.model.loss_chunk_len, config.model.loss_vocab_tile
 
     def scaled(adapted, meta):
         p = adapted if frozen is None else join_adapters(adapted, frozen)
         if pipeline is None or pipeline.schedule != "1f1b":
-            total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, chunk,
+            total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, *slices,
                                                                  pipeline, meta, dropout)
             objective = total + router_penalty(config.model.moe, router, tokens)
             return objective * multiplier, (total, router_metrics(router))
         # 1F1B differentiates its own schedule: it takes the multiplier as its seed.
-        objective, total = one_f_one_b_summed_loss(graphdef, p, batch, chunk, pipeline,
+        objective, total = one_f_one_b_summed_loss(graphdef, p, batch, *slices, pipeline,
                                                    multiplier, dropout)
         return objective, (total, {})
     model = nnx.merge(graphdef, params if frozen is None else join_adapters(params, frozen),
@@ -228,5 +233,6 @@ def make_eval_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, *,
     """Returns eval_step(params, batch) -> (summed loss, real tokens), the blocks in `pipeline`'s
     stages when there is one."""
     def eval_step(params, batch: Batch):
-        return summed_loss(graphdef, params, batch, config.model.loss_chunk_len, pipeline)
+        return summed_loss(graphdef, params, batch, config.model.loss_chunk_len,
+                           config.model.loss_vocab_tile, pipeline)
     return eval_step
