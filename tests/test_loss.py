@@ -174,3 +174,44 @@ def test_vocabulary_tiles_on_a_sharded_mesh_equal_one_device_and_skip_the_paddin
     assert any(f"f32[{cfg.d_model},64]" in line for line in reductions)
     assert not any(f"f32[{cfg.d_model},192]" in line for line in reductions)
 
+
+@pytest.mark.parametrize("chunk_len, vocab_tile", [(0, 0), (8, 128)])
+def test_in_bfloat16_every_matmul_of_the_loss_takes_bfloat16_and_the_gradients_match_float32(
+        chunk_len, vocab_tile):
+    """The logits are float32, but their gradient is rounded to bfloat16 before the head's two
+    backward matmuls (as autocast does; in float32 they run as TF32 on GPUs): no matmul of the
+    lowered program has a float32 operand, whole or sliced and tiled, and the head's and the
+    features' gradients are the float32 computation's to bfloat16's precision."""
+    import functools
+    import re
+
+    from jaxscale.models.llama import logits_from
+
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((4, 16, 64))
+    head = rng.standard_normal((64, 384)) * 0.05
+    targets = jnp.asarray(rng.integers(0, 259, (4, 16)), jnp.int32)
+    mask = jnp.asarray(rng.random((4, 16)) > 0.2, jnp.float32)
+
+    def gradients(dtype):
+        config = small_config()
+        config.precision.compute_dtype = dtype
+        logits_fn = functools.partial(logits_from, cfg=model_config(config))
+
+        def loss(features, head):
+            return summed_cross_entropy(logits_fn, head, ("embed", "vocab"), features, targets,
+                                        mask, chunk_len, vocab_tile)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        args = jnp.asarray(features, dtype), jnp.asarray(head, jnp.float32)
+        return grad(*args), grad.lower(*args).as_text()
+
+    (feature_grad, head_grad), program = gradients("bfloat16")
+    (want_features, want_head), _ = gradients("float32")
+    dots = [line for line in program.splitlines() if "dot_general" in line]
+    assert len(dots) >= 3  # the logits, and the two products of their gradient
+    for line in dots:
+        operands = re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\)", line).groups()
+        assert all(o.endswith("xbf16>") for o in operands), line
+    for got, want in ((head_grad, want_head), (feature_grad, want_features)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
