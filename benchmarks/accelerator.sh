@@ -10,6 +10,7 @@
 #   benchmarks/accelerator.sh --tiny                # configs/tiny.py, 6 steps: checks the recipe
 #                                                   # on any machine (a CPU too)
 #   benchmarks/accelerator.sh --tests               # the GPU tests, tests/test_gpu.py
+#   benchmarks/accelerator.sh --models=llama_1b --peer   # and the PyTorch peer; ratio: last
 #
 # Flags:
 #   --models=A,B          which of llama_1b, llama3_8b to run (default: both)
@@ -22,6 +23,12 @@
 #   --set=KEY=VALUE       a config override for every model (repeatable), e.g.
 #                         --set=model.attention=xla; the results table names it
 #   --tiny                configs/tiny.py instead of the models above, 6 steps
+#   --peer                after llama_1b (or --tiny), the PyTorch peer with the same flags
+#                         (benchmarks/peer_torch.py: Hugging Face's Llama, torch.compile,
+#                         bfloat16 autocast, fused AdamW, its remat mapped to checkpointing);
+#                         its row goes in the table and the script ends with both peaks and
+#                         `ratio: X` = jaxscale's tokens/s / the peer's. On a CPU the peer runs
+#                         eager.
 #   --tests               only run the tests marked `gpu` (tests/test_gpu.py: cuDNN attention
 #                         against XLA's, the train step's losses on the GPU against the CPU's)
 #                         with JAX_PLATFORMS=cuda,cpu, and exit with pytest's status; no model is
@@ -49,7 +56,7 @@ die() {
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODELS="llama_1b,llama3_8b" STEPS=40 PER_DEVICE_BATCH=4 WORKDIR="runs/accelerator" RESULTS=""
-TINY=0 TESTS=0
+TINY=0 TESTS=0 PEER=0
 SETS=()
 PYTHON="${PYTHON:-python3}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
@@ -63,6 +70,7 @@ while [[ $# -gt 0 ]]; do
     --set=*) SETS+=("--config.${1#*=}") ;;
     --tiny) TINY=1 ;;
     --tests) TESTS=1 ;;
+    --peer) PEER=1 ;;
     --help | -h) usage ;;
     *) die "unknown flag $1 (see $0 --help)" ;;
   esac
@@ -175,11 +183,47 @@ print(" | ".join([
 EOF
 }
 
+# run_peer NAME: the PyTorch peer of NAME's run, with the same flags, its output in
+# $WORKDIR/NAME/peer.log; prints its table row.
+run_peer() {
+  local name="$1" per_device=$PER_DEVICE_BATCH seq_len=2048 device=cuda compile=1 status=0
+  local dir="$WORKDIR/$1"
+  if [[ $name == tiny ]]; then per_device=2 seq_len=128; fi
+  if [[ $PLATFORM != gpu ]]; then device=cpu compile=0; fi
+  local batch=$((per_device * DEVICES))
+  "$PYTHON" benchmarks/peer_torch.py --config="configs/$name.py" --device="$device" \
+    --compile="$compile" --config.train.steps="$STEPS" --config.train.log_every="$LOG_EVERY" \
+    --config.train.batch_size="$batch" --config.train.seq_len="$seq_len" \
+    --config.precision.compute_dtype=bfloat16 "${SETS[@]}" > "$dir/peer.log" 2>&1 || status=$?
+  "$PYTHON" - "$name" "$dir" "$status" "$batch" "$seq_len" "$DEVICES" <<'PY'
+import json, os, sys
+name, folder, status, batch, seq_len, devices = sys.argv[1:]
+lines = [l for l in open(os.path.join(folder, "peer.log")) if l.startswith("peer: ")]
+if status != "0" or not lines:
+    print(f"| {name}, the PyTorch peer | {batch} x {seq_len} | failed (exit {status}): see "
+          f"{os.path.join(folder, 'peer.log')} |")
+    sys.exit()
+peer = json.loads(lines[-1][len("peer: "):])
+mfu = f"{peer['mfu']:.1%}" if peer["mfu"] else "n/a"
+memory = f"{peer['memory_peak_gib']:.1f} GiB" if peer["memory_peak_gib"] else "n/a"
+print(" | ".join([f"| {name}, the PyTorch peer", f"{batch} x {seq_len}",
+                  f"{peer['step_time'] * 1000:.0f} ms", f"{peer['tokens_per_sec']:,.0f}",
+                  f"{peer['tokens_per_sec'] / int(devices):,.0f}", mfu, memory, "-",
+                  f"{peer['time_to_first_step']:.0f} s", "none |"]))
+PY
+}
+
 ROWS=()
 IFS=, read -r -a RUN <<< "$MODELS"
+PEERED=""
 for model in "${RUN[@]}"; do
   echo "running $model ($STEPS steps on $DEVICES x $KIND) ..." >&2
   ROWS+=("$(run_model "$model")")
+  if [[ $PEER == 1 && -z $PEERED && ( $model == llama_1b || $model == tiny ) ]]; then
+    echo "running the PyTorch peer of $model ..." >&2
+    ROWS+=("$(run_peer "$model")")
+    PEERED=$model
+  fi
 done
 
 {
@@ -199,3 +243,23 @@ done
 } >> "$RESULTS"
 echo "appended to $RESULTS:" >&2
 tail -n $((${#ROWS[@]} + 2)) "$RESULTS"
+if [[ -n $PEERED ]]; then
+  # Both sides' peaks, then the ratio of their last windows' tokens/s: jaxscale's / the peer's.
+  "$PYTHON" - "$WORKDIR/$PEERED" <<'PY'
+import json, os, sys
+folder = sys.argv[1]
+metrics, log = os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "peer.log")
+train = [json.loads(l) for l in open(metrics) if l.strip()] if os.path.exists(metrics) else []
+train = [l for l in train if "tokens_per_sec" in l]
+peer = [json.loads(l[len("peer: "):]) for l in open(log) if l.startswith("peer: ")]
+if not train or not peer:
+    print("ratio: n/a (a side failed; see the table)")
+    sys.exit(1)
+ours, peer = train[-1], peer[-1]
+gib = lambda v: "n/a" if v is None else f"{v:.1f} GiB"
+print(f"jaxscale: {ours['tokens_per_sec']:,.0f} tokens/s, peak "
+      f"{gib(ours.get('memory_peak_gib'))}; the PyTorch peer: {peer['tokens_per_sec']:,.0f} "
+      f"tokens/s, peak {gib(peer['memory_peak_gib'])}")
+print(f"ratio: {ours['tokens_per_sec'] / peer['tokens_per_sec']:.4f}")
+PY
+fi

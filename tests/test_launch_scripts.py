@@ -3,6 +3,7 @@ and the benchmark's --tiny run on CPU. What the Slurm script does with each exit
 signal is in tests/test_faults_launch.py."""
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(REPO, "launch", "tpu", "tpu.sh")
 SBATCH = os.path.join(REPO, "launch", "slurm", "jaxscale.sbatch")
 ACCELERATOR = os.path.join(REPO, "benchmarks", "accelerator.sh")
-SCRIPTS = [TPU, SBATCH, ACCELERATOR]
+SCRIPTS = [TPU, SBATCH, ACCELERATOR, os.path.join(REPO, "benchmarks", "gpu_session.sh")]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -97,9 +98,12 @@ def test_tpu_help_describes_every_flag():
 
 @pytest.mark.slow
 def test_the_accelerator_benchmark_runs_its_tiny_recipe_on_cpu(tmp_path):
+    """And with --peer (where torch is installed) the PyTorch peer's row and the ratio."""
     # The conftest's 8 simulated CPU devices stand in for a host's accelerators.
-    result = subprocess.run([ACCELERATOR, "--tiny", f"--workdir={tmp_path}"], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
+    peer = importlib.util.find_spec("torch") is not None
+    result = subprocess.run([ACCELERATOR, "--tiny", f"--workdir={tmp_path}",
+                             *(["--peer"] if peer else [])], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     block = (tmp_path / "RESULTS.md").read_text()
     assert block.startswith("\n## Accelerator run, ")
@@ -111,6 +115,14 @@ def test_the_accelerator_benchmark_runs_its_tiny_recipe_on_cpu(tmp_path):
     assert cells[5:7] == ["n/a", "n/a"]  # no MFU or device memory on CPU
     assert cells[7].endswith(" GiB")  # the compiled step's memory
     assert glob.glob(os.path.join(cells[9], "*.xplane.pb")), cells[9]
+    if peer:
+        row = next(line for line in block.splitlines()
+                   if line.startswith("| tiny, the PyTorch peer |"))
+        peer_cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert peer_cells[1] == "16 x 128" and float(peer_cells[3].replace(",", "")) > 0
+        ratio = result.stdout.strip().splitlines()[-1]
+        assert ratio.startswith("ratio: ") and float(ratio.split()[1]) == pytest.approx(
+            float(cells[3].replace(",", "")) / float(peer_cells[3].replace(",", "")), rel=0.01)
 
 
 def test_the_accelerator_benchmark_refuses_bad_flags():
