@@ -501,7 +501,7 @@ FAILURES = [OSError(errno.EIO, "Input/output error"), TimeoutError("read timed o
 def test_a_refusal_by_the_storage_is_the_users_to_fix_in_reads_saves_and_the_workdir(error):
     from jaxscale.checkpoint.verdict import Verdict, read_verdict, save_failure
     from jaxscale.errors import TransientError
-    from jaxscale.runtime.workdir import storage_error
+    from jaxscale.runtime.storage import storage_error
 
     wrapped = Exception("Encountered error while reading array index")
     wrapped.__cause__ = error
@@ -519,7 +519,7 @@ def test_a_refusal_by_the_storage_is_the_users_to_fix_in_reads_saves_and_the_wor
 def test_a_storage_failure_is_transient_in_reads_saves_and_the_workdir(error):
     from jaxscale.checkpoint.verdict import Verdict, read_verdict, save_failure
     from jaxscale.errors import TransientError
-    from jaxscale.runtime.workdir import storage_error
+    from jaxscale.runtime.storage import storage_error
 
     assert read_verdict(error)[0] is Verdict.UNAVAILABLE
     assert isinstance(save_failure(error, "checkpoint /ckpt/4 could not be written"),

@@ -47,7 +47,8 @@ from jaxscale.hf.config import is_hf_folder
 from jaxscale.hf.weights import load_params
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import ModelSpec, create_model
-from jaxscale.runtime.workdir import check_writable, reason, storage_error
+from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.workdir import check_writable
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ sorted by what it proves, and only proven damage sets a checkpoint aside.
   DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...). Every process tries again after each of
   `RETRY_DELAYS_S`; then the run stops with TransientError (exit 75), every checkpoint where it
   was;
-* usage: the storage refused this process (`workdir.access_denied`: a permission, a read-only
+* usage: the storage refused this process (`storage.access_denied`: a permission, a read-only
   mount, gcsfs' HTTP 403/401, TensorStore's PERMISSION_DENIED or UNAUTHENTICATED), or the attempt
   raised a JaxscaleError of its own (a `restore_from` path that is no checkpoint). No retry
   helps: every process raises a JaxscaleError (exit 2) in the words of the first to fail;
@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.runtime.workdir import access_denied, grant_or
+from jaxscale.runtime.storage import access_denied, grant_or
 
 logger = logging.getLogger(__name__)
 

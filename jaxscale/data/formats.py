@@ -1,25 +1,53 @@
 """Random access to the records (documents) stored in files of each supported format.
 
 A reader maps a record index over all its files to the document's raw content: text (`bytes` or
-`str`), token ids (`np.ndarray`) or a chat record (`dict`, see `ChatLines`). Everything a run could trip over later — a missing field, a
-truncated file — is checked when the reader is built, so it fails at start-up with one line.
-A single bad record found while reading raises `MalformedRecord`, which the pipeline skips and
-counts. Readers open files lazily in whichever process reads, so they pickle cheaply to grain
-workers.
+`str`), token ids (`np.ndarray`) or a chat record (`dict`, see `ChatLines`). Everything a run
+could trip over later — a missing field, a truncated file — is checked when the reader is built,
+so it fails at start-up with one line. A record whose bytes were read and do not parse raises
+`MalformedRecord`, which the pipeline skips and counts. A read that fails is never a malformed
+record: it raises what `runtime.storage` makes of it (exit 2 when refused or gone, exit 75 when
+the storage fails), so no document is skipped because the disk failed once. Readers open files
+lazily in whichever process reads, so they pickle cheaply to grain workers.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
+from jaxscale.runtime.storage import reason, storage_error
 
 _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
+
+
+def read_failed(error: OSError, path: str) -> ConfigError | TransientError:
+    """What a failed read of the source file `path` raises: exit 2 when it was refused or is
+    gone, exit 75 when the storage fails (EIO, a timeout, ...)."""
+    return storage_error(error, f"cannot read {path!r} ({reason(error)})",
+                         "make it readable again, or leave it out of the source's path")
+
+
+def read_at(fd: int, size: int, offset: int, path: str) -> bytes:
+    """`size` bytes of the open file `fd` (of `path`) from `offset`: `os.pread`, so an I/O error
+    is an exception (a memory map would die of SIGBUS), and threads share no seek position."""
+    try:
+        return os.pread(fd, size, offset)
+    except OSError as e:
+        raise read_failed(e, path) from e
+
+
+def open_for_reading(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise read_failed(e, path) from e
 
 
 class MalformedRecord(Exception):
@@ -107,13 +135,20 @@ class WholeFiles(RecordReader):
             with open(self.files[file], "rb") as f:
                 return f.read(limit)
         except OSError as e:
-            raise MalformedRecord(f"{self.files[file]}: {e}") from e
+            raise read_failed(e, self.files[file]) from e
 
     def sample(self, index: int, limit: int) -> bytes:
         return self.read(self.locate(index)[0], 0, limit)
 
     def has_content(self, indices: np.ndarray) -> bool:
-        return any(os.path.getsize(self.files[self.locate(int(i))[0]]) for i in indices)
+        for i in indices:
+            path = self.files[self.locate(int(i))[0]]
+            try:
+                if os.path.getsize(path):
+                    return True
+            except OSError as e:
+                raise read_failed(e, path) from e
+        return False
 
 
 def line_spans(path: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -127,7 +162,7 @@ def line_spans(path: str) -> tuple[np.ndarray, np.ndarray | None]:
                 newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
                 size += len(chunk)
     except OSError as e:
-        raise JaxscaleError(f"cannot read {path!r}: {e}; fix the file or leave it out") from e
+        raise read_failed(e, path) from e
     ends = np.concatenate(newlines + [[size]]).astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
     spans = np.stack([starts, ends], axis=1)
@@ -159,8 +194,8 @@ class Lines(RecordReader):
 
     def line(self, file: int, record: int) -> bytes:
         start, end = self._spans[self._starts[file] + record]
-        fd = self.handle(file, lambda path: os.open(path, os.O_RDONLY))
-        data = os.pread(fd, int(end - start), int(start))  # no shared seek position: thread-safe
+        fd = self.handle(file, open_for_reading)
+        data = read_at(fd, int(end - start), int(start), self.files[file])
         if len(data) != end - start:
             raise MalformedRecord(f"{self.where(file, record)}: file shrank while read")
         return data
@@ -314,16 +349,35 @@ class ArrayRecords(RecordReader):
 
         try:
             return grain.sources.ArrayRecordDataSource([path])
-        except Exception as e:  # array_record raises plain RuntimeError/ValueError on bad files
+        except (RuntimeError, ValueError) as e:  # array_record's errors, bad files and reads
+            if failed := failed_system_call(e, path):
+                raise read_failed(failed, path) from e
             raise JaxscaleError(f"cannot open ArrayRecord file {path!r}: "
                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
                                 "is it complete and an ArrayRecord file?") from None
 
     def read(self, file: int, record: int) -> bytes:
+        path = self.files[file]
         try:
             return self.handle(file, self._open)[record]
-        except Exception as e:  # a damaged chunk inside an otherwise good file
-            raise MalformedRecord(f"{self.files[file]} record {record}: {e}") from e
+        except (RuntimeError, ValueError) as e:
+            if failed := failed_system_call(e, path):
+                raise read_failed(failed, path) from e
+            # A damaged chunk inside an otherwise good file.
+            raise MalformedRecord(f"{path} record {record}: {e}") from e
+
+
+# Riegeli (under array_record) reports a failed system call as "pread() failed: <strerror>; ...".
+_FAILED_CALL = re.compile(r"\b\w+\(\) failed: ([^;]+)")
+_ERRNO_OF_WORDS = {os.strerror(number): number for number in errno.errorcode}
+
+
+def failed_system_call(error: Exception, path: str) -> OSError | None:
+    """The OSError behind an array_record error that reports a failed system call (it raises a
+    RuntimeError with the words of its errno); None for any other error (a damaged file)."""
+    found = _FAILED_CALL.search(str(error))
+    number = found and _ERRNO_OF_WORDS.get(found[1].strip())
+    return OSError(number, found[1].strip(), path) if number else None
 
 
 class ParquetRows(RecordReader):
@@ -342,7 +396,12 @@ class ParquetRows(RecordReader):
         for path in files:
             try:
                 metadata = pq.ParquetFile(path).metadata
-            except Exception as e:  # pyarrow raises ArrowInvalid/OSError on truncated files
+            except OSError as e:
+                if e.errno is not None:  # a failed system call; pyarrow's others have no errno
+                    raise read_failed(e, path) from e
+                raise JaxscaleError(f"cannot read Parquet file {path!r}: {e}; is it complete?") \
+                    from None
+            except ValueError as e:  # ArrowInvalid: not Parquet, or truncated
                 raise JaxscaleError(f"cannot read Parquet file {path!r}: {e}; is it complete?") \
                     from None
             names = metadata.schema.names
@@ -371,9 +430,16 @@ class ParquetRows(RecordReader):
         with self._lock:
             rows = self._groups.get((file, group))
             if rows is None:
-                parquet_file = self.handle(file, _pyarrow_parquet().ParquetFile)
-                rows = parquet_file.read_row_group(group, columns=[self.text_field]) \
-                    .column(0).to_pylist()
+                path = self.files[file]
+                try:
+                    parquet_file = self.handle(file, _pyarrow_parquet().ParquetFile)
+                    rows = parquet_file.read_row_group(group, columns=[self.text_field]) \
+                        .column(0).to_pylist()
+                except (OSError, ValueError) as e:
+                    if isinstance(e, OSError) and e.errno is not None:  # a failed system call
+                        raise read_failed(e, path) from e
+                    # pyarrow's words for bytes that do not decode (ArrowInvalid, or no errno)
+                    raise MalformedRecord(f"{path} row group {group}: {e}") from e
                 if len(self._groups) >= self._CACHED_GROUPS:
                     self._groups.pop(next(iter(self._groups)))
                 self._groups[(file, group)] = rows

@@ -1,8 +1,10 @@
-"""Pre-tokenized files: documents stored once as token ids, read memory-mapped.
+"""Pre-tokenized files: documents stored once as token ids, each read with one `os.pread`.
 
 `NAME.bin` is the flat token array (uint16 when the vocabulary fits, else uint32), `NAME.idx.npy`
 the int64 offsets where documents start (plus the end), and `NAME.json` says which tokenizer made
-them, so a run with another tokenizer is refused rather than trained on the wrong ids.
+them, so a run with another tokenizer is refused rather than trained on the wrong ids. The
+tokens are not memory-mapped: a failed read of a mapped page kills the process with SIGBUS,
+where `pread` raises an error that says whether to retry (`runtime.storage`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxscale.data.formats import RecordReader
+from jaxscale.data.formats import (MalformedRecord, RecordReader, open_for_reading, read_at,
+                                   read_failed)
 from jaxscale.errors import JaxscaleError
 
 FORMAT = "jaxscale-tokens-v1"
@@ -53,9 +56,11 @@ def read_metadata(path: str) -> dict:
     try:
         with open(stem + ".json") as f:
             meta = json.load(f)
-    except (OSError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:
         raise JaxscaleError(f"token file {path!r} has no readable {stem}.json ({e}); write it "
                             "with `python -m jaxscale.data.prepare`") from None
+    except OSError as e:
+        raise read_failed(e, stem + ".json") from e
     if meta.get("format") != FORMAT:
         raise JaxscaleError(f"{stem}.json is not a {FORMAT} description; rewrite the files with "
                             "`python -m jaxscale.data.prepare`")
@@ -73,14 +78,16 @@ class TokenFiles(RecordReader):
                 raise JaxscaleError(
                     f"{path!r} was tokenized with {meta['tokenizer']!r} but data.tokenizer gives "
                     f"{tokenizer!r}; use the same tokenizer or prepare the files again")
+            index = _stem(path) + ".idx.npy"
             try:
-                offsets = np.load(_stem(path) + ".idx.npy")
-            except (OSError, ValueError) as e:
-                raise JaxscaleError(f"token file {path!r} has no readable {_stem(path)}.idx.npy "
-                                    f"({e}); prepare it again with "
-                                    "`python -m jaxscale.data.prepare`") from None
+                offsets = np.load(index)
+                size = os.path.getsize(path)
+            except (FileNotFoundError, ValueError) as e:
+                raise JaxscaleError(f"token file {path!r} has no readable {index} ({e}); prepare "
+                                    "it again with `python -m jaxscale.data.prepare`") from None
+            except OSError as e:
+                raise read_failed(e, e.filename or path) from e
             dtype = np.dtype(meta["dtype"])
-            size = os.path.getsize(path)
             if size != offsets[-1] * dtype.itemsize or len(offsets) != meta["documents"] + 1:
                 raise JaxscaleError(
                     f"token file {path!r} is {size} bytes but its index describes "
@@ -96,6 +103,11 @@ class TokenFiles(RecordReader):
         return bool(self._lengths[np.asarray(indices, dtype=np.int64)].any())
 
     def read(self, file: int, record: int) -> np.ndarray:
-        tokens = self.handle(file, lambda path: np.memmap(path, self._dtypes[file], mode="r"))
+        dtype, path = self._dtypes[file], self.files[file]
         start, end = self.offsets[file][record], self.offsets[file][record + 1]
-        return tokens[start:end].astype(np.int32)
+        size = int(end - start) * dtype.itemsize
+        data = read_at(self.handle(file, open_for_reading), size, int(start) * dtype.itemsize,
+                       path)
+        if len(data) != size:
+            raise MalformedRecord(f"{path} document {record}: file shrank while read")
+        return np.frombuffer(data, dtype).astype(np.int32)

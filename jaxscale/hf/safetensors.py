@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxscale.errors import JaxscaleError
-from jaxscale.runtime.workdir import reason, storage_error
+from jaxscale.runtime.storage import reason, storage_error
 
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),

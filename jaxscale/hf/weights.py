@@ -24,7 +24,7 @@ from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
 from jaxscale.models.hf_layout import HfTensor
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import family_module
-from jaxscale.runtime.workdir import reason, storage_error
+from jaxscale.runtime.storage import reason, storage_error
 
 SHARD_BYTES = 5_000_000_000  # transformers' save_pretrained default, "5GB"
 DTYPES = ("float32", "bfloat16", "float16")

@@ -11,7 +11,6 @@ Only process 0 writes these files; every process writes its own checkpoint shard
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile
@@ -20,7 +19,8 @@ import time
 import ml_collections
 
 from jaxscale.config import default_config
-from jaxscale.errors import ConfigError, TransientError
+from jaxscale.errors import ConfigError
+from jaxscale.runtime.storage import reason, storage_error
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # train.sample_every's continuations, a line per sampling step
@@ -31,51 +31,6 @@ TRACKER_RUN_ID_FILE = "tracker_run_id"
 # start then also opens a new tracker run rather than logging its steps again into the old one.
 _EARLIER_START_FILES = (METRICS_FILE, SAMPLES_FILE, "tensorboard", "run.json",
                         TRACKER_RUN_ID_FILE)
-# Write errors only the user can resolve besides a refusal (`access_denied`): a folder that cannot
-# hold files (/proc), a file where a folder belongs, a bad name, a missing file. Any other (EIO,
-# ENOSPC, EDQUOT, a timeout) is the storage failing for now.
-_USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
-                          errno.ENAMETOOLONG, errno.ELOOP})
-# A refusal: no retry grants a permission or makes a read-only mount writable.
-_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-# gcsfs raises HTTP 403 and 401 as an OSError without errno whose words start so.
-_DENIED_HTTP_WORDS = ("Forbidden", "Unauthorized")
-# TensorStore raises a ValueError whose words start with its absl status code.
-_DENIED_STATUSES = ("PERMISSION_DENIED: ", "UNAUTHENTICATED: ")
-
-
-def access_denied(error: BaseException) -> bool:
-    """Whether `error` is the storage refusing this process (a permission, a read-only mount, a
-    bucket the account has no rights on): the user's to resolve, never retried. The one place
-    that says so for the workdir, checkpoints (read and written) and weights files."""
-    if isinstance(error, OSError):
-        if isinstance(error, PermissionError) or error.errno in _DENIED_ERRNOS:
-            return True
-        return error.errno is None and str(error).startswith(_DENIED_HTTP_WORDS)
-    return isinstance(error, ValueError) and str(error).startswith(_DENIED_STATUSES)
-
-
-def grant_or(fix: str) -> str:
-    """The fix for a refusal: access for this process's account, or what else `fix` says."""
-    return f"access was denied: grant this process's user (or service account) access, or {fix}"
-
-
-def reason(error: OSError) -> str:
-    """Why `error` failed, on one line: its errno's words, else its text (gcsfs' spans lines)."""
-    return error.strerror or " ".join(str(error).split())
-
-
-def storage_error(error: OSError, what: str, fix: str) -> ConfigError | TransientError:
-    """The error to raise when `error` made `what` fail (`what` names the path and the reason): a
-    ConfigError ending in `fix` (or, for a refusal, in granting access) when the user must change
-    something, else a TransientError (exit 75: retried with backoff)."""
-    if access_denied(error):
-        return ConfigError(f"{what}; {grant_or(fix)}")
-    if error.errno in _USER_ERRNOS:
-        return ConfigError(f"{what}; {fix}")
-    return TransientError(f"{what}: the storage is failing")
-
-
 def check_writable(path: str, what: str, fix: str) -> None:
     """ConfigError unless `path` is a folder, or could be created as one, that this process may
     write (TransientError when the storage fails to say). Leaves nothing behind: the probe is a

@@ -1,0 +1,63 @@
+"""How a failed read or write is classified, the same way wherever it happens: the workdir, the
+checkpoints (read and written), data sources, weights files, trackers' folders.
+
+* the storage refused this process (`access_denied`: a permission, a read-only mount, a bucket
+  the account has no rights on): the user's to resolve, exit 2 (ConfigError), never retried;
+* a path that cannot be what it should (missing, a file where a folder belongs, a name too long,
+  a loop of links): the user's too, exit 2 with the fix;
+* anything else the operating system or a storage client reports (EIO, ENOSPC, EDQUOT, a
+  timeout, a stale handle): the storage failing for now, exit 75 (TransientError), retried with
+  backoff by the launcher.
+
+Bytes that were read and do not parse are none of these: the reader that parses them says what
+they prove (a malformed record, a damaged checkpoint).
+"""
+
+from __future__ import annotations
+
+import errno
+
+from jaxscale.errors import ConfigError, TransientError
+
+# Errors only the user can resolve besides a refusal (`access_denied`): a folder that cannot
+# hold files (/proc), a file where a folder belongs, a bad name, a missing file. Any other (EIO,
+# ENOSPC, EDQUOT, a timeout) is the storage failing for now.
+_USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                          errno.ENAMETOOLONG, errno.ELOOP})
+# A refusal: no retry grants a permission or makes a read-only mount writable.
+_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+# gcsfs raises HTTP 403 and 401 as an OSError without errno whose words start so.
+_DENIED_HTTP_WORDS = ("Forbidden", "Unauthorized")
+# TensorStore raises a ValueError whose words start with its absl status code.
+_DENIED_STATUSES = ("PERMISSION_DENIED: ", "UNAUTHENTICATED: ")
+
+
+def access_denied(error: BaseException) -> bool:
+    """Whether `error` is the storage refusing this process (a permission, a read-only mount, a
+    bucket the account has no rights on): the user's to resolve, never retried."""
+    if isinstance(error, OSError):
+        if isinstance(error, PermissionError) or error.errno in _DENIED_ERRNOS:
+            return True
+        return error.errno is None and str(error).startswith(_DENIED_HTTP_WORDS)
+    return isinstance(error, ValueError) and str(error).startswith(_DENIED_STATUSES)
+
+
+def grant_or(fix: str) -> str:
+    """The fix for a refusal: access for this process's account, or what else `fix` says."""
+    return f"access was denied: grant this process's user (or service account) access, or {fix}"
+
+
+def reason(error: OSError) -> str:
+    """Why `error` failed, on one line: its errno's words, else its text (gcsfs' spans lines)."""
+    return error.strerror or " ".join(str(error).split())
+
+
+def storage_error(error: OSError, what: str, fix: str) -> ConfigError | TransientError:
+    """The error to raise when `error` made `what` fail (`what` names the path and the reason): a
+    ConfigError ending in `fix` (or, for a refusal, in granting access) when the user must change
+    something, else a TransientError (exit 75: retried with backoff)."""
+    if access_denied(error):
+        return ConfigError(f"{what}; {grant_or(fix)}")
+    if error.errno in _USER_ERRNOS:
+        return ConfigError(f"{what}; {fix}")
+    return TransientError(f"{what}: the storage is failing")
