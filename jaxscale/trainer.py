@@ -5,7 +5,8 @@ program on it (jaxscale/training/program.py: model, optimizer, shardings, the ji
 nothing compiled yet). `run()` then
 
   1. opens the inputs and checks the data (and the eval split);
-  2. checks that the checkpoint and compilation-cache folders can be written;
+  2. checks that the trackers can be opened (an MLflow or W&B server answers in seconds) and
+     that the checkpoint and compilation-cache folders can be written;
   3. restores, read-only, this run's newest good checkpoint, else `checkpoint.restore_from`
      (a checkpoint that does not fit the config stops here, before anything is written);
   4. compiles the train step once, ahead of time, and prints its memory per device next to the
@@ -45,9 +46,11 @@ from jaxscale.observe import metrics as metrics_lib
 from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
                                             memory_metrics)
 from jaxscale.observe.profiling import ProfileWindow
+from jaxscale.observe.trackers import check_tracker_access
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
-from jaxscale.runtime.compilation_cache import CompilationCache, compilation_cache_dir
+from jaxscale.runtime.compilation_cache import (CACHE_FIX, CompilationCache,
+                                                compilation_cache_dir)
 from jaxscale.runtime.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
                                       set_aside_earlier_start)
 from jaxscale.training.bad_steps import BadSteps
@@ -156,10 +159,11 @@ class Trainer:
         metrics. On SIGTERM (Ctrl-C) saves and raises `Preempted` (`Interrupted`).
 
         The start is checked whole before anything is written: the data, the eval split, the
-        checkpoint folder, whether the checkpoint to resume from fits this config, and whether
-        the compiled train step fits the devices' memory. Only then are the workdir's files, the
-        compilation cache and the checkpoint manager opened. Every process reaches the same
-        verdict (`agreed_checks`): a check that fails on one host stops them all, with its error.
+        trackers, the checkpoint folder, whether the checkpoint to resume from fits this config,
+        and whether the compiled train step fits the devices' memory. Only then are the workdir's
+        files, the compilation cache and the checkpoint manager opened. Every process reaches the
+        same verdict (`agreed_checks`): a check that fails on one host stops them all, with its
+        error.
         """
         config, t, program = self.config, self.config.train, self.program
         with contextlib.ExitStack() as stack:
@@ -171,12 +175,12 @@ class Trainer:
                     check_splits(config, ("eval",))
                     held_out = stack.enter_context(
                         contextlib.closing(HeldOut(config, program.batch_sharding)))
+                if self.is_primary:  # the one process that writes metrics
+                    check_tracker_access(config, self.workdir)
                 checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
                 checkpoints.check_writable()
                 if cache_dir := compilation_cache_dir(config, self.workdir):
-                    check_writable(cache_dir, "checkpoint.compilation_cache_dir",
-                                   "pass --config.checkpoint.compilation_cache_dir=<a folder you "
-                                   "can write>, or --config.checkpoint.compilation_cache=False")
+                    check_writable(cache_dir, "checkpoint.compilation_cache_dir", CACHE_FIX)
             # The restore is collective (every process reads its shards); nothing after it here
             # is, so a process whose check fails skips the rest and goes to the agreement.
             with agreed_checks():

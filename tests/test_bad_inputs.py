@@ -326,6 +326,11 @@ CASES = [
                                       "eval_path='eval.jsonl')", more=("c.train.eval_every = 2",)),
                  "docs.jsonl": GOOD_JSONL, "eval.jsonl": ""},
           names=["eval.jsonl"]),
+    # --- trackers -------------------------------------------------------------------------------
+    train("an MLflow tracking URI under a regular file is named",
+          "--config.metrics.trackers=('jsonl','mlflow')",
+          "--config.metrics.mlflow_tracking_uri=file://{tmp}/notes.txt/mlruns", files=NOTES,
+          names=["notes.txt", "mlflow_tracking_uri"]),
     # --- checkpoints ----------------------------------------------------------------------------
     train("restoring from a folder without a checkpoint is refused",
           "--config.checkpoint.restore_from=notckpt", files={"notckpt/readme.txt": "hello\n"},

@@ -14,8 +14,11 @@ import ml_collections
 import numpy as np
 
 from jaxscale.config import default_config
+from jaxscale.errors import ConfigError, TransientError
 from jaxscale.observe import trackers as trackers_lib
 from jaxscale.observe.progress import StatusLine
+from jaxscale.runtime.storage import writing
+from jaxscale.runtime.workdir import WORKDIR_FIX
 
 _BAR_WIDTH = 30
 # Redraw the progress bar at most this often (seconds): fast steps would otherwise spend their
@@ -82,8 +85,9 @@ class MetricsWriter:
         self._trackers = []
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
         try:
+            with writing(workdir, WORKDIR_FIX):
+                os.makedirs(workdir, exist_ok=True)
             for tracker in trackers_lib.open_trackers(
                     workdir, default_config() if config is None else config):
                 self._trackers.append(tracker)
@@ -151,7 +155,14 @@ class MetricsWriter:
 
     def _close_trackers(self, failed: bool) -> None:
         while self._trackers:
-            self._trackers.pop().close(failed)
+            tracker = self._trackers.pop()
+            try:
+                tracker.close(failed)
+            except (ConfigError, TransientError):  # its file could not be written
+                if not failed:
+                    raise
+                # The run is stopping for an error already (often the same: a full disk fails
+                # the last flush again); that error is the one to report.
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -21,6 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.observe.metrics import throughput
+from jaxscale.runtime.storage import writing
+from jaxscale.runtime.workdir import WORKDIR_FIX
 
 RUN_RECORD = "run.json"
 
@@ -34,14 +36,15 @@ class RunClock:
             return
         path = os.path.join(workdir, RUN_RECORD)
         record = {"started_at": self.started_at, "starts": 0}
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                record = json.load(f)
-        record["starts"] += 1
-        # Written whole then renamed: a crash mid-write must not lose the run's start time.
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
+        with writing(path, WORKDIR_FIX):
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    record = json.load(f)
+            record["starts"] += 1
+            # Written whole then renamed: a crash mid-write must not lose the run's start time.
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)
         self.started_at, self.restarts = record["started_at"], record["starts"] - 1
 
     def goodput(self, productive_seconds: float) -> float:

@@ -14,16 +14,21 @@ W&B and MLflow also record the config, flattened to dotted keys (`train.steps`).
 A workdir has one tracker run id (<workdir>/tracker_run_id): a restarted run continues the same
 W&B run (the id is its run id) and the same MLflow run (found by its `jaxscale_run_id` tag).
 W&B and MLflow are imported only when chosen; `check_trackers` imports them at start-up, so a
-missing package is a one-line error before anything is written.
+missing package is a one-line error before anything is written. `check_tracker_access`, also
+before anything is written, makes sure each chosen tracker can be opened: an MLflow file store's
+folder can be written, an MLflow server and W&B's answer within `TRACKER_TIMEOUT_S` (else exit 75),
+and online W&B has a key (else exit 2).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import json
 import os
 import secrets
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -32,7 +37,9 @@ import numpy as np
 import tensorboardX
 
 from jaxscale.errors import ConfigError, TransientError
-from jaxscale.runtime.workdir import SAMPLES_FILE, TRACKER_RUN_ID_FILE
+from jaxscale.runtime.storage import writing
+from jaxscale.runtime.workdir import (SAMPLES_FILE, TRACKER_RUN_ID_FILE, WORKDIR_FIX,
+                                      check_writable)
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Each is also the module the tracker imports and the jaxscale extra that installs it.
@@ -44,6 +51,11 @@ _MLFLOW_PARAM_LIMIT = 6000
 _MLFLOW_RUN_ID_TAG = "jaxscale_run_id"
 # A tracking server takes at most 100 params in one batch request (the config has more keys).
 _MLFLOW_PARAMS_PER_BATCH = 100
+# How long a tracker's server has to answer at start-up: MLflow's own retries of an unreachable
+# server take 253 s, W&B's longer. Past it the run stops with exit 75, before writing anything.
+TRACKER_TIMEOUT_S = 30.0
+# MLflow's error codes that say the server refused this user: the user's to fix, not retried.
+_MLFLOW_REFUSALS = ("PERMISSION_DENIED", "UNAUTHENTICATED")
 
 # One tracker's view of a logged step: names without the prefix, each value a number or a list.
 Metrics = dict[str, float | int | list[float]]
@@ -86,6 +98,88 @@ def check_trackers(config: ml_collections.ConfigDict) -> None:
                               f"pip install 'jaxscale[{name}]'") from None
 
 
+def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """ConfigError or TransientError unless every chosen tracker can be opened, found without
+    writing anything: JSONL and TensorBoard write in the workdir (checked with it); an MLflow file
+    store's folder must be writable; an MLflow server must answer, W&B online must have a key
+    and its server answer, each within TRACKER_TIMEOUT_S. Process 0 only."""
+    names = config.metrics.trackers
+    if "mlflow" in names:
+        uri = _mlflow_uri(config, workdir)
+        parsed = urllib.parse.urlparse(uri)
+        if parsed.scheme in ("", "file"):  # a file store: a folder (a bare path is one too)
+            check_writable(parsed.path if parsed.scheme else uri, "the MLflow tracking URI's "
+                           "folder", "set metrics.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) "
+                           "to a folder you can write, or to a tracking server")
+        else:
+            _within(TRACKER_TIMEOUT_S, f"the MLflow tracking server {uri}",
+                    lambda: _mlflow_answers(uri))
+    if "wandb" in names and _wandb_mode(config) == "online":
+        _within(TRACKER_TIMEOUT_S, "W&B's server", _wandb_logged_in)
+
+
+def _within(seconds: float, what: str, probe) -> None:
+    """Runs `probe()` on a thread of its own; TransientError when it has not returned after
+    `seconds` (the thread is left to finish on its own: the run is stopping)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracker-probe")
+    try:
+        pool.submit(probe).result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        raise TransientError(f"{what} did not answer within {seconds:g} s") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _mlflow_answers(uri: str) -> None:
+    """Asks the tracking server for one experiment: ConfigError when it refuses this user,
+    TransientError when it cannot be reached or fails."""
+    from mlflow.exceptions import MlflowException  # an optional dependency: chosen only
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(uri).search_experiments(max_results=1)
+    except MlflowException as e:
+        words = " ".join(str(e).split())[:300]
+        if e.error_code in _MLFLOW_REFUSALS:
+            raise ConfigError(f"the MLflow tracking server {uri} refused this user ({words}); "
+                              "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                              "MLFLOW_TRACKING_TOKEN), or another metrics.mlflow_tracking_uri") \
+                from None
+        raise TransientError(f"the MLflow tracking server {uri} failed ({words})") from None
+    except OSError as e:  # requests' ConnectionError and timeouts, when MLflow lets them through
+        raise TransientError(f"the MLflow tracking server {uri} could not be reached "
+                             f"({' '.join(str(e).split())[:300]})") from None
+
+
+def _wandb_mode(config: ml_collections.ConfigDict) -> str:
+    return config.metrics.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+
+
+def _wandb_logged_in() -> None:
+    """ConfigError unless W&B has a key that its server accepts (TransientError when the server
+    cannot be reached)."""
+    import wandb  # an optional dependency: imported only when chosen
+
+    try:
+        has_key = wandb.login(prompt=False, verify=True)
+    except wandb.errors.AuthenticationError as e:
+        raise ConfigError(f"metrics.trackers includes 'wandb' but W&B refused its key "
+                          f"({' '.join(str(e).split())}); run `wandb login` (or set "
+                          "WANDB_API_KEY), or log offline with "
+                          "--config.metrics.wandb_mode=offline") from None
+    except wandb.errors.CommError as e:
+        raise TransientError(f"W&B could not be reached: {' '.join(str(e).split())}") from None
+    if not has_key:
+        raise ConfigError("metrics.trackers includes 'wandb' in online mode but W&B has no API "
+                          "key; run `wandb login` (or set WANDB_API_KEY), or log offline with "
+                          "--config.metrics.wandb_mode=offline")
+
+
+def _mlflow_uri(config: ml_collections.ConfigDict, workdir: str) -> str:
+    return (config.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+            or "file://" + os.path.abspath(os.path.join(workdir, "mlruns")))
+
+
 def open_trackers(workdir: str, config: ml_collections.ConfigDict) -> Iterator[Tracker]:
     """The trackers `config.metrics.trackers` chooses, writing into `workdir` (which exists), each
     yielded once open: when one fails to open, the caller closes those before it. Process 0
@@ -109,9 +203,10 @@ def _run_id(workdir: str) -> str:
     # Lower-case letters and digits, as W&B's own ids; 48 random bits: no two runs of a project
     # share one by chance.
     run_id = secrets.token_hex(6)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
-    os.replace(path + ".tmp", path)  # a crash leaves no half-written id
+    with writing(path, WORKDIR_FIX):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+        os.replace(path + ".tmp", path)  # a crash leaves no half-written id
     return run_id
 
 
@@ -145,27 +240,34 @@ class Jsonl:
 
     def __init__(self, workdir: str):
         self._workdir = workdir
-        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._path = os.path.join(workdir, "metrics.jsonl")
+        with writing(self._path, WORKDIR_FIX):
+            self._file = open(self._path, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Metrics, prefix: str) -> None:
         line = {"step": step, **{prefix + name: value for name, value in metrics.items()}}
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
+        with writing(self._path, WORKDIR_FIX):
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
 
     def write_samples(self, step: int, samples: dict[str, str]) -> None:
         # A file of their own: metrics.jsonl stays numbers only, for pandas and latest_metrics.
-        with open(os.path.join(self._workdir, SAMPLES_FILE), "a", encoding="utf-8") as f:
+        path = os.path.join(self._workdir, SAMPLES_FILE)
+        with writing(path, WORKDIR_FIX), open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
     def close(self, failed: bool) -> None:
-        self._file.close()
+        with writing(self._path, WORKDIR_FIX):
+            self._file.close()
 
 
 class TensorBoard:
     """Event files in <workdir>/tensorboard/; a vector is a histogram over its index."""
 
     def __init__(self, workdir: str):
-        self._writer = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._folder = os.path.join(workdir, "tensorboard")
+        with writing(self._folder, WORKDIR_FIX):
+            self._writer = tensorboardX.SummaryWriter(self._folder)
 
     def write(self, step: int, metrics: Metrics, prefix: str) -> None:
         for name, value in metrics.items():
@@ -173,7 +275,8 @@ class TensorBoard:
                 self._add_histogram(_tag(name, prefix), value, step)
             else:
                 self._writer.add_scalar(_tag(name, prefix), value, step)
-        self._writer.flush()
+        with writing(self._folder, WORKDIR_FIX):
+            self._writer.flush()
 
     def _add_histogram(self, tag: str, values: list[float], step: int) -> None:
         """`values` as a histogram whose x axis is their index: bucket [i, i + 1) holds
@@ -190,10 +293,12 @@ class TensorBoard:
     def write_samples(self, step: int, samples: dict[str, str]) -> None:
         for i, (prompt, text) in enumerate(samples.items()):  # markdown: the prompt in bold
             self._writer.add_text(f"samples/{i}", _markdown_sample(prompt, text), step)
-        self._writer.flush()
+        with writing(self._folder, WORKDIR_FIX):
+            self._writer.flush()
 
     def close(self, failed: bool) -> None:
-        self._writer.close()
+        with writing(self._folder, WORKDIR_FIX):
+            self._writer.close()
 
 
 class Wandb:
@@ -251,8 +356,7 @@ class Mlflow:
         from mlflow.tracking import MlflowClient
 
         self._Metric = Metric
-        uri = (config.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-               or "file://" + os.path.abspath(os.path.join(workdir, "mlruns")))
+        uri = _mlflow_uri(config, workdir)
         if uri.startswith("file:"):
             # MLflow 3 keeps its file store in maintenance mode behind this switch; it is the one
             # local store mlflow-skinny has (SQLite needs the full mlflow and SQLAlchemy).

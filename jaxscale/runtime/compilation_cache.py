@@ -25,7 +25,12 @@ import tempfile
 import ml_collections
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxscale.runtime.storage import writing
+
 _log = logging.getLogger(__name__)
+# The fix for a cache folder the storage refuses.
+CACHE_FIX = ("pass --config.checkpoint.compilation_cache_dir=<a folder you can write>, or "
+             "--config.checkpoint.compilation_cache=False")
 
 
 def compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> str | None:
@@ -106,10 +111,11 @@ class CompilationCache:
     def open(self) -> None:
         """The run writes from here on: the cache is `cache_dir`, with what was compiled since."""
         if self._staging:
-            os.makedirs(self.cache_dir, exist_ok=True)
-            for entry in os.scandir(self._staging):
-                if not entry.is_symlink():
-                    shutil.move(entry.path, os.path.join(self.cache_dir, entry.name))
+            with writing(self.cache_dir, CACHE_FIX):
+                os.makedirs(self.cache_dir, exist_ok=True)
+                for entry in os.scandir(self._staging):
+                    if not entry.is_symlink():
+                        shutil.move(entry.path, os.path.join(self.cache_dir, entry.name))
             use_compilation_cache(self.cache_dir)
             self._remove_staging()
 

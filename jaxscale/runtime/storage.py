@@ -15,6 +15,7 @@ they prove (a malformed record, a damaged checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 
 from jaxscale.errors import ConfigError, TransientError
@@ -61,3 +62,13 @@ def storage_error(error: OSError, what: str, fix: str) -> ConfigError | Transien
     if error.errno in _USER_ERRNOS:
         return ConfigError(f"{what}; {fix}")
     return TransientError(f"{what}: the storage is failing")
+
+
+@contextlib.contextmanager
+def writing(path: str, fix: str):
+    """Raises what `storage_error` makes of an OSError from the block, which writes `path` (or
+    the file the OSError names): the run's own files are classified as its checkpoints are."""
+    try:
+        yield
+    except OSError as e:
+        raise storage_error(e, f"cannot write {e.filename or path!r} ({reason(e)})", fix) from e

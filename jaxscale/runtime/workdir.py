@@ -20,13 +20,15 @@ import ml_collections
 
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
-from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.storage import reason, storage_error, writing
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # train.sample_every's continuations, a line per sampling step
 CONFIG_FILE = "config.json"
 # The W&B / MLflow run a restart continues (jaxscale/observe/trackers.py).
 TRACKER_RUN_ID_FILE = "tracker_run_id"
+# The fix for a workdir file the storage refuses (a failing storage is retried, exit 75).
+WORKDIR_FIX = "pass --workdir=<a folder you can write>"
 # What a start from step 0 sets aside when an earlier start left them but no checkpoint: a fresh
 # start then also opens a new tracker run rather than logging its steps again into the old one.
 _EARLIER_START_FILES = (METRICS_FILE, SAMPLES_FILE, "tensorboard", "run.json",
@@ -59,14 +61,16 @@ def check_workdir(workdir: str) -> None:
         raise ConfigError(f"workdir {workdir!r} is a URL; the workdir is a local or mounted "
                           "folder. Put checkpoints in a bucket with "
                           "--config.checkpoint.dir=gs://...")
-    check_writable(workdir, "workdir", "pass --workdir=<a folder you can write>")
+    check_writable(workdir, "workdir", WORKDIR_FIX)
 
 
 def open_workdir(workdir: str, config_json: str) -> None:
     """Creates `workdir` and records the config this start runs with."""
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as f:
-        f.write(config_json)
+    path = os.path.join(workdir, CONFIG_FILE)
+    with writing(path, WORKDIR_FIX):
+        os.makedirs(workdir, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(config_json)
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
@@ -121,7 +125,8 @@ def set_aside_earlier_start(workdir: str) -> str | None:
     if METRICS_FILE not in found:
         return None
     folder = os.path.join(workdir, f"earlier-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(folder)
-    for name in found:
-        os.replace(os.path.join(workdir, name), os.path.join(folder, name))
+    with writing(folder, WORKDIR_FIX):
+        os.makedirs(folder)
+        for name in found:
+            os.replace(os.path.join(workdir, name), os.path.join(folder, name))
     return folder
