@@ -36,7 +36,7 @@ from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
 from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.training.optim import make_optimizer  # noqa: E402
 from jaxscale.training.program import TrainProgram  # noqa: E402
-from jaxscale.training.step import BATCH_KEYS, make_train_step  # noqa: E402
+from jaxscale.training.step import BATCH_KEYS, Objective, make_train_step  # noqa: E402
 
 TARGET = "v5p:2x2x1"  # the smallest v5p topology; its first chip alone
 SETTINGS = ["--config=configs/llama3_8b.py", "--config.mesh.data=1", "--config.mesh.fsdp=1",
@@ -54,8 +54,9 @@ def all_at_once_step(program: TrainProgram) -> jax.stages.Wrapped:
     model = program.model
     tx, schedule = make_optimizer(plain.optim, config.train.steps,
                                   model.trained(model.logical_specs))
-    step = with_rules(make_train_step(config, model.train_graphdef, tx, schedule,
-                                      pipeline=program.pipeline), program.mesh, program.rules)
+    objective = Objective.of(config, model.train_graphdef, program.pipeline)
+    step = with_rules(make_train_step(config, objective, tx, schedule), program.mesh,
+                      program.rules)
     on_device = jax.tree.map(lambda sharding: sharding.with_memory_kind(None),
                              program.state_shardings.opt_state)
 

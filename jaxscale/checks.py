@@ -35,7 +35,8 @@ from jaxscale.parallel.sharding import check_rules
 from jaxscale.runtime.xla_flags import check_setting
 from jaxscale.training import offload
 from jaxscale.training.optim import check_memory_options
-from jaxscale.training.state import check_optimizer_layout, logical_axis_sizes
+from jaxscale.training.layout import check_optimizer_layout
+from jaxscale.training.state import logical_axis_sizes
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1

@@ -122,7 +122,7 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
 
     from jaxscale.parallel.context import length_shards, load_balanced
     from jaxscale.parallel.sharding import with_rules
-    from jaxscale.training.step import loss_grad_and_next_fp8
+    from jaxscale.training.step import Objective, Weights
 
     program = mesh_trainer(config, workdir).program
     params = program.init_state(config.train.seed).params
@@ -133,9 +133,8 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
 
     def mean_loss_and_grad(params, batch):
         tokens = jnp.sum(batch["loss_mask"])
-        total, grads, _, _ = loss_grad_and_next_fp8(
-            config, program.model.graphdef, params, None, batch, 1 / tokens,
-            pipeline=program.pipeline)
+        objective = Objective.of(config, program.model.graphdef, program.pipeline)
+        total, grads, _, _ = objective.forward_backward(Weights(params), batch, 1 / tokens)
         return total / tokens, grads
     # Compiled ahead of time and called as compiled: one compilation gives the HLO and the values.
     step = jax.jit(with_rules(mean_loss_and_grad, program.mesh, program.rules))

@@ -11,7 +11,7 @@ import pytest
 
 from jaxscale.parallel.context import load_balanced, load_balanced_order
 from jaxscale.plan.collectives import replica_groups
-from jaxscale.training.step import summed_loss
+from jaxscale.training.step import Objective, Weights
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_trainer, random_batch,
                            resumable_cli_losses, small_config)
 
@@ -45,7 +45,8 @@ def references(tmp_path_factory):
         batch = make_batch(config)
 
         def mean_loss(p, batch=batch):
-            total, tokens = summed_loss(trainer.program.model.graphdef, p, batch)
+            total, tokens, _ = Objective(trainer.program.model.graphdef).summed_loss(
+                Weights(p), batch)
             return total / tokens
         out[kind] = jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
     return out

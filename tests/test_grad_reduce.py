@@ -20,7 +20,7 @@ from jaxscale.models import llama
 from jaxscale.models.layers import weight_matmul, weights_cast_for_use
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss
+from jaxscale.training.step import Objective, Weights
 from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 
 SETTINGS = ("bfloat16", "float32")
@@ -212,7 +212,7 @@ def _stack_loss_and_grads(config, batch):
     """(the summed loss, its gradient) of `config`'s model on one device, and the jaxpr of the
     gradient."""
     graphdef, params = nnx.split(create_model(model_config(config), 0))
-    grad_fn = jax.value_and_grad(lambda p: summed_loss(graphdef, p, batch)[0])
+    grad_fn = jax.value_and_grad(lambda p: Objective(graphdef).summed_loss(Weights(p), batch)[0])
     return jax.jit(grad_fn)(params), jax.make_jaxpr(grad_fn)(params)
 
 
@@ -297,8 +297,9 @@ def test_the_train_step_takes_a_stacks_gradient_in_the_dtype_it_was_made_in():
     graphdef, params = nnx.split(create_model(model_config(config), 0))
     params = nnx.to_pure_dict(params)
     batch = random_batch(config)
-    grads = {made: by_name(jax.jit(lambda p, made=made: loss_grad_and_next_fp8(
-        config, graphdef, p, None, batch, jnp.float32(1e-2), made_dtypes=made)[1])(params))
+    grads = {made: by_name(jax.jit(lambda p, made=made: Objective.of(config, graphdef, None)
+                                   .forward_backward(Weights(p), batch, jnp.float32(1e-2),
+                                                     made_dtypes=made).grads)(params))
         for made in (False, True)}
     cast = {f"blocks/{w}" for w in ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate",
                                     "mlp/up", "mlp/down")}

@@ -16,7 +16,7 @@ from jaxscale.checks import checked_mesh
 from jaxscale.models import lora
 from jaxscale.training.program import TrainProgram
 from jaxscale.models.spec import model_spec
-from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss
+from jaxscale.training.step import Objective, Weights
 from tests.helpers import REPO, mesh_devices, mesh_trainer, random_batch, small_config
 
 
@@ -75,15 +75,15 @@ def test_gradients_equal_those_of_the_merged_weights_in_plain_jax():
     adapters, frozen = with_nonzero_b(state.params), state.frozen
     batch = jax.tree.map(jnp.asarray, random_batch(config))
     tokens = jnp.sum(batch["loss_mask"])
-    total, grads, _, _ = loss_grad_and_next_fp8(config, program.model.train_graphdef, adapters,
-                                                None, batch, 1 / tokens, frozen)
+    total, grads, _, _ = Objective.of(config, program.model.train_graphdef, None).forward_backward(
+        Weights(adapters, frozen), batch, 1 / tokens)
 
     base_graphdef = model_spec(small_config()).graphdef
     lora_cfg = program.model.config.lora
 
     def reference(adapters):
         weights = lora.merged(lora.join_adapters(adapters, frozen), lora_cfg)
-        return summed_loss(base_graphdef, weights, batch)[0] / tokens
+        return Objective(base_graphdef).summed_loss(Weights(weights), batch).total / tokens
     loss, expected = jax.value_and_grad(reference)(adapters)
     np.testing.assert_allclose(float(total / tokens), float(loss), rtol=1e-5)
     jax.tree.map(lambda g, e: np.testing.assert_allclose(np.asarray(g), np.asarray(e),

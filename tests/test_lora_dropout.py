@@ -16,7 +16,7 @@ from jaxscale.config import check_schema
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
 from jaxscale.models.spec import model_spec
-from jaxscale.training.step import loss_grad_and_next_fp8
+from jaxscale.training.step import Objective, Weights
 from tests.helpers import one_line_error, random_batch
 from tests.test_lora import lora_config, program_for, with_nonzero_b
 
@@ -164,8 +164,8 @@ def test_the_step_is_a_plain_jax_model_with_the_documented_masks(single, referen
                                         config.train.batch_size).keys
     tokens = jnp.sum(batch["loss_mask"])
     total, step_grads, _, _ = jax.jit(
-        lambda a, f, b, k: loss_grad_and_next_fp8(config, single.model.train_graphdef, a, None,
-                                                  b, 1 / tokens, f, lora.AdapterDropout(RATE, k))
+        lambda a, f, b, k: Objective.of(config, single.model.train_graphdef, None)
+        .forward_backward(Weights(a, f), b, 1 / tokens, lora.AdapterDropout(RATE, k))
     )(state.params, state.frozen, batch, keys)
     np.testing.assert_allclose(float(total / tokens), float(loss), rtol=1e-5)
     jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-7),

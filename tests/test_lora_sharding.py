@@ -1,4 +1,4 @@
-"""Where LoRA's adapters live (jaxscale/training/state.py `state_specs`): each factor is also split
+"""Where LoRA's adapters live (jaxscale/training/layout.py `StateLayout`): each factor is also split
 over the data-parallel axes its weight is split over (FSDP), so a device holds 1/fsdp of every
 factor, its gradient and its Adam moments; the mesh still trains as one device does, ZeRO-1 starts
 from that layout, and the planner's memory model counts it as the compiled step holds it."""
@@ -20,7 +20,7 @@ from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.memory_model import estimate_memory
 from jaxscale.training.program import TrainProgram
 from jaxscale.models.spec import model_spec
-from jaxscale.training.state import state_specs
+from jaxscale.training.layout import StateLayout
 from tests.helpers import mesh_devices, random_batch, small_config
 
 UNSPLIT = dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)
@@ -61,7 +61,7 @@ def test_each_factor_takes_its_weights_data_parallel_axes_and_no_others():
     spec, rules = model_spec(config), rules_from_config(config.sharding.rules)
     mesh_shape = UNSPLIT | dict(fsdp=4, tensor=2, pipeline=2)
     plain = {k: logical_to_mesh(v, rules) for k, v in adapter_entries(spec.logical_specs).items()}
-    split = adapter_entries(state_specs(spec, rules, mesh_shape, "params").params)
+    split = adapter_entries(StateLayout(spec, rules, mesh_shape, "params", False).params)
     assert split["blocks/attn/q_lora/a"] == plain["blocks/attn/q_lora/a"]  # [layers, embed, r]
     # [layers, r=4, heads=4, head_dim]: the rank is the first dimension fsdp=4 divides.
     assert split["blocks/attn/q_lora/b"] == P("pipeline", "fsdp", "tensor", None)
@@ -71,12 +71,13 @@ def test_each_factor_takes_its_weights_data_parallel_axes_and_no_others():
         assert axes_of(s) - axes_of(plain[name]) <= {"fsdp"}, name
         assert "fsdp" in axes_of(s), name  # every factor here has a dimension fsdp divides
     # The base is untouched.
-    assert (state_specs(spec, rules, mesh_shape, "params").params["blocks"]["attn"]["q"]
+    assert (StateLayout(spec, rules, mesh_shape, "params", False).params["blocks"]["attn"]["q"]
             == logical_to_mesh(spec.logical_specs["blocks"]["attn"]["q"], rules))
 
     # fsdp=32 divides no dimension of B of k [layers, r=4, kv_heads=2, head_dim=16]: it stays as
     # it was; B of gate [layers, 4, mlp=128] is split on mlp (with the tensor axis of its rule).
-    wide = adapter_entries(state_specs(spec, rules, UNSPLIT | dict(fsdp=32), "params").params)
+    wide = adapter_entries(
+        StateLayout(spec, rules, UNSPLIT | dict(fsdp=32), "params", False).params)
     assert wide["blocks/attn/k_lora/b"] == plain["blocks/attn/k_lora/b"]
     assert wide["blocks/mlp/gate_lora/b"] == P("pipeline", None, ("tensor", "fsdp"))
 
@@ -151,8 +152,8 @@ def test_split_adapters_train_as_one_device_does(mesh):
     if layout == "data":
         spec, rules = program.model, program.rules
         mesh_shape = dict(program.mesh.shape)
-        moments = adapter_entries(state_specs(spec, rules, mesh_shape, "data").moments)
-        params = adapter_entries(state_specs(spec, rules, mesh_shape, "params").params)
+        moments = adapter_entries(StateLayout(spec, rules, mesh_shape, "data", False).moments)
+        params = adapter_entries(StateLayout(spec, rules, mesh_shape, "params", False).params)
         assert moments.keys() == params.keys() and "fsdp" in axes_of(params["blocks/attn/q_lora/b"])
         for name, s in moments.items():
             assert axes_of(params[name]) | {"data"} == axes_of(s), name

@@ -9,7 +9,7 @@ import pytest
 
 from jaxscale.training.loss import chunk_length, summed_cross_entropy, vocab_tiles
 from jaxscale.models.spec import create_model, model_config
-from jaxscale.training.step import summed_loss
+from jaxscale.training.step import Objective, Weights
 from flax import nnx
 from tests.helpers import random_batch, small_config
 
@@ -81,7 +81,7 @@ def test_model_loss_with_chunks_equals_without_on_packed_rows():
     batch = {k: jnp.asarray(v) for k, v in random_batch(config).items()}
 
     def loss(params, chunk):
-        return summed_loss(graphdef, params, batch, chunk)[0]
+        return Objective(graphdef, chunk).summed_loss(Weights(params), batch).total
 
     plain, plain_grads = jax.value_and_grad(loss)(params, 0)
     chunked, chunked_grads = jax.value_and_grad(loss)(params, 4)
@@ -99,7 +99,7 @@ def test_padded_vocabulary_takes_no_part_in_the_softmax():
     model = create_model(cfg, 0)
     graphdef, params = nnx.split(model)
     batch = {k: jnp.asarray(v) for k, v in random_batch(config).items()}
-    total, tokens = summed_loss(graphdef, params, batch)
+    total, tokens, _ = Objective(graphdef).summed_loss(Weights(params), batch)
     assert abs(total / tokens - math.log(259)) < 0.05, total / tokens
 
     logits = model(batch["inputs"])
@@ -122,7 +122,7 @@ def test_chunked_loss_on_a_sharded_mesh_equals_one_device():
                       dict(data=1, fsdp=1, tensor=1, pipeline=1), jax.devices()[:8])
 
     def loss(params, chunk):
-        return summed_loss(graphdef, params, batch, chunk)[0]
+        return Objective(graphdef, chunk).summed_loss(Weights(params), batch).total
 
     want, want_grads = jax.value_and_grad(loss)(params, 0)
     with use_rules(mesh, rules_from_config(config.sharding.rules)):

@@ -20,7 +20,7 @@ from jaxscale.cli import load_config_file
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
 from jaxscale.models.moe import MoE, MoEConfig, route
-from jaxscale.training.step import loss_grad_and_next_fp8, summed_loss_and_router_stats
+from jaxscale.training.step import Objective, Weights, router_metrics
 from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 from tests.test_bad_inputs import config_file, run_in_process
 
@@ -291,8 +291,7 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(every):
     # Enough capacity that the full pass drops nothing; decoding never drops.
     graphdef, params = split_model(moe_model_config(every=every, capacity_factor=2.0))
     tokens = jnp.asarray(RNG.integers(3, 259, (2, 10)), jnp.int32)
-    full, stats = jax.jit(lambda p, t: nnx.merge(graphdef, p).features_with_stats(t))(params,
-                                                                                      tokens)
+    full, stats = jax.jit(lambda p, t: nnx.merge(graphdef, p).features(t))(params, tokens)
     assert float(stats.dropped_fraction) == 0.0
 
     @jax.jit
@@ -316,7 +315,7 @@ def test_remat_keeps_the_loss_and_gradients():
         graphdef, params = split_model(moe_model_config(remat=remat))
 
         def mean_loss(p):
-            total, tokens, stats = summed_loss_and_router_stats(graphdef, p, batch)
+            total, tokens, stats = Objective(graphdef).summed_loss(Weights(p), batch)
             return total / tokens + 0.01 * stats.aux_loss
         return jax.jit(jax.value_and_grad(mean_loss))(params)
 
@@ -332,14 +331,16 @@ def test_the_mean_loss_gains_exactly_the_weighted_router_penalties():
     graphdef, params = split_model(model_config(config))
     batch = random_batch(config)
     tokens = float(np.sum(batch["loss_mask"]))
-    total, grads, metrics, _ = jax.jit(lambda p: loss_grad_and_next_fp8(
-        config, graphdef, p, None, batch, jnp.float32(1 / tokens)))(params)
+    total, grads, router, _ = jax.jit(lambda p: Objective.of(config, graphdef, None)
+                                      .forward_backward(Weights(p), batch,
+                                                        jnp.float32(1 / tokens)))(params)
+    metrics = router_metrics(router)
 
     def mean_objective(p):
-        ce, count, stats = summed_loss_and_router_stats(graphdef, p, batch)
+        ce, count, stats = Objective(graphdef).summed_loss(Weights(p), batch)
         return ce / count + 0.5 * stats.aux_loss + 0.25 * stats.z_loss
     want_grads = jax.jit(jax.grad(mean_objective))(params)
-    ce, _, stats = jax.jit(lambda p: summed_loss_and_router_stats(graphdef, p, batch))(params)
+    ce, _, stats = jax.jit(lambda p: Objective(graphdef).summed_loss(Weights(p), batch))(params)
     assert float(total) == pytest.approx(float(ce), rel=1e-6)  # the reported loss: CE alone
     assert float(metrics["moe_aux_loss"]) == pytest.approx(float(stats.aux_loss), rel=1e-6)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxscale.parallel.sharding import with_rules
-from jaxscale.training.step import summed_loss
+from jaxscale.training.step import Objective, Weights
 from jaxscale.trainer import Trainer
 from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 
@@ -35,7 +35,7 @@ def initial_gradients(trainer, params, batch):
     program = trainer.program
 
     def mean_loss(p):
-        total, tokens = summed_loss(program.model.graphdef, p, batch)
+        total, tokens, _ = Objective(program.model.graphdef).summed_loss(Weights(p), batch)
         return total / tokens
     return jax.jit(with_rules(jax.grad(mean_loss), program.mesh, program.rules))(params)
 

@@ -25,7 +25,7 @@ from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.optim import make_optimizer
 from jaxscale.models.spec import model_spec
-from jaxscale.training.state import state_specs
+from jaxscale.training.layout import StateLayout
 from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
 
@@ -272,21 +272,21 @@ def test_the_streamed_update_equals_one_update_of_every_parameter(moment_dtype, 
 
 
 def test_offloaded_moments_stream_in_slices_of_a_dimension_no_device_splits():
-    """`state_specs(...).slices`: a stacked parameter streams a layer at a time; the embedding in the
-    fewest slices of a multiple of 8 rows no larger than the largest layer (small_config: an
-    MLP weight's 64 x 128; the embedding [384, 64] in 3 of 128 rows, the head [64, 384] in 4 of
-    16); the final norm (a layer's size already) and the stacks of norm scales (one row of
-    which, in bfloat16 host memory, the TPU compiler refuses) whole. A dimension that a device
-    holds only part of, of the parameter or of its moments, streams whole: the stack on pipeline
-    stages, the head's rows under fsdp, the embedding's vocabulary under tensor, and under ZeRO-1
-    every parameter that the data axes split on its first dimension."""
+    """`StateLayout(...).slices`: a stacked parameter streams a layer at a time; the embedding in
+    the fewest slices of a multiple of 8 rows no larger than the largest layer (small_config: an MLP
+    weight's 64 x 128; the embedding [384, 64] in 3 of 128 rows, the head [64, 384] in 4 of 16); the
+    final norm (a layer's size already) and the stacks of norm scales (one row of which, in bfloat16
+    host memory, the TPU compiler refuses) whole. A dimension that a device holds only part of, of
+    the parameter or of its moments, streams whole: the stack on pipeline stages, the head's rows
+    under fsdp, the embedding's vocabulary under tensor, and under ZeRO-1 every parameter that the
+    data axes split on its first dimension."""
     config = small_config()
     spec, rules = model_spec(config), rules_from_config(config.sharding.rules)
     assert max(a.size // 2 for a in jax.tree.leaves(spec.abstract_params["blocks"])) == 64 * 128
 
     def slices(layout="params", **axes):
         mesh_shape = dict(data=1, pipeline=1, fsdp=1, context=1, expert=1, tensor=1) | axes
-        counts = state_specs(spec, rules, mesh_shape, layout).slices
+        counts = StateLayout(spec, rules, mesh_shape, layout, False).slices
         stacked = list(zip(jax.tree.leaves(counts["blocks"]),
                            jax.tree.leaves(spec.abstract_params["blocks"])))
         return ({n for n, a in stacked if a.ndim > 2}, {n for n, a in stacked if a.ndim == 2},

@@ -14,7 +14,7 @@ from jaxscale.models.llama import LlamaConfig
 from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.models.spec import model_config
-from jaxscale.training.step import summed_loss
+from jaxscale.training.step import Objective, Weights
 from jaxscale.trainer import Trainer
 from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
                            resumable_cli_losses, small_config)
@@ -38,7 +38,8 @@ def plain_loss_and_grads(config, workdir):
     batch = random_batch(config)
 
     def mean_loss(p):
-        total, tokens = summed_loss(trainer.program.model.graphdef, p, batch)
+        total, tokens, _ = Objective(trainer.program.model.graphdef).summed_loss(Weights(p),
+                                                                                  batch)
         return total / tokens
     return jax.device_get(jax.jit(jax.value_and_grad(mean_loss))(params))
 

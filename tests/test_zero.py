@@ -15,7 +15,7 @@ from jaxscale.plan.collectives import bytes_by_kind, parse_collectives
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.models.spec import model_spec
-from jaxscale.training.state import state_specs
+from jaxscale.training.layout import StateLayout
 from jaxscale.trainer import Trainer
 from tests.helpers import random_batch, small_config
 
@@ -42,7 +42,7 @@ def test_zero1_splits_stacked_parameters_within_a_layer():
     config.model.n_layers = 4
     rules = rules_from_config(config.sharding.rules)
     mesh_shape = dict(data=4, pipeline=1, fsdp=1, context=1, expert=1, tensor=1)
-    moments = state_specs(model_spec(config), rules, mesh_shape, "data").moments
+    moments = StateLayout(model_spec(config), rules, mesh_shape, "data", False).moments
     blocks = moments["blocks"]
     assert data_dimension(blocks["attn"]["q"]) == 1  # [layers, embed=64, heads=4, head_dim]
     assert data_dimension(blocks["mlp"]["down"]) == 1  # [layers, mlp=128, embed=64]
@@ -53,7 +53,7 @@ def test_zero1_splits_stacked_parameters_within_a_layer():
     with pytest.raises(ConfigError, match=r"'blocks/attn_norm/scale' \[4, 34\] has no dimension "
                                           "besides its stacked layers divisible by the "
                                           "data-parallel degree data=4"):
-        state_specs(model_spec(config), rules, mesh_shape, "data")
+        StateLayout(model_spec(config), rules, mesh_shape, "data", False)
 
 
 def test_zero1_program_reduce_scatters_the_gradients_over_data():

@@ -162,13 +162,10 @@ class Block(nnx.Module):
                            grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
                            lora=cfg.lora, hidden_chunks=cfg.mlp_chunks)
 
-    def __call__(self, x, positions, segment_ids, dropout: AdapterDropout | None = None):
-        """`dropout` (train step only): on the LoRA adapters' inputs."""
-        return self.with_stats(x, positions, segment_ids, dropout)[0]
-
-    def with_stats(self, x, positions, segment_ids, dropout: AdapterDropout | None = None
-                   ) -> tuple[jax.Array, RouterStats | None]:
-        """(the block's output, its router's statistics; None for a dense block)."""
+    def __call__(self, x, positions, segment_ids, dropout: AdapterDropout | None = None
+                 ) -> tuple[jax.Array, RouterStats | None]:
+        """(the block's output, its router's statistics; None for a dense block). `dropout`
+        (train step only): on the LoRA adapters' inputs."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids, dropout)
         # Padding (segment id 0) is no token to route: it would take real tokens' expert slots.
         valid = None if segment_ids is None else segment_ids != 0
@@ -203,8 +200,8 @@ class BlockGroup(nnx.Module):
         """(x, router statistics summed over the groups before) -> the same after this group."""
         x, stats = carry
         for block in self.layers[:-1]:
-            x = block(x, positions, segment_ids)
-        x, own = self.layers[-1].with_stats(x, positions, segment_ids)
+            x, _ = block(x, positions, segment_ids)
+        x, own = self.layers[-1](x, positions, segment_ids)
         return x, stats.plus(own)
 
 
@@ -231,7 +228,7 @@ class Llama(nnx.Module):
         `positions` restart at 0 in each packed document and `segment_ids` keep attention inside a
         document; both default to one unpacked sequence per row.
         """
-        return self.logits(self.features(tokens, positions, segment_ids))
+        return self.logits(self.features(tokens, positions, segment_ids)[0])
 
     @property
     def stack_units(self) -> int:
@@ -239,24 +236,19 @@ class Llama(nnx.Module):
         return self.cfg.n_layers // (self.cfg.moe.every if self.cfg.moe else 1)
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, stack: Stack | None = None) -> jax.Array:
-        """tokens [batch, length] -> the final norm's output [batch, length, d_model], which
-        `logits` turns into scores over the vocabulary. The loss calls the two apart, so that it
-        can make the float32 logits a slice of the sequence at a time.
+                 segment_ids: jax.Array | None = None, stack: Stack | None = None,
+                 dropout: AdapterDropout | None = None
+                 ) -> tuple[jax.Array, RouterStats | None]:
+        """tokens [batch, length] -> (the final norm's output [batch, length, d_model], which
+        `logits` turns into scores over the vocabulary, and the routers' statistics averaged
+        over the MoE layers; None when the model has none). The loss calls the two apart, so
+        that it can make the float32 logits a slice of the sequence at a time.
 
         `stack` runs the blocks (by default `default_stack`, or a pipeline schedule from
-        `jaxscale.parallel.pipeline`, which splits the same stacked layers over stages)."""
-        return self.features_with_stats(tokens, positions, segment_ids, stack)[0]
-
-    def features_with_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
-                            segment_ids: jax.Array | None = None, stack: Stack | None = None,
-                            dropout: AdapterDropout | None = None
-                            ) -> tuple[jax.Array, RouterStats | None]:
-        """(`features`, the routers' statistics averaged over the MoE layers; None when the
-        model has none): `parts` run with `stack`. `dropout` (the train step's): on the LoRA
-        adapters' inputs."""
-        parts = self.parts(tokens, positions, segment_ids, dropout)
-        return parts.features(stack or self.default_stack)
+        `jaxscale.parallel.pipeline`, which splits the same stacked layers over stages).
+        `dropout` (the train step's): on the LoRA adapters' inputs."""
+        return self.parts(tokens, positions, segment_ids, dropout).features(
+            stack or self.default_stack)
 
     def parts(self, tokens: jax.Array, positions: jax.Array | None = None,
               segment_ids: jax.Array | None = None,
@@ -308,10 +300,12 @@ class Llama(nnx.Module):
         rows' dropout keys) -> x. Remat recomputes the same masks: they are the keys'."""
         def run_block(layer_state, x, positions, segment_ids, *row_keys):
             if not dropout_rate:
-                return nnx.merge(block_def, layer_state)(x, positions, segment_ids)
-            (layer_state, layer), (keys,) = layer_state, row_keys
-            dropout = AdapterDropout(dropout_rate, keys).folded(layer)
-            return nnx.merge(block_def, layer_state)(x, positions, segment_ids, dropout)
+                out = nnx.merge(block_def, layer_state)(x, positions, segment_ids)
+            else:
+                (layer_state, layer), (keys,) = layer_state, row_keys
+                dropout = AdapterDropout(dropout_rate, keys).folded(layer)
+                out = nnx.merge(block_def, layer_state)(x, positions, segment_ids, dropout)
+            return out if self.cfg.moe else out[0]  # a Block's router statistics are None
 
         policy = REMAT_POLICIES[self.cfg.remat]
         if policy is None:

@@ -55,7 +55,8 @@ BUFFERS = ("batch", "experts", None, "embed")  # dispatched tokens [batch, exper
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """The model's `moe` settings (config group `model.moe`, when `every` > 0); the loss
-    weights of the router statistics are the train step's (`training.step.router_penalty`)."""
+    weights of the router statistics are the train step's
+    (`training.step.Objective.router_penalty`)."""
     experts: int
     top_k: int = 2
     capacity_factor: float = 1.25  # 0: dropless

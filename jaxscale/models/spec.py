@@ -10,6 +10,7 @@ its abstract form (shapes and logical axes, nothing allocated) as the rest of ja
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 from types import ModuleType
@@ -119,7 +120,15 @@ class ModelSpec(NamedTuple):
 
 
 def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
-    cfg = model_config(config)
+    """`config`'s model in its abstract form, made once per model config (`spec_of`): the
+    checks, the program and the planner ask for the same one."""
+    return spec_of(model_config(config))
+
+
+@functools.lru_cache(maxsize=8)
+def spec_of(cfg: LlamaConfig) -> ModelSpec:
+    """The ModelSpec of a model config. Shared by whoever asks for the same config: its trees
+    are read, never changed."""
     # The params-only model: the same parameters in compute-dtype matmuls.
     abstract = abstract_model(dataclasses.replace(cfg, fp8_history=0))
     graphdef, state = nnx.split(abstract)

@@ -9,8 +9,8 @@ Each takes params-shaped trees: the parameters' logical PartitionSpecs (`logical
 ShapeDtypeStructs (`shapes`), and for `param_specs` the logical spec of the parameter whose
 storage each one follows (`like`: its own, or a LoRA factor's weight's, jaxscale/models/lora.py
 `followed_specs`). The moments and slices are the trained parameters' alone (`t_`: with LoRA
-the adapters' entries of those trees). Nothing here knows a model: jaxscale/training/state.py
-`state_specs` hands it the trees.
+the adapters' entries of those trees). Nothing here knows a model: jaxscale/training/layout.py
+`StateLayout` hands it the trees.
 """
 
 from __future__ import annotations

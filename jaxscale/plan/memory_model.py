@@ -44,9 +44,9 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.training.loss import chunk_length, vocab_tiles
 from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
-from jaxscale.parallel.sharding import Rules, rules_from_config, spec_axes
+from jaxscale.parallel.sharding import Rules, spec_axes
 from jaxscale.models.spec import ModelSpec
-from jaxscale.training.state import state_specs
+from jaxscale.training.layout import StateLayout
 from jaxscale.training.step import BATCH_KEYS
 
 
@@ -93,10 +93,10 @@ def estimate_memory(config: ml_collections.ConfigDict, spec: ModelSpec,
     size times its DCN factor). `attention_kernel`: what `model.attention` runs on the target
     for this mesh (jaxscale/parallel/attention.py `auto_kernel`): xla, splash or cudnn;
     `packed_layout`: the bound cuDNN's packed layout runs with (0: its mask form)."""
-    rules = rules_from_config(config.sharding.rules)
     m, t, cfg = config.model, config.train, spec.config
     # As the train state holds them (with LoRA the adapters split like their weights).
-    placed = state_specs(spec, rules, mesh_shape, config.sharding.optimizer_state)
+    placed = StateLayout.of(config, mesh_shape, spec)
+    rules = placed.rules
     specs = placed.params
     params = _tree_shard_elements(specs, spec.abstract_params, mesh_shape)
     # With LoRA only the adapters are trained: float32 with moments and gradients; the frozen

@@ -7,11 +7,11 @@
 The step settings the config leaves to the device (jaxscale/training/step_settings.py) are set
 to the device's first choice; `compile_fitting_step` moves on to its next choices while the
 compiled step does not fit. From the config and the mesh it then builds, in order: the model's
-abstract form, the optimizer, where every array lives (parameters, optimizer moments, the
-batch), the abstract train state that a checkpoint is restored into, and the jitted init, train
-and eval steps with those shardings. The trainer (jaxscale/trainer.py) adds the workdir, the
-data, checkpoints and the loop; the planner (jaxscale/plan/) compiles a program per candidate
-layout for devices it may not have.
+abstract form, where every array of the train state lives (jaxscale/training/layout.py), the
+optimizer, the abstract train state that a checkpoint is restored into, and the jitted init,
+train and eval steps with those shardings. The trainer (jaxscale/trainer.py) adds the workdir,
+the data, checkpoints and the loop; the planner (jaxscale/plan/) compiles a program per
+candidate layout for devices it may not have.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from jaxscale.models.spec import model_spec
 from jaxscale.observe.device_memory import StepMemory, step_memory
 from jaxscale.parallel.pipeline import config_pipeline
-from jaxscale.parallel.sharding import (batch_sharding, mesh_shardings, rules_from_config,
-                                        tree_shardings, with_rules)
-from jaxscale.training import offload, step_settings
+from jaxscale.parallel.sharding import batch_sharding, with_rules
+from jaxscale.training import step_settings
+from jaxscale.training.layout import StateLayout
 from jaxscale.training.optim import make_optimizer
-from jaxscale.models.spec import model_spec
-from jaxscale.training.state import init_state, state_shardings, state_specs
-from jaxscale.training.step import BATCH_KEYS, make_eval_step, make_train_step
+from jaxscale.training.state import init_state
+from jaxscale.training.step import BATCH_KEYS, Objective, make_eval_step, make_train_step
 
 
 class TrainProgram:
@@ -47,49 +47,41 @@ class TrainProgram:
         self.config = config = self.settings.apply(config)
         self.mesh = mesh
         self.model = model = model_spec(config)
-        self.rules = rules_from_config(config.sharding.rules)
-        # Every parameter of the model, base and adapters (LoRA's split like their weights): what
-        # the state holds and evaluation reads; the moments, where each gradient is also reduced
-        # to (ZeRO-1: a shard).
-        specs = state_specs(model, self.rules, mesh.shape, config.sharding.optimizer_state)
+        # Where every array of the state lives (parameters, moments, the slices offloaded
+        # moments stream in, the fp8 meta), made once: the memory model counts the same layout.
+        self.layout = layout = StateLayout.of(config, mesh.shape, model)
+        self.rules, shardings = layout.rules, layout.on(mesh)
+        self.param_shardings = shardings.params
         # With LoRA the optimizer sees the adapters alone (TrainState.params). Offloaded moments
         # stream through its update in slices: the stacked weights' a layer at a time.
         self.tx, self.schedule = make_optimizer(
-            config.optim, config.train.steps, model.trained(model.logical_specs), specs.slices)
-        self.param_shardings = mesh_shardings(specs.params, mesh)
-        moments = mesh_shardings(specs.moments, mesh)
+            config.optim, config.train.steps, model.trained(model.logical_specs), layout.slices)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
-        offloaded = config.optim.offload_state
-        self.state_shardings = state_shardings(
-            abstract_state, model.trained(self.param_shardings),
-            offload.on_host(moments) if offloaded else moments, self.tx, mesh,
-            fp8_shardings=(None if model.fp8_specs is None else
-                           tree_shardings(model.fp8_specs, mesh, self.rules)),
-            frozen_shardings=model.frozen(self.param_shardings))
+        self.state_shardings = shardings.of(abstract_state, self.tx)
         # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
         # that wrote it.
         self.abstract_state = jax.tree.map(
             lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
             abstract_state, self.state_shardings)
-        self.batch_sharding = batch_sharding(mesh, self.rules)
-        batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.init_state = jax.jit(init, out_shardings=self.state_shardings)
         # The steps run the blocks in the mesh's pipeline stages (None: one stage), and are traced
         # with the mesh and rules active, so the model's `constrain` shards its activations.
+        # ZeRO-1: each gradient is reduced onto its moments' layout (`grad_shardings`).
         self.pipeline = config_pipeline(config, mesh.shape["pipeline"])
         zero1 = config.sharding.optimizer_state == "data"
-        train_step = make_train_step(config, model.train_graphdef, self.tx, self.schedule,
-                                     pipeline=self.pipeline,
-                                     grad_shardings=moments if zero1 else None)
+        train_step = make_train_step(
+            config, Objective.of(config, model.train_graphdef, self.pipeline), self.tx,
+            self.schedule, grad_shardings=shardings.moments if zero1 else None)
+        eval_step = make_eval_step(Objective.of(config, model.graphdef, self.pipeline))
+        self.batch_sharding = batch_sharding(mesh, self.rules)
+        batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
         self.train_step = jax.jit(
             with_rules(train_step, mesh, self.rules),
             in_shardings=(self.state_shardings, batch_shardings),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self.eval_step = jax.jit(
-            with_rules(make_eval_step(config, model.graphdef, pipeline=self.pipeline), mesh,
-                       self.rules),
-            in_shardings=(self.param_shardings, batch_shardings))
+        self.eval_step = jax.jit(with_rules(eval_step, mesh, self.rules),
+                                 in_shardings=(self.param_shardings, batch_shardings))
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """A batch's shapes, dtypes and sharding, with nothing allocated: what the step compiles

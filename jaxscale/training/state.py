@@ -1,21 +1,19 @@
-"""The train state (parameters, optimizer state, counters), its shardings, and its sharded init."""
+"""The train state (parameters, optimizer state, counters) and its init; where it lives:
+jaxscale/training/layout.py."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxscale.models.fp8 import Fp8Meta
-from jaxscale.models.lora import followed_specs, join_adapters, split_adapters
-from jaxscale.models.spec import ModelSpec, create_model, model_config, model_spec
-from jaxscale.parallel.placement import moment_specs, param_specs, streamed_slices
-from jaxscale.parallel.sharding import Rules, rules_from_config
+from jaxscale.models.lora import join_adapters, split_adapters
+from jaxscale.models.spec import create_model, model_config
 
 
 class TrainState(NamedTuple):
@@ -59,45 +57,6 @@ def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
     return config.precision.compute_dtype == "float16"
 
 
-class StateSpecs(NamedTuple):
-    """Where the train state lives on a mesh, as PartitionSpecs over its axes (`state_specs`)."""
-    params: Any  # every parameter of the model, base and adapters
-    moments: Any  # each trained parameter's optimizer moments, and its gradient before the update
-    # each trained parameter: in how many slices the update of offloaded moments streams it
-    slices: Any
-
-
-def state_specs(spec: ModelSpec, rules: Rules, mesh_shape: Mapping[str, int],
-                layout: str) -> StateSpecs:
-    """Where the parameters and optimizer moments of `spec`'s model live on a mesh of
-    `mesh_shape` under `rules`, with the moments' `layout` (sharding.optimizer_state: 'params',
-    or 'data' for ZeRO-1), and the slices their offloaded update streams in
-    (jaxscale/parallel/placement.py). With LoRA each adapter factor is placed like its weight,
-    and the moments and slices are the adapters' alone. ConfigError when 'data' cannot split a
-    parameter's moments."""
-    logical, shapes = spec.logical_specs, spec.abstract_params
-    followed = followed_specs(logical)  # each LoRA factor's storage follows its weight's
-    params = param_specs(logical, shapes, followed, rules, mesh_shape)
-    trained = [spec.trained(tree) for tree in (logical, shapes, params)]
-    moments = moment_specs(*trained, rules, mesh_shape, layout)
-    return StateSpecs(params, moments, streamed_slices(*trained, moments, mesh_shape))
-
-
-def state_shardings(abstract_state: TrainState, param_shardings: Any, moments: Any,
-                    tx: optax.GradientTransformation, mesh: Mesh,
-                    fp8_shardings: Any = None, frozen_shardings: Any = None) -> TrainState:
-    """Parameters as `param_shardings`; each optimizer moment as its parameter's entry of
-    `moments` (`StateSpecs.moments`); the fp8 meta as `fp8_shardings`, the frozen base as
-    `frozen_shardings`; scalars replicated."""
-    replicated = NamedSharding(mesh, P())
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_state.opt_state, moments,
-        transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                      loss_scale=replicated, good_steps=replicated, fp8=fp8_shardings,
-                      frozen=frozen_shardings)
-
-
 def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
     """The length of each logical axis under `config`, which must divide its mesh axes."""
     m, t = config.model, config.train
@@ -113,12 +72,3 @@ def logical_axis_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
         layers=m.n_layers,
         experts=m.moe.experts,
     )
-
-
-def check_optimizer_layout(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    """ConfigError when sharding.optimizer_state='data' (ZeRO-1) cannot split every parameter's
-    moments over the data axes of `mesh_shape` (checked on the model's shapes)."""
-    layout = config.sharding.optimizer_state
-    if layout == "data":
-        state_specs(model_spec(config), rules_from_config(config.sharding.rules), mesh_shape,
-                    layout)

@@ -7,7 +7,8 @@ tokens of the whole batch, so k microbatches give exactly the update of one k-ti
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,45 +29,125 @@ Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int = 0,
-                loss_vocab_tile: int = 0, pipeline: Pipeline | None = None
-                ) -> tuple[jax.Array, jax.Array]:
-    """(sum of token losses over real tokens, number of real tokens), both float32; the logits
-    exist `loss_chunk_len` positions of the sequence and `loss_vocab_tile` entries of the
-    vocabulary at a time (0: all at once). With a `pipeline`, the blocks run on its schedule's
-    forward pass (GPipe's, for either schedule)."""
-    total, tokens, _ = summed_loss_and_router_stats(graphdef, params, batch, loss_chunk_len,
-                                                    loss_vocab_tile, pipeline)
-    return total, tokens
+class Weights(NamedTuple):
+    """What the model runs with in a step. `params`: the differentiated ones (every parameter,
+    or with LoRA the adapters); `frozen`: LoRA's base, which they join (None without); `fp8`: the
+    fp8 matmuls' meta (None without), differentiated too: its "gradient" is its next value
+    (jaxscale/models/fp8.py)."""
+    params: Any
+    frozen: Any = None
+    fp8: Any = None
 
 
-def summed_loss_and_router_stats(graphdef: nnx.GraphDef, params, batch: Batch,
-                                 loss_chunk_len: int = 0, loss_vocab_tile: int = 0,
-                                 pipeline: Pipeline | None = None,
-                                 fp8=None, dropout: AdapterDropout | None = None
-                                 ) -> tuple[jax.Array, jax.Array, RouterStats | None]:
-    """`summed_loss`, and the routers' statistics (None for a model without MoE layers). `fp8`:
-    the fp8 matmuls' meta, for a `graphdef` that has them (`ModelSpec.train_graphdef`);
-    `dropout`: on the LoRA adapters' inputs (the train step's)."""
-    model = nnx.merge(graphdef, params) if fp8 is None else nnx.merge(graphdef, params, fp8)
-    parts = model.parts(batch["inputs"], batch["positions"], batch["segment_ids"], dropout)
-    features, router = parts.features(model.default_stack if pipeline is None else pipeline.stack)
-    mask = batch["loss_mask"].astype(jnp.float32)
-    total = summed_cross_entropy(parts.logits_fn, parts.head, parts.head_axes, features,
-                                 batch["targets"], mask, loss_chunk_len,
-                                 loss_vocab_tile)
-    return total, jnp.sum(mask), router
+class SummedLoss(NamedTuple):
+    total: jax.Array  # float32 sum of token losses over the real (unmasked) tokens
+    tokens: jax.Array  # float32 count of those tokens
+    router: RouterStats | None  # the routers' statistics; None for a model without MoE layers
 
 
-def router_penalty(moe: ml_collections.ConfigDict, router: RouterStats | None,
-                   tokens: jax.Array) -> jax.Array:
-    """The routers' penalties as a sum over the `tokens` real tokens they were measured on, to
-    add to a summed loss: divided by the real-token count, as the step divides the sum, the mean
-    loss gains exactly `moe.aux_loss_weight * aux + moe.z_loss_weight * z` (with microbatches,
-    of their token-weighted mean). `moe` is the config's `model.moe`."""
-    if router is None:
-        return jnp.zeros((), jnp.float32)
-    return (moe.aux_loss_weight * router.aux_loss + moe.z_loss_weight * router.z_loss) * tokens
+class ForwardBackward(NamedTuple):
+    total: jax.Array  # the summed token loss (the cross-entropy alone, as `SummedLoss.total`)
+    grads: Any  # the gradient of the objective times the multiplier, shaped like Weights.params
+    router: RouterStats | None  # as in SummedLoss
+    next_fp8: Any  # the fp8 meta's next value; None without fp8
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a step computes of a batch: the model of `graphdef` (`ModelSpec.train_graphdef`,
+    which takes the fp8 meta when there is one, or `graphdef`), its summed next-token loss with
+    the float32 logits made `chunk_len` positions of the sequence and `vocab_tile` entries of the
+    vocabulary at a time (0: all at once; jaxscale/training/loss.py), and with MoE layers the
+    routers' penalties (`aux_loss_weight`, `z_loss_weight`). With a `pipeline` the blocks run in
+    its stages (None: one stage)."""
+    graphdef: nnx.GraphDef
+    chunk_len: int = 0
+    vocab_tile: int = 0
+    pipeline: Pipeline | None = None
+    aux_loss_weight: float = 0.0
+    z_loss_weight: float = 0.0
+
+    @classmethod
+    def of(cls, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
+           pipeline: Pipeline | None) -> Objective:
+        m = config.model
+        return cls(graphdef, m.loss_chunk_len, m.loss_vocab_tile, pipeline,
+                   m.moe.aux_loss_weight, m.moe.z_loss_weight)
+
+    def summed_loss(self, weights: Weights, batch: Batch,
+                    dropout: AdapterDropout | None = None) -> SummedLoss:
+        """The forward pass: the summed loss and its token count, and the routers' statistics;
+        in pipeline stages, on the schedule's forward (GPipe's, for either schedule). `dropout`
+        (the train step's; None: none) drops the LoRA adapters' inputs, with a key per row."""
+        model = self._model(weights)
+        parts = model.parts(batch["inputs"], batch["positions"], batch["segment_ids"], dropout)
+        stack = model.default_stack if self.pipeline is None else self.pipeline.stack
+        features, router = parts.features(stack)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        total = summed_cross_entropy(parts.logits_fn, parts.head, parts.head_axes, features,
+                                     batch["targets"], mask, self.chunk_len, self.vocab_tile)
+        return SummedLoss(total, jnp.sum(mask), router)
+
+    def forward_backward(self, weights: Weights, batch: Batch, multiplier: jax.Array,
+                         dropout: AdapterDropout | None = None,
+                         made_dtypes: bool = False) -> ForwardBackward:
+        """The summed loss and the gradient of `multiplier` x the objective (the summed loss
+        plus `router_penalty`) with respect to `weights.params`, with the fp8 meta's next
+        value. On a 1F1B pipeline the schedule makes the gradients itself, `multiplier` its
+        seed.
+
+        The gradient is taken with respect to the weights as the model uses them
+        (`weights_cast_for_use`: a stack's weights in the compute dtype), so each comes out in
+        the dtype it was made in. With `made_dtypes` it is returned so (the same values, half
+        the memory for those: the optimizer widens it a slice at a time when it streams,
+        `make_optimizer`); otherwise in each parameter's own dtype."""
+        def scaled(params, fp8):
+            w = weights._replace(params=params, fp8=fp8)
+            if self.pipeline is not None and self.pipeline.schedule == "1f1b":
+                objective, total = self._one_f_one_b(w, batch, multiplier, dropout)
+                return objective, (total, None)
+            total, tokens, router = self.summed_loss(w, batch, dropout)
+            objective = total + self.router_penalty(router, tokens)
+            return objective * multiplier, (total, router)
+        used = weights_cast_for_use(self._model(weights), weights.params)
+        (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True)(used, weights.fp8)
+        if not made_dtypes:
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, weights.params)
+        return ForwardBackward(total, grads, router, next_fp8)
+
+    def router_penalty(self, router: RouterStats | None, tokens: jax.Array) -> jax.Array:
+        """The routers' penalties as a sum over the `tokens` real tokens they were measured on,
+        to add to a summed loss: divided by the real-token count, as the step divides the sum,
+        the mean loss gains exactly `aux_loss_weight * aux + z_loss_weight * z` (with
+        microbatches, of their token-weighted mean)."""
+        if router is None:
+            return jnp.zeros((), jnp.float32)
+        return (self.aux_loss_weight * router.aux_loss
+                + self.z_loss_weight * router.z_loss) * tokens
+
+    def _model(self, weights: Weights) -> nnx.Module:
+        params = (weights.params if weights.frozen is None
+                  else join_adapters(weights.params, weights.frozen))
+        return nnx.merge(self.graphdef, params, *([] if weights.fp8 is None else [weights.fp8]))
+
+    def _one_f_one_b(self, weights: Weights, batch: Batch, seed: jax.Array,
+                     dropout: AdapterDropout | None) -> tuple[jax.Array, jax.Array]:
+        """(seed * summed loss, summed loss) with the blocks, final norm and loss on the 1F1B
+        schedule (`jaxscale.parallel.pipeline.one_f_one_b_loss`): differentiate the first."""
+        parts = self._model(weights).parts(batch["inputs"], batch["positions"],
+                                           batch["segment_ids"], dropout)
+
+        def tail(tail_params, y, targets, mask):
+            norm_state, head = tail_params
+            return summed_cross_entropy(parts.logits_fn, head, parts.head_axes,
+                                        parts.norm(norm_state, y), targets, mask, self.chunk_len,
+                                        self.vocab_tile)
+
+        mask = batch["loss_mask"].astype(jnp.float32)
+        return one_f_one_b_loss(self.pipeline, parts.layer_fn, parts.stacked, parts.x,
+                                parts.per_row, tail, (parts.norm_state, parts.head),
+                                (batch["targets"], mask), seed)
 
 
 def router_metrics(router: RouterStats | None) -> dict[str, jax.Array]:
@@ -76,72 +157,12 @@ def router_metrics(router: RouterStats | None) -> dict[str, jax.Array]:
                 moe_dropped_fraction=router.dropped_fraction, moe_expert_load=router.expert_load)
 
 
-def one_f_one_b_summed_loss(graphdef: nnx.GraphDef, params, batch: Batch, loss_chunk_len: int,
-                            loss_vocab_tile: int, pipeline: Pipeline, seed: jax.Array,
-                            dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array]:
-    """(seed * summed loss, summed loss) with the blocks, final norm and loss on the 1F1B schedule
-    (`jaxscale.parallel.pipeline.one_f_one_b_loss`): differentiate the first."""
-    parts = nnx.merge(graphdef, params).parts(batch["inputs"], batch["positions"],
-                                              batch["segment_ids"], dropout)
-
-    def tail(tail_params, y, targets, mask):
-        norm_state, head = tail_params
-        return summed_cross_entropy(parts.logits_fn, head, parts.head_axes,
-                                    parts.norm(norm_state, y), targets, mask, loss_chunk_len,
-                                    loss_vocab_tile)
-
-    mask = batch["loss_mask"].astype(jnp.float32)
-    return one_f_one_b_loss(pipeline, parts.layer_fn, parts.stacked, parts.x, parts.per_row,
-                            tail, (parts.norm_state, parts.head), (batch["targets"], mask), seed)
-
-
-def loss_grad_and_next_fp8(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
-                           fp8, batch: Batch, multiplier: jax.Array, frozen=None,
-                           dropout: AdapterDropout | None = None, made_dtypes: bool = False,
-                           pipeline: Pipeline | None = None
-                           ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
-    """(summed token loss, gradient of the summed loss times `multiplier`, `router_metrics` ({}
-    without MoE), the fp8 meta's next value). With MoE the summed loss stays the cross-entropy
-    alone and the gradient is that of the cross-entropy plus `router_penalty`. A model with fp8
-    matmuls has its meta `fp8` (None without) differentiated too: its "gradient" is its next
-    value (jaxscale/models/fp8.py). With LoRA `params` are the adapters, the only thing
-    differentiated, and `frozen` the base they join; `dropout` (None: none) drops the adapters'
-    inputs, with a key per row of `batch`; `pipeline` (None: none) runs the blocks in stages on
-    its schedule.
-
-    The gradient is taken with respect to the weights as the model uses them
-    (`weights_cast_for_use`: a stack's weights in the compute dtype), so each comes out in the
-    dtype it was made in. With `made_dtypes` it is returned so (the same values, half the memory
-    for those: the optimizer widens it a slice at a time when it streams, `make_optimizer`);
-    otherwise in each parameter's own dtype."""
-    slices = config.model.loss_chunk_len, config.model.loss_vocab_tile
-
-    def scaled(adapted, meta):
-        p = adapted if frozen is None else join_adapters(adapted, frozen)
-        if pipeline is None or pipeline.schedule != "1f1b":
-            total, tokens, router = summed_loss_and_router_stats(graphdef, p, batch, *slices,
-                                                                 pipeline, meta, dropout)
-            objective = total + router_penalty(config.model.moe, router, tokens)
-            return objective * multiplier, (total, router_metrics(router))
-        # 1F1B differentiates its own schedule: it takes the multiplier as its seed.
-        objective, total = one_f_one_b_summed_loss(graphdef, p, batch, *slices, pipeline,
-                                                   multiplier, dropout)
-        return objective, (total, {})
-    model = nnx.merge(graphdef, params if frozen is None else join_adapters(params, frozen),
-                      *([] if fp8 is None else [fp8]))
-    (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
-        scaled, argnums=(0, 1), has_aux=True)(weights_cast_for_use(model, params), fp8)
-    if not made_dtypes:
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return total, grads, router, next_fp8
-
-
-def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
+def make_train_step(config: ml_collections.ConfigDict, objective: Objective,
                     tx: optax.GradientTransformationExtraArgs, schedule: optax.Schedule, *,
-                    pipeline: Pipeline | None, grad_shardings: Any = None
-                    ) -> Callable[[TrainState, Batch], tuple]:
-    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call, the
-    blocks in `pipeline`'s stages when there is one (`TrainProgram.pipeline`).
+                    grad_shardings: Any = None) -> Callable[[TrainState, Batch], tuple]:
+    """Returns train_step(state, batch) -> (state, metrics): one optimizer update per call of
+    `objective` (its model, loss and pipeline: `Objective.of`), through `tx` (`make_optimizer`)
+    at the rate `schedule` gives.
 
     `grad_shardings` (ZeRO-1): the layout of the optimizer moments; the gradients are reduced
     onto it (a reduce-scatter instead of an all-reduce), the update is computed on each shard, and
@@ -153,28 +174,28 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
 
     dropout_rate = config.model.lora.dropout if config.model.lora.rank else 0.0
 
-    def accumulate(params, fp8, frozen, batch, multiplier, dropout):
+    def accumulate(weights: Weights, batch, multiplier, dropout) -> ForwardBackward:
         if k == 1:
-            return loss_grad_and_next_fp8(config, graphdef, params, fp8, batch, multiplier,
-                                          frozen, dropout, made_dtypes=True, pipeline=pipeline)
+            return objective.forward_backward(weights, batch, multiplier, dropout,
+                                              made_dtypes=True)
 
         def add_microbatch(carry, part):
             microbatch, row_keys = part
-            total, grads, router, next_fp8 = loss_grad_and_next_fp8(
-                config, graphdef, params, fp8, microbatch, multiplier, frozen,
-                None if row_keys is None else AdapterDropout(dropout_rate, row_keys),
-                pipeline=pipeline)
+            total, grads, router, next_fp8 = objective.forward_backward(
+                weights, microbatch, multiplier,
+                None if row_keys is None else AdapterDropout(dropout_rate, row_keys))
             acc_total, acc_grads, acc_fp8 = carry
             return (acc_total + total, jax.tree.map(jnp.add, acc_grads, grads),
                     combine_updates(acc_fp8, next_fp8)), router
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
-                 jax.tree.map(jnp.zeros_like, fp8))
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, weights.params),
+                 jax.tree.map(jnp.zeros_like, weights.fp8))
         parts = jax.tree.map(lambda x: split_rows(x, k), batch)
         # The rows' dropout keys go with their rows (None: no scanned input at all).
         row_keys = None if dropout is None else split_rows(dropout.keys, k)
         (total, grads, next_fp8), routers = jax.lax.scan(add_microbatch, zeros, (parts, row_keys))
-        return total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers), next_fp8
+        return ForwardBackward(total, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), routers),
+                               next_fp8)
 
     def train_step(state: TrainState, batch: Batch):
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # real tokens, whole batch
@@ -186,9 +207,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         # resumed run replays them. Without dropout there is no key and the program is as it was.
         dropout = None if not dropout_rate else AdapterDropout.for_rows(
             dropout_rate, dropout_key(config.train.seed, state.step), batch["inputs"].shape[0])
-        total, grads, router, next_fp8 = accumulate(state.params, state.fp8, state.frozen,
-                                                    batch, state.loss_scale / denominator,
-                                                    dropout)
+        total, grads, router, next_fp8 = accumulate(
+            Weights(state.params, state.frozen, state.fp8), batch,
+            state.loss_scale / denominator, dropout)
         if dynamic_scale:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         if grad_shardings is not None:
@@ -199,9 +220,11 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
 
         # The rate is schedule(state.step), whatever optax's count says (see `schedule_at`).
         opt_state = schedule_at(state.opt_state, state.step)
-        # A non-finite step changes nothing but the counters: the update is dropped whole (the
-        # optimizer keeps its old state itself, `keep`).
-        # ZeRO-1: each update applied on its shard; the new parameters are gathered.
+        # The optimizer's own keywords (jaxscale/training/optim.py `make_optimizer`): `keep`, a
+        # non-finite step changes nothing but the counters (the update is dropped whole and the
+        # optimizer keeps its old state); `apply`, it returns the new parameters, not the updates
+        # (an update streamed from host memory applies each slice as it goes); `layout` (ZeRO-1,
+        # or None), each update is applied on its shard and the new parameters are gathered.
         params, opt_state = tx.update(grads, opt_state, state.params, keep=finite, apply=True,
                                       layout=grad_shardings)
         fp8 = kept(finite, next_fp8, state.fp8)
@@ -217,7 +240,7 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
         # The rate this step's update applied: 0 when it was dropped.
         metrics = dict(loss=loss, grad_norm=grad_norm, tokens=tokens,
                        lr=jnp.where(finite, schedule(state.step), 0.0),
-                       skipped=(~finite).astype(jnp.int32), **router)
+                       skipped=(~finite).astype(jnp.int32), **router_metrics(router))
         if dynamic_scale:
             metrics["loss_scale"] = loss_scale
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
@@ -228,11 +251,9 @@ def make_train_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
     return train_step
 
 
-def make_eval_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, *,
-                   pipeline: Pipeline | None) -> Callable:
-    """Returns eval_step(params, batch) -> (summed loss, real tokens), the blocks in `pipeline`'s
-    stages when there is one."""
+def make_eval_step(objective: Objective) -> Callable:
+    """Returns eval_step(params, batch) -> (summed loss, real tokens) of `objective` (whose
+    graphdef takes every parameter, `ModelSpec.graphdef`)."""
     def eval_step(params, batch: Batch):
-        return summed_loss(graphdef, params, batch, config.model.loss_chunk_len,
-                           config.model.loss_vocab_tile, pipeline)
+        return objective.summed_loss(Weights(params), batch)[:2]
     return eval_step
