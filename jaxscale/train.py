@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
 
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.plan.auto import planned_config
-        from jaxscale.runtime import xla_flags
+        from jaxscale.runtime import cuda_plugin, xla_flags
         from jaxscale.runtime.tpu_host import quiet_libtpu
         from jaxscale.trainer import Trainer
 
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
-            with quiet_libtpu():
+            with quiet_libtpu(), cuda_plugin.kept_out():
                 planned_step = None
                 if config.mesh.auto:  # the planner chooses the layout and compiles its step
                     config, planned_step = planned_config(config, jax.devices())

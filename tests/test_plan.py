@@ -246,12 +246,19 @@ def test_a_small_memory_budget_forces_sharded_parameters_that_compile_within_it(
         assert 0.75 <= ratio <= 1.25, (row.candidate, ratio)
 
 
-def test_gpu_targets_are_planned_from_estimates_and_pure_data_does_not_fit():
-    """Llama 3 8B on two 8-GPU H100 nodes: no compiler, so the plan is the estimates'; Adam
-    state for 8B parameters (96 GiB) cannot be replicated in 80 GiB."""
+def test_without_the_gpu_compiler_gpu_targets_are_planned_from_estimates(monkeypatch):
+    """Llama 3 8B on two 8-GPU H100 nodes, on a host without JAX's CUDA plugin: no compiler, so
+    the plan is the estimates', and its header says how to get the compiler; Adam state for 8B
+    parameters (96 GiB) cannot be replicated in 80 GiB."""
+    from jaxscale.plan.report import header
+    from jaxscale.runtime import cuda_plugin
+
+    monkeypatch.setattr(cuda_plugin, "installed", lambda: False)
     config = load_config_file("configs/llama3_8b.py")
     plan = make_plan(config, parse_target("h100:2x8"), top=2)
     assert not plan.target.compiles and plan.target.granules == 2
+    assert "estimates only: no GPU compiler here (pip install 'jaxscale[gpu-compile]'" in \
+        header(plan)
     assert plan.chosen is not None and plan.chosen.compiled is None
     assert plan.chosen.estimate.total <= FIT_FRACTION * 80 * GIB
     assert plan.verdict(next(r for r in plan.rows if r.role == "pure data")) == \

@@ -23,8 +23,11 @@ def start_jax(code: str) -> str:
 def test_jax_starts_without_libtpus_warnings():
     noisy = start_jax(START_JAX)
     assert "TPU_WORKER_HOSTNAMES" in noisy  # what libtpu prints unprompted (so this can fail)
-    assert start_jax("from jaxscale.runtime.tpu_host import quiet_libtpu\nwith quiet_libtpu(): "
-                     + START_JAX) == ""
+    # Where the gpu-compile extra is installed too, its CUDA plugin is kept out as the trainer
+    # keeps it out (tests/test_cuda_plugin.py).
+    assert start_jax("from jaxscale.runtime import cuda_plugin\n"
+                     "from jaxscale.runtime.tpu_host import quiet_libtpu\n"
+                     "with quiet_libtpu(), cuda_plugin.kept_out(): " + START_JAX) == ""
 
 
 def test_settings_the_user_made_are_kept_and_ours_are_removed_after(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxscale.plan.collectives import KINDS, bytes_by_kind
 from jaxscale.runtime.chips import GIB
 from jaxscale.plan.planner import FIT_FRACTION, Plan, Row
+from jaxscale.runtime import cuda_plugin
 
 _SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",
           "collective-permute": "CP"}
@@ -30,7 +31,8 @@ def header(plan: Plan) -> str:
     memory = (f"{plan.capacity / GIB:.1f} GiB per device, fits below {plan.budget / GIB:.1f}"
               if plan.capacity else "memory per device unknown (pass --hbm_gib)")
     how = ("compiled for the target" if t.compiles
-           else "estimates only: no compiler for this platform here, so no memory traffic")
+           else f"estimates only: no GPU compiler here ({cuda_plugin.INSTALL_HINT}), so no "
+                "compiled memory and no memory traffic")
     return (f"plan for {t.name}: {t.num_devices} x {chip.name}"
             f"{f' in {t.granules} nodes' if t.granules > 1 else ''}, {memory}; "
             f"{plan.searched} candidates, {how}, {plan.seconds:.0f} s")

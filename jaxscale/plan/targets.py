@@ -1,5 +1,6 @@
 """Targets to plan for: the local devices, simulated CPUs, a TPU slice compiled by the TPU
-compiler (`libtpu`, the `jaxscale[tpu]` extra) on any host, TPU or not, or GPU nodes.
+compiler (`libtpu`, the `jaxscale[tpu]` extra) on any host, TPU or not, or GPU nodes compiled by
+XLA's GPU compiler (the CUDA plugin, the `jaxscale[gpu-compile]` extra) on any host, GPU or not.
 
 TPU targets are written `<generation>-<chips>` (`v5p-64`, `v5e-16`) or as a topology
 (`v5p:4x4x4`). The number counts chips: Google's own names for v4 and v5p slices count TensorCores,
@@ -7,8 +8,12 @@ two per chip, so our `v5p-64` is Cloud TPU's `v5p-128`. `SLICESx<slice>` (`2xv5p
 multi-slice job: that many slices joined by DCN, compiled for as one (the TPU compiler describes
 multi-slice topologies too), so the search splits the slices over the DCN axes.
 
-GPU targets are `h100:N`, `h200:N`, `a100:N` (N GPUs, 8 per node) or `h100:NODESxGPUS`. There is
-no GPU compiler without a GPU, so they are planned from the analytic models only.
+GPU targets are `h100:N`, `h200:N`, `a100:N` (N GPUs, 8 per node) or `h100:NODESxGPUS`. XLA
+compiles for a GPU from a description of it, no GPU attached: `gpu_specs/` holds each model's
+(XLA's `GpuTargetConfigProto`: memory, bandwidth, cores, compute capability), and the CUDA
+plugin's topology of NODES processes of GPUS devices each is what the candidates compile for, so
+their memory is the compiler's. Without the plugin they are planned from the analytic models
+alone, and the planner says so.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import re
 import jax
 
 from jaxscale.errors import ConfigError
-from jaxscale.runtime.chips import CHIPS, Chip, chip_for_device_kind
+from jaxscale.runtime.chips import CHIPS, GPU_CHIPS, Chip, chip_for_device_kind
 from jaxscale.plan.compiled import refused_by_xla
+from jaxscale.runtime import cuda_plugin
 from jaxscale.runtime.tpu_host import quiet_libtpu
 
 # Chips per slice -> the slice's shape, for the shapes Cloud TPU offers. v4 and v5p slices are 3-D
@@ -34,18 +40,20 @@ _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128
               256: "16x16"}
 TPU_GENERATIONS = {"v4": _SHAPES_3D, "v5p": _SHAPES_3D, "v5e": _SHAPES_2D, "v6e": _SHAPES_2D}
 _TPU_CHIPS = {"v4": "TPU v4", "v5p": "TPU v5p", "v5e": "TPU v5e", "v6e": "TPU v6e"}
-GPU_CHIPS = {"h100": "H100 SXM", "h200": "H200", "a100": "A100"}
+# Each GPU's description for XLA's compiler (files in gpu_specs/).
+_GPU_SPECS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb", "a100": "a100_sxm_80.txtpb"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str  # as the user wrote it
     platform: str  # "tpu", "cpu", "gpu" or "local"
-    topology: str | None  # e.g. "v5p:4x4x4" for TPU targets
+    topology: str | None  # "v5p:4x4x4" for TPU targets, "1x2x8" (1 x nodes x GPUs) for GPUs
     num_devices: int
     chip_name: str | None = None  # a key of chips.CHIPS; None: CPUs (no table entry)
     # DCN-connected groups the devices form: GPU nodes or TPU slices; 1 for one slice or host.
     granules: int = 1
+    gpu: str = ""  # GPU targets: the key of _GPU_SPECS ("h100"), else ""
 
     @property
     def chip(self) -> Chip | None:
@@ -58,8 +66,8 @@ class Target:
 
     @property
     def compiles(self) -> bool:
-        """Whether candidates can be compiled for it here (GPUs: estimates only)."""
-        return self.platform != "gpu"
+        """Whether candidates can be compiled for it here (GPUs: with the CUDA plugin)."""
+        return self.platform != "gpu" or cuda_plugin.installed()
 
 
 def local_target(devices) -> Target:
@@ -109,7 +117,8 @@ def _gpu_target(spec: str, kind: str, nodes: str | None, count: int) -> Target:
         if not (nodes_count >= 1 and 1 <= per_node <= chip.per_granule):
             raise ConfigError(f"target {spec!r}: a node has 1 to {chip.per_granule} GPUs and "
                               "there is at least one node")
-    return Target(spec, "gpu", None, nodes_count * per_node, chip.name, granules=nodes_count)
+    return Target(spec, "gpu", f"1x{nodes_count}x{per_node}", nodes_count * per_node,
+                  chip.name, granules=nodes_count, gpu=kind)
 
 
 def target_devices(target: Target) -> list:
@@ -118,8 +127,7 @@ def target_devices(target: Target) -> list:
     if target.platform == "local":
         return jax.devices()
     if target.platform == "gpu":
-        raise ConfigError(f"target {target.name!r}: GPUs cannot be compiled for without one; "
-                          "plan it from the estimates (the planner does) or run on the GPUs")
+        return _gpu_devices(target)
     if target.platform == "cpu":
         devices = jax.devices("cpu")
         if len(devices) < target.num_devices:
@@ -145,3 +153,19 @@ def target_devices(target: Target) -> list:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"the TPU compiler cannot describe target {target.name!r} "
                           f"({first_line}); pick another slice size") from None
+
+
+def _gpu_devices(target: Target) -> list:
+    """The devices of `target`'s GPU nodes, as the CUDA plugin describes them from the GPU's spec
+    (one process per node). The process must not run on a GPU backend: JAX_PLATFORMS=cpu, as
+    `python -m jaxscale.plan` sets for targets other than local."""
+    if not cuda_plugin.installed():
+        raise ConfigError(f"target {target.name!r} needs XLA's GPU compiler: "
+                          f"{cuda_plugin.INSTALL_HINT}")
+    from jax.experimental import topologies
+    spec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
+                        _GPU_SPECS[target.gpu])
+    with open(spec, encoding="utf-8") as f:
+        description = f.read()
+    return list(topologies.get_topology_desc(target.gpu, "cuda", target_config=description,
+                                             topology=target.topology).devices)

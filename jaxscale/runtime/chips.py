@@ -63,6 +63,9 @@ CHIPS = {c.name: c for c in (
     Chip("A100", 80 * GIB, 312e12, 2039 * GB, 600 * GB, 200e9 / 8, "NVLink", 8, "8.0"),
 )}
 
+# The GPUs' names in targets (`h100:2x8`, jaxscale/plan/targets.py; launch.fit --gpu) -> table keys.
+GPU_CHIPS = {"h100": "H100 SXM", "h200": "H200", "a100": "A100"}
+
 # `jax.Device.device_kind` strings -> table keys, searched in order (the more specific first:
 # "H100 PCIe" before any H100, "TPU v5 lite" before the bare "TPU v5" that JAX reports for v5p).
 _DEVICE_KIND_PATTERNS = (

@@ -1,0 +1,93 @@
+"""GPU targets compiled on this CPU host by XLA's GPU compiler (JAX's CUDA plugin, the
+gpu-compile extra, which CI installs): every GPU description shipped compiles a step; the planner
+compiles GPU candidates and reads their memory and collectives; the step a GPU runs by default
+has no layer loop and takes bfloat16 operands in every matmul."""
+
+import collections
+import re
+
+import pytest
+
+from jaxscale.plan.collectives import parse_collectives
+from jaxscale.plan.compiled import compile_train_step
+from jaxscale.plan.planner import make_plan
+from jaxscale.plan.report import header
+from jaxscale.plan.targets import parse_target, target_devices
+from jaxscale.runtime import cuda_plugin
+from jaxscale.runtime.chips import GIB, chip_for_device_kind
+from jaxscale.training.step_settings import FAST, LEAN
+from tests.helpers import small_config
+
+pytestmark = pytest.mark.skipif(
+    not cuda_plugin.installed(),
+    reason=f"needs XLA's GPU compiler: {cuda_plugin.INSTALL_HINT} (CI installs it)")
+
+
+def bfloat16_config():
+    config = small_config()
+    config.precision.compute_dtype = "bfloat16"
+    return config
+
+
+def dots(hlo: str) -> collections.Counter:
+    """(output, lhs, rhs) dtypes of every dot of a compiled program, counted."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return collections.Counter(
+        (out, types.get(lhs), types.get(rhs)) for out, lhs, rhs in
+        re.findall(r"= (\w+)\[[^\]]*\]\{[^}]*\} dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo))
+
+
+@pytest.mark.parametrize("gpu, kind", [("h100", "H100 SXM"), ("h200", "H200"),
+                                       ("a100", "A100")])
+def test_each_gpu_description_compiles_a_step(gpu, kind):
+    devices = target_devices(parse_target(f"{gpu}:1"))
+    assert len(devices) == 1 and devices[0].platform == "gpu"
+    assert chip_for_device_kind(devices[0].device_kind).name == kind
+    _, memory = compile_train_step(bfloat16_config(), devices)
+    assert 0 < memory.total < 0.1 * GIB
+
+
+def test_a_gpu_runs_its_layers_unrolled_with_whole_logits_and_bfloat16_matmuls():
+    """The default step on an H100: no layer loop, no stack written a layer at a time, cuDNN's
+    attention, and every matmul on bfloat16 operands (the logits' gradient too). The lean
+    settings' program, for contrast, loops over the layers and writes their stacks."""
+    devices = target_devices(parse_target("h100:1"))
+    fast, _ = compile_train_step(bfloat16_config(), devices)
+    hlo = fast.as_text()
+    assert " while(" not in hlo and "dynamic-update-slice(" not in hlo
+    assert "__cudnn$fmha" in hlo
+    found = dots(hlo)
+    assert sum(found.values()) >= 20  # the forward and backward matmuls of 2 layers and the head
+    assert {(lhs, rhs) for _, lhs, rhs in found} == {("bf16", "bf16")}, found
+    lean, _ = compile_train_step(LEAN.apply(bfloat16_config()), devices)
+    assert " while(" in lean.as_text() and "dynamic-update-slice(" in lean.as_text()
+
+
+def test_the_planner_compiles_gpu_candidates_for_two_nodes():
+    """h100:2x8: 16 devices in 2 processes; the candidates compiled, their memory the
+    compiler's, their collectives read from the program, each with the GPU's step settings."""
+    plan = make_plan(bfloat16_config(), parse_target("h100:2x8"), top=1)
+    assert plan.target.compiles and "compiled for the target" in header(plan)
+    compiled = [row for row in plan.rows if row.compiled]
+    assert compiled and plan.chosen in compiled
+    assert plan.chosen.candidate.step == FAST
+    assert 0 < plan.chosen.compiled.total < 0.1 * GIB
+    assert plan.chosen.collectives  # read from the compiled program
+    devices = target_devices(plan.target)
+    assert len(devices) == 16 and {d.process_index for d in devices} == {0, 1}
+
+
+def test_fsdp_within_nodes_and_data_across_them_collect_over_their_own_axes():
+    """fsdp=8 inside each node, data=2 across the two: the weights are gathered and their
+    gradients reduce-scattered over the node's GPUs, and the gradients summed across the nodes,
+    over the network."""
+    config = bfloat16_config()
+    config.train.batch_size = 16
+    config.mesh.update(data=1, fsdp=8)
+    config.mesh.dcn.data = 2
+    compiled, _ = compile_train_step(config, target_devices(parse_target("h100:2x8")))
+    found = parse_collectives(compiled.as_text(), dict(data=2, fsdp=8, tensor=1, pipeline=1),
+                              dict(data=1, fsdp=8, tensor=1, pipeline=1))
+    by_axes = {(c.kind, c.axes, c.crosses_dcn) for c in found}
+    assert {("all-gather", ("fsdp",), False), ("reduce-scatter", ("fsdp",), False)} <= by_axes
+    assert ("all-reduce", ("data",), True) in by_axes, by_axes
