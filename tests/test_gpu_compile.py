@@ -1,10 +1,14 @@
 """GPU targets compiled on this CPU host by XLA's GPU compiler (JAX's CUDA plugin, the
 gpu-compile extra, which CI installs): every GPU description shipped compiles a step; the planner
 compiles GPU candidates and reads their memory and collectives; the step a GPU runs by default
-has no layer loop and takes bfloat16 operands in every matmul."""
+has no layer loop and takes bfloat16 operands in every matmul; the launchers refuse a step that
+does not fit the GPUs before anything is rendered."""
 
 import collections
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +20,7 @@ from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.runtime import cuda_plugin
 from jaxscale.runtime.chips import GIB, chip_for_device_kind
 from jaxscale.training.step_settings import FAST, LEAN
-from tests.helpers import small_config
+from tests.helpers import REPO, small_config
 
 pytestmark = pytest.mark.skipif(
     not cuda_plugin.installed(),
@@ -91,3 +95,34 @@ def test_fsdp_within_nodes_and_data_across_them_collect_over_their_own_axes():
     by_axes = {(c.kind, c.axes, c.crosses_dcn) for c in found}
     assert {("all-gather", ("fsdp",), False), ("reduce-scatter", ("fsdp",), False)} <= by_axes
     assert ("all-reduce", ("data",), True) in by_axes, by_axes
+
+
+def _fit(*args):
+    return subprocess.run([sys.executable, "-m", "jaxscale.launch.fit", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_launch_fit_compiles_for_the_gpus_and_refuses_a_step_that_does_not_fit():
+    ok = _fit("--devices=8", "--gpu=h100", "--", "--config=configs/tiny.py")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert re.fullmatch(r"compiled for h100:1x8: [\d.]+ GiB per GPU, within 60 GiB \(75% of an? "
+                        r"H100 SXM's 80 GiB, XLA_PYTHON_CLIENT_MEM_FRACTION\)\n", ok.stderr)
+    refused = _fit("--devices=8", "--gpu=h100", "--", "--config=configs/tiny.py",
+                   "--config.performance.device_memory_gib=0.001")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+    assert lines[0].startswith("error: the train step does not fit: per device it needs")
+    assert lines[0].endswith("(compiled for h100:1x8)")
+
+
+def test_launch_gke_refuses_a_step_that_does_not_fit_before_rendering_anything():
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.launch.gke", "--config=configs/tiny.py", "--nodes=2",
+         "--gpus_per_node=8", "--image=img:1", "--bucket=ckpts",
+         "--config.performance.device_memory_gib=0.001"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].endswith("(compiled for h100:2x8)")

@@ -26,8 +26,9 @@ from jaxscale.launch.gke import RUN_AS, Shape, parse_args, render as render_jobs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = os.path.join(REPO, "tests", "fixtures", "jobset-v1alpha2-schema.yaml")
 RENDER = [sys.executable, "-m", "jaxscale.launch.gke"]
+# --no_compile: the step's compile for the GPUs is tests/test_gpu_compile.py's.
 GPU_ARGS = ["--config=configs/tiny.py", "--nodes=2", "--gpus_per_node=8", "--image=img:1",
-            "--bucket=ckpts", "--name=tiny"]
+            "--bucket=ckpts", "--name=tiny", "--no_compile"]
 TPU_ARGS = ["--config=configs/tiny.py", "--tpu_accelerator=tpu-v5p-slice", "--tpu_topology=2x2x2",
             "--slices=2", "--image=img:1", "--pvc=shared", "--name=tiny",
             "--config.mesh.dcn.data=2"]

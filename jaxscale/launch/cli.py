@@ -5,6 +5,7 @@ cluster shape before anything is started or submitted."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -36,6 +37,9 @@ class StopRequest:
         return wanted
 
 
+# The share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION says.
+JAX_MEMORY_FRACTION = 0.75
+
 # argparse types of the launchers' number flags: the same kinds, and messages, as the config's
 # numbers (a NaN or an infinite wait is refused like a negative one).
 positive = number_flag(whole("[1, inf)"))
@@ -58,11 +62,13 @@ def parse_launcher_args(parser: argparse.ArgumentParser, argv: list[str], passed
     return args, argv[split + 1:]
 
 
-def check_train_args(train_args: list[str], num_devices: int, num_granules: int) -> None:
+def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
+                     gpu: str = "") -> None:
     """Loads the config named by `train_args` (as `jaxscale.train` would, overrides included) and
     validates it for `num_devices` devices in `num_granules` DCN-connected granules (TPU slices, or
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
-    is started for a run that would fail at once."""
+    is started for a run that would fail at once. With `gpu` (h100, h200, a100: the granules are
+    nodes of those GPUs) the train step is also compiled for them (`check_compiled_fit`)."""
     # Imported here: they import JAX, which supervise's start does not need.
     from jaxscale.checks import validate
     from jaxscale.parallel.mesh import asks_for_dcn
@@ -74,3 +80,42 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int)
         validate(config, num_devices, granules)
     except JaxscaleError as e:
         fail(f"{e} (checked for {num_devices} devices in {num_granules} hosts/slices)")
+    if gpu:
+        check_compiled_fit(config, f"{gpu}:{num_granules}x{num_devices // num_granules}")
+
+
+def check_compiled_fit(config, target_spec: str) -> None:
+    """Compiles `config`'s train step for the GPU target `target_spec` (`h100:2x8`) with XLA's GPU
+    compiler, here and without a GPU, and exits with `error: ...` when the step needs more than
+    JAX's allocator will have on each GPU: XLA_PYTHON_CLIENT_MEM_FRACTION (this environment's,
+    else JAX's default 0.75) of its memory, or `performance.device_memory_gib` when the config
+    sets it, which the run's own start-up check uses too. Without JAX's CUDA plugin, says in one
+    line that it did not compile, and returns."""
+    from jaxscale.runtime import cuda_plugin
+
+    if not cuda_plugin.installed():
+        print(f"note: the train step was not compiled for {target_spec}: no GPU compiler here; "
+              f"{cuda_plugin.INSTALL_HINT}", file=sys.stderr)
+        return
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # compiled for the GPUs described, run nowhere
+    from jaxscale.observe.device_memory import check_fits
+    from jaxscale.plan.compiled import compile_train_step
+    from jaxscale.plan.targets import parse_target, target_devices
+    from jaxscale.runtime.chips import GIB
+
+    target = parse_target(target_spec)
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEMORY_FRACTION))
+    gib = config.performance.device_memory_gib
+    capacity = ((int(gib * GIB), f"performance.device_memory_gib={gib:g}") if gib else
+                (int(fraction * target.chip.hbm_bytes),
+                 f"{fraction:.0%} of a {target.chip.name}'s {target.chip.hbm_bytes / GIB:.0f} GiB, "
+                 "XLA_PYTHON_CLIENT_MEM_FRACTION"))
+    try:
+        _, memory = compile_train_step(config, target_devices(target))
+        check_fits(memory, capacity)
+    except JaxscaleError as e:
+        fail(f"{e} (compiled for {target_spec})")
+    print(f"compiled for {target_spec}: {memory.total / GIB:.3g} GiB per GPU, within "
+          f"{capacity[0] / GIB:.3g} GiB ({capacity[1]})", file=sys.stderr)

@@ -4,7 +4,10 @@
         --config.mesh.dcn.data=2
 
 Prints `ok: ...` and exits 0, or prints `error: ...` and exits 2. Used by launch/tpu/tpu.sh and
-launch/slurm/jaxscale.sbatch; the Python launchers run the same check themselves.
+launch/slurm/jaxscale.sbatch; the Python launchers run the same check themselves. With
+`--gpu=h100` (h200, a100; the granules are nodes of such GPUs) the train step is also compiled
+for them, on this host without a GPU (the `jaxscale[gpu-compile]` extra), and a step that needs
+more than JAX's allocator will have on each GPU is refused the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import sys
 
 from jaxscale.cli import ArgumentParser
 from jaxscale.launch.cli import check_train_args, parse_launcher_args, positive
+from jaxscale.runtime.chips import GPU_CHIPS
 
 
 def make_parser() -> ArgumentParser:
@@ -25,12 +29,16 @@ def make_parser() -> ArgumentParser:
                         help="Devices in the run, over all hosts.")
     parser.add_argument("--granules", type=positive, default=1,
                         help="TPU slices, or hosts where devices have no slices (default 1).")
+    parser.add_argument("--gpu", choices=sorted(GPU_CHIPS), default="",
+                        help="The devices are GPUs of this model, --granules nodes of them: "
+                             "compile the train step for them and check its memory (needs the "
+                             "jaxscale[gpu-compile] extra; without it, a note says so).")
     return parser
 
 
 def main(argv: list[str]) -> None:
     args, train_args = parse_launcher_args(make_parser(), argv, "jaxscale.train")
-    check_train_args(train_args, args.devices, args.granules)
+    check_train_args(train_args, args.devices, args.granules, args.gpu)
     print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
 
 

@@ -8,7 +8,10 @@
 
 The output is JSON, which is YAML too. One pod per node (GPU) or TPU host, each running
 `python -m jaxscale.train`; `--config.KEY=VALUE` overrides are passed through. The config is
-checked against the cluster shape (devices, hosts, slices) before anything is printed.
+checked against the cluster shape (devices, hosts, slices) before anything is printed, and on GPU
+node pools whose GPU jaxscale describes (`GKE_GPUS`) its train step is compiled for them here,
+without a GPU (the `jaxscale[gpu-compile]` extra; --no_compile skips it), and refused when it
+needs more memory than JAX's allocator will have on each GPU.
 
 How the manifest maps jaxscale's contract onto Kubernetes:
 - Gang scheduling: the Kueue queue label makes Kueue admit the JobSet's pods together or not at all;
@@ -48,6 +51,10 @@ REPLICATED_JOB = "workers"
 WORKDIR_MOUNT = "/workdir"
 # The uid and gid the pods run as: launch/Dockerfile's USER (tests check that the two agree).
 RUN_AS = 1000
+# GKE's accelerator labels (--gpu_type) of the GPUs the train step can be compiled for, and their
+# names in GPU targets (jaxscale/plan/targets.py).
+GKE_GPUS = {"nvidia-h100-80gb": "h100", "nvidia-h100-mega-80gb": "h100",
+            "nvidia-h200-141gb": "h200", "nvidia-a100-80gb": "a100"}
 # Requests per GPU or TPU chip where --cpu and --memory_gib are not given: less than the smallest
 # host of each kind leaves after Kubernetes' reservations and its daemons (8 GPUs: g2-standard-96
 # and a2-highgpu-8g have 96 vCPUs and 384 GB or more; 4 TPU chips: a v5e host has 112 vCPUs and
@@ -81,6 +88,9 @@ def make_parser() -> ArgumentParser:
     parser.add_argument("--gpu_type", default="nvidia-h100-80gb",
                         help="Node selector cloud.google.com/gke-accelerator (default "
                              "nvidia-h100-80gb, A3).")
+    parser.add_argument("--no_compile", action="store_true",
+                        help="Do not compile the train step for the GPUs before rendering "
+                             "(default: compile it where JAX's CUDA plugin is installed).")
     parser.add_argument("--tpu_accelerator",
                         help="TPU node pools instead of GPUs: cloud.google.com/"
                              "gke-tpu-accelerator, e.g. tpu-v5p-slice or tpu-v6e-slice.")
@@ -328,7 +338,8 @@ def main(argv: list[str]) -> None:
         fail(f"--shm_gib={args.shm_gib} must be less than the pod's memory request "
              f"({shape.memory_gib} GiB): /dev/shm is memory the pod uses; pass a smaller "
              "--shm_gib or a larger --memory_gib")
-    check_train_args([f"--config={args.config}", *overrides], shape.devices, shape.granules)
+    gpu = "" if args.tpu_accelerator or args.no_compile else GKE_GPUS.get(args.gpu_type, "")
+    check_train_args([f"--config={args.config}", *overrides], shape.devices, shape.granules, gpu)
     json.dump(render(args, shape, overrides), sys.stdout, indent=2)
     print()
 
