@@ -167,5 +167,13 @@ def _gpu_devices(target: Target) -> list:
                         _GPU_SPECS[target.gpu])
     with open(spec, encoding="utf-8") as f:
         description = f.read()
-    return list(topologies.get_topology_desc(target.gpu, "cuda", target_config=description,
-                                             topology=target.topology).devices)
+    try:
+        topology = topologies.get_topology_desc(target.gpu, "cuda", target_config=description,
+                                                topology=target.topology)
+    except NotImplementedError:  # JAX has no CUDA platform registered
+        raise ConfigError(
+            f"target {target.name!r}: JAX's CUDA plugin did not start in this process; on a "
+            "host without an NVIDIA driver it starts for compiling only when JAX's platforms "
+            "are chosen before JAX starts: set JAX_PLATFORMS=cpu (python -m jaxscale.plan "
+            "does)") from None
+    return list(topology.devices)
