@@ -461,7 +461,11 @@ def test_a_documented_plan_command_runs_and_chooses(command):
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "Traceback" not in output, output[-3000:]
     if "--json" in command:
-        assert json.loads(result.stdout)["chosen"]["verdict"] == "chosen"
+        plan = json.loads(result.stdout)
+        assert plan["chosen"]["verdict"] == "chosen"
+        from jaxscale.runtime import cuda_plugin
+        if "--target=h100" in command and cuda_plugin.installed():  # compiled, not estimated
+            assert plan["compiled"] and plan["chosen"]["compiled_bytes"] > 0
     else:
         assert re.search(r"^chosen: \S", result.stdout, re.M), output[-3000:]
 
