@@ -184,7 +184,9 @@ def default_config() -> ml_collections.ConfigDict:
         add_eos=True,
         bos_token="",  # a learned tokenizer's BOS/EOS token; "" = its own (SentencePiece)
         eos_token="",
-        packing="concat",  # concat (concat-then-split, no padding) | first_fit (whole documents)
+        # concat (concat-then-split, no padding) | first_fit (whole documents) | auto: first_fit
+        # when a source is chat data (a conversation must not be cut), else concat
+        packing="auto",
         # The most runs (documents, padding counted as one) a packed row holds; a row with more is
         # cut into several, padded. 0: no bound. A bound puts packed rows in cuDNN's packed layout
         # on GPUs: faster attention, a workspace that grows with it (parallel/attention.py).

@@ -250,13 +250,62 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path, caplog):
         assert reason in caplog.text
 
 
-def test_only_too_long_conversations_stop_the_run(tmp_path):
-    records = [{"messages": [{"role": "user", "content": "x" * 200}]}] * 5
+def test_only_too_long_conversations_stop_the_run_at_the_first_read(tmp_path):
+    """Checked when the source is opened, before the run writes anything: before, each pass
+    over the file read (and tokenized) them again until max_bad_records reads had failed."""
+    records = [{"messages": [{"role": "user", "content": "x" * 200},
+                             {"role": "assistant", "content": "y"}]}] * 5
     config = chat_config(write_chat(tmp_path / "c.jsonl", records), max_bad_records=2)
-    documents = sources.source_documents(sources.source_specs(config)[0], "train", BYTE, config)
-    message = one_line_error(JaxscaleError, lambda: [documents[i] for i in range(5)])
-    assert "none of the 3 documents read so far fits a row" in message
+    message = one_line_error(JaxscaleError, lambda: sources.source_documents(
+        sources.source_specs(config)[0], "train", BYTE, config))
+    assert "none of the first 5 train conversations read fits a row" in message
     assert "raise train.seq_len" in message
+
+
+def test_conversations_without_a_reply_to_learn_stop_the_run_at_the_first_read(tmp_path):
+    """No assistant turn in the first conversations: the run would train at loss 0 (it did,
+    for the whole run, on ff727fb)."""
+    records = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(40)]
+    config = chat_config(write_chat(tmp_path / "c.jsonl", records))
+    message = one_line_error(JaxscaleError, lambda: sources.source_documents(
+        sources.source_specs(config)[0], "train", BYTE, config))
+    assert message.startswith("data.sources[0] (chat ")
+    assert "none of the first 32 train conversations read has a token to learn" in message
+
+
+def test_a_bad_record_counts_once_however_often_it_is_read(tmp_path, caplog):
+    """Every pass over a file reads its bad lines again: they count once each, so a file with
+    fewer bad lines than data.max_bad_records trains to the end (on ff727fb it stopped after a
+    few passes)."""
+    good = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello"}]}
+    records = [good] * 6 + [{"messages": []}] * 3
+    config = chat_config(write_chat(tmp_path / "c.jsonl", records), max_bad_records=3)
+    skipped = sources.SkippedRecords()
+    documents = sources.source_documents(sources.source_specs(config)[0], "train", BYTE,
+                                         config, skipped)
+    for _ in range(5):  # five passes
+        read = [documents[i] for i in range(len(documents))]
+    assert sum(d is None for d in read) == 3
+    assert skipped.count == 3
+    assert caplog.text.count("skipped malformed record") == 3
+
+
+def test_a_stream_whose_share_holds_nothing_to_train_on_stops_instead_of_waiting(
+        tmp_path, batch_sharding):
+    """Seven good conversations, then nine too long for a row, over 8 row streams: stream 7's
+    share is two long ones only, so it never gets a row. It stops with an error after a pass
+    over its share, instead of waiting forever (each long one counts once, so
+    data.max_bad_records never ends that wait)."""
+    good = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello"}]}
+    bad = {"messages": [{"role": "user", "content": "x" * 300},
+                        {"role": "assistant", "content": "y"}]}  # too long for a row
+    config = chat_config(write_chat(tmp_path / "c.jsonl", [good] * 7 + [bad] * 9),
+                         eval_fraction=0.01)
+    with pytest.raises(JaxscaleError, match=r"train row stream \d: \d+ documents in a row were "
+                                            r"skipped .* nothing to train on"):
+        take(config, batch_sharding, 4)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_a_bad_record(tmp_path):
@@ -271,8 +320,9 @@ def test_a_template_that_rewrites_earlier_turns_is_a_bad_record(tmp_path):
 
 def test_config_mistakes_are_one_line_errors(tmp_path):
     spec = write_chat(tmp_path / "c.jsonl", byte_records(5))
-    message = one_line_error(ConfigError, lambda: check_data(config_with(spec)))
+    message = one_line_error(ConfigError, lambda: check_data(config_with(spec, packing="concat")))
     assert "data.packing='concat' cuts conversations" in message and "first_fit" in message
+    check_data(config_with(spec))  # the default, 'auto', packs chat data with first_fit
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m.content }")
     message = one_line_error(ConfigError, lambda: check_data(

@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.data.chat import ChatEncoder
-from jaxscale.data.packing import METHODS
+from jaxscale.data.packing import AUTO, METHODS
 from jaxscale.data.pipeline import local_batches, local_rows
 from jaxscale.data.sources import SkippedRecords, check_splits, source_specs
 from jaxscale.data.tokenizers import tokenizer_from_config
@@ -157,8 +157,8 @@ def check_data(config: ml_collections.ConfigDict) -> None:
     templates, the packing and the tokenizer they need."""
     d, m = config.data, config.model
     specs = source_specs(config)
-    if d.packing not in METHODS:
-        raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {METHODS}")
+    if d.packing not in (AUTO, *METHODS):
+        raise ConfigError(f"data.packing={d.packing!r} is unknown; use one of {(AUTO, *METHODS)}")
     tokenizer = tokenizer_from_config(config)
     vocab = tokenizer.vocab_size
     if vocab > m.vocab_size:
@@ -168,7 +168,8 @@ def check_data(config: ml_collections.ConfigDict) -> None:
         if spec["format"] != "chat":
             continue
         # concat would cut conversations at row ends; first_fit keeps each whole in one row.
-        if d.packing != "first_fit":
+        if d.packing == "concat":
             raise ConfigError(f"data.packing={d.packing!r} cuts conversations where rows end; "
-                              f"{spec['name']} is chat data: set data.packing='first_fit'")
+                              f"{spec['name']} is chat data: set data.packing='first_fit' (or "
+                              f"{AUTO!r}, the default, which chooses it for chat data)")
         ChatEncoder(spec, tokenizer, config)  # its template compiles, its tokenizer fits

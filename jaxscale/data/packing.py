@@ -15,9 +15,19 @@ import grain
 import numpy as np
 
 METHODS = ("concat", "first_fit")
+# data.packing's default: the method that suits the sources (`method_for`).
+AUTO = "auto"
 # The features packed together; grain adds `<name>_segment_ids` and `<name>_positions` for each.
 _PACKED = ("inputs", "targets")
 _MASKED = _PACKED + ("loss_mask",)
+
+
+def method_for(packing: str, chat: bool) -> str:
+    """The packing method `data.packing` asks for: "auto" is first_fit when some source is chat
+    data (concat would cut conversations where rows end), else concat (no padding)."""
+    if packing == AUTO:
+        return "first_fit" if chat else "concat"
+    return packing
 
 
 class TrainedTokens(NamedTuple):

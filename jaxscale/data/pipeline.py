@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxscale.data import packing, sources
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
+from jaxscale.errors import JaxscaleError
 
 # Each stream reads synchronously: hundreds of streams with reader threads each would be thousands
 # of threads. Parallelism comes from reading different streams at once (`data.workers`).
@@ -92,16 +93,52 @@ def mixture(config: ml_collections.ConfigDict, split: str, stream: int, tokenize
     return grain.MapDataset.mix(shares, weights=[spec["weight"] for spec in specs])
 
 
+class _NothingInARow:
+    """The filter that drops a stream's skipped documents (None: malformed, too long for a row,
+    too short to predict anything), and stops the run when `limit` come in a row: the stream then
+    went through its whole share of every source without a document to train on, and would wait
+    for a row forever. (A skipped record counts once in data.max_bad_records, however often it is
+    read, so that limit alone cannot end such a wait.)"""
+
+    def __init__(self, limit: int, where: str):
+        self._limit, self._where, self._in_a_row = limit, where, 0
+
+    def __call__(self, pair: dict | None) -> bool:
+        if pair is not None:
+            self._in_a_row = 0
+            return True
+        self._in_a_row += 1
+        if self._in_a_row > self._limit:
+            raise JaxscaleError(
+                f"{self._where}: {self._in_a_row} documents in a row were skipped (malformed, too "
+                "long for a row, or empty), every one of its share of the data: there is nothing "
+                "to train on; fix the data (see the warnings and data_skipped_records) or raise "
+                "train.seq_len")
+        return False
+
+
+def _pass_length(config: ml_collections.ConfigDict, stream: int,
+                 documents: Sequence[grain.MapDataset]) -> int:
+    """Twice the number of documents stream `stream` reads, at the most, before it has read its
+    whole share of every source: a source drawn a fraction w of the time passes over its share
+    of n documents in n / w draws."""
+    weights = np.asarray([spec["weight"] for spec in sources.source_specs(config)], float)
+    shares = [len(stream_share(source, stream, config.train.batch_size)) for source in documents]
+    return int(2 * max(n / w for n, w in zip(shares, weights / weights.sum()))) + 1
+
+
 def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, tokenizer,
                documents: Sequence[grain.MapDataset]) -> grain.IterDataset:
     """The endless rows of stream `stream`: row `stream` of every global batch, from every
     source's `documents` of `split`."""
     pairs = mixture(config, split, stream, tokenizer, documents).to_iter_dataset(
         _SYNCHRONOUS, allow_nones=True)
-    pairs = pairs.filter(lambda pair: pair is not None)
-    return packing.pack(pairs, config.data.packing, config.train.seq_len,
-                        rows_at_once=FIRST_FIT_ROWS, max_segments=config.data.max_segments,
-                        masked=sources.has_chat(sources.source_specs(config)))
+    pairs = pairs.filter(_NothingInARow(_pass_length(config, stream, documents),
+                                        f"{split} row stream {stream}"))
+    chat = sources.has_chat(sources.source_specs(config))
+    return packing.pack(pairs, packing.method_for(config.data.packing, chat),
+                        config.train.seq_len, rows_at_once=FIRST_FIT_ROWS,
+                        max_segments=config.data.max_segments, masked=chat)
 
 
 def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[int],

@@ -258,43 +258,63 @@ class _Documents:
     """Record index -> token ids (or a chat document), None for a record that is skipped and
     counted: a malformed one, or a chat document longer than a row.
 
-    `encode` turns a record's text (or chat record) into its document. Malformed records stop
-    the run past `max_bad_records`; documents too long do not (they are not malformed), unless
-    none of this source's documents has fitted yet — then nothing ever would, and the run would
-    wait for a row forever.
+    `encode` turns a record's text (or chat record) into its document. A skipped record counts
+    once, however often it is read (every pass over a source reads it again, and a stream of a
+    small source reads it twice): malformed records stop the run once more than
+    `max_bad_records` different ones were found; documents too long do not (they are not
+    malformed), unless none of this source's documents has fitted yet — then nothing ever would,
+    and the run would wait for a row forever.
     """
 
     def __init__(self, reader, encode, source_name: str, max_bad_records: int,
                  skipped: SkippedRecords):
         self._reader, self._encode = reader, encode
         self._source_name, self._max_bad = source_name, max_bad_records
-        self._bad, self._long, self._fitted, self._skipped = 0, 0, False, skipped
+        self._bad: set[int] = set()
+        self._long: set[int] = set()
+        self._fitted, self._skipped = False, skipped
+        self._lock = threading.Lock()  # reader threads share the sets
 
     def __call__(self, index: int) -> np.ndarray | packing.TrainedTokens | None:
+        index = int(index)
         try:
-            content = self._reader[int(index)]
+            content = self._reader[index]
             document = content if isinstance(content, np.ndarray) else self._encode(content)
         except formats.MalformedRecord as e:
-            self._skipped.add()
+            seen = self._long if e.kind == "long" else self._bad
+            with self._lock:
+                first_time = index not in seen
+                seen.add(index)
+                count = len(seen)
+            if first_time:
+                self._skipped.add()
             if e.kind == "long":
-                return self._too_long(e)
-            self._bad += 1
-            if self._bad > self._max_bad:
+                return self._too_long(e, count, first_time)
+            if count > self._max_bad:
                 raise JaxscaleError(
-                    f"{self._source_name}: {self._bad} malformed records (latest: {e}); fix the "
+                    f"{self._source_name}: {count} malformed records (latest: {e}); fix the "
                     f"data or raise data.max_bad_records={self._max_bad}") from None
-            _log.warning("%s: skipped malformed record %d of at most %d: %s", self._source_name,
-                         self._bad, self._max_bad, e)
+            if first_time:
+                _log.warning("%s: skipped malformed record %d of at most %d: %s",
+                             self._source_name, count, self._max_bad, e)
             return None
         self._fitted = True
         return document
 
-    def _too_long(self, e: formats.MalformedRecord) -> None:
-        self._long += 1
-        if self._long > self._max_bad and not self._fitted:
-            raise JaxscaleError(f"{self._source_name}: none of the {self._long} documents read "
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _too_long(self, e: formats.MalformedRecord, count: int, first_time: bool) -> None:
+        if count > self._max_bad and not self._fitted:
+            raise JaxscaleError(f"{self._source_name}: none of the {count} documents read "
                                 f"so far fits a row (latest: {e}); raise train.seq_len")
-        if self._long == 1:
+        if first_time and count == 1:
             _log.warning("%s: skipped a document too long for a row: %s; such documents are "
                          "skipped and counted in data_skipped_records", self._source_name, e)
 
@@ -449,9 +469,40 @@ def source_documents(spec: dict, split: str, tokenizer, config: ml_collections.C
     _check_split(spec, split, reader, indices)
     encode = (chat.ChatEncoder(spec, tokenizer, config) if spec["format"] == "chat"
               else tokenizer.encode)
+    if spec["format"] == "chat":
+        _check_conversations(spec, split, reader, indices, encode, config.train.seq_len)
     documents = _Documents(reader, encode, spec["name"], config.data.max_bad_records,
                            skipped or SkippedRecords())
     return grain.MapDataset.source(indices).map(documents)
+
+
+def _check_conversations(spec: dict, split: str, reader: formats.RecordReader,
+                         indices: np.ndarray, encode, seq_len: int) -> None:
+    """Fails at the first read when none of the first conversations of a chat source's split
+    can be trained on: none has a token to learn (no assistant turn nor completion: the run would
+    train at loss 0), or every one is too long for a row (a line of megabytes would otherwise be
+    read and skipped over and over)."""
+    learned_nothing, too_long, latest = 0, 0, None
+    for index in indices[:formats.CHECKED_RECORDS]:
+        try:
+            document = encode(reader[int(index)])
+        except formats.MalformedRecord as e:  # skipped and counted when read
+            if e.kind == "long":
+                too_long, latest = too_long + 1, e
+            continue
+        if document.learned.any():
+            return
+        learned_nothing += 1
+    if learned_nothing:
+        raise JaxscaleError(
+            f"{describe(spec)}: none of the first {learned_nothing} {split} conversations read "
+            "has a token to learn (an assistant message, or a completion), so the run would "
+            "train on nothing (loss 0); give the conversations assistant replies (the loss falls "
+            "on them only)")
+    if too_long:
+        raise JaxscaleError(
+            f"{describe(spec)}: none of the first {too_long} {split} conversations read fits a "
+            f"row (latest: {latest}); raise train.seq_len, or split the long conversations")
 
 
 def _random_document(seed: int, split: str, first_id: int, vocab_size: int, max_length: int,
