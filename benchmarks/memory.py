@@ -7,7 +7,7 @@
 
     benchmarks/maxtext/setup.sh /tmp/maxtext-venv           # MaxText 0.2.5 + jaxscale, one jax
     /tmp/maxtext-venv/bin/python benchmarks/memory.py --maxtext
-    /tmp/maxtext-venv/bin/python benchmarks/memory.py --maxtext --maxtext_set=num_vocab_tiling=2
+    /tmp/maxtext-venv/bin/python benchmarks/memory.py --maxtext --maxtext_tiling=2,4,8,16
 
 Settings (overridable with --config.KEY=VALUE after them): mesh fsdp = all chips, 2 sequences of
 2048 tokens per chip, `model.remat=full`, bfloat16 compute, float32 parameters and Adam moments.
@@ -19,14 +19,19 @@ count more than its heap in HBM (for llama3_8b about the donated arguments' size
 
 --maxtext also runs MaxText's own `train_compile` (benchmarks/maxtext/train_compile.py, in a
 child process of this same Python: the same jax and libtpu, which it prints) with these settings
-in MaxText's keys, prints its breakdown beside jaxscale's, and ends with `ratio: X` = jaxscale's
-peak / MaxText's; below 1.0 jaxscale needs less. It needs the venv benchmarks/maxtext/setup.sh
-makes, and a config MaxText can express: a model with the shapes of one of MaxText's (llama3_8b:
-llama3-8b), one TPU slice, data/fsdp/tensor mesh axes with the default rules, remat `full`,
-float32 Adam moments on the device. A setting it cannot translate stops it (exit 2) rather than
-compare unlike things; what no key can match (the attention kernel, how the loss holds its
-logits, the dtype gradients are summed in) is listed in benchmarks/maxtext/train_compile.py. --maxtext_set="KEY=VALUE ..." adds
-MaxText overrides, shown in its line. Without --maxtext nothing is compared: no ratio.
+in MaxText's keys: once with MaxText's defaults, and once for each --maxtext_tiling value N with
+its memory-lean loss (`num_vocab_tiling=N`: the logits made for 1/N of the tokens at a time;
+by default N=4, the leanest for llama3-8b here, MAXTEXT_TILING below). It prints each
+MaxText breakdown beside jaxscale's and each peak's ratio, and ends with `ratio: X` = jaxscale's
+peak / the smallest MaxText peak (its leanest setting, named in the line above); below 1.0
+jaxscale needs less. It needs the venv benchmarks/maxtext/setup.sh makes, and a config MaxText can
+express: a model with the shapes of one of MaxText's (llama3_8b: llama3-8b), one TPU slice,
+data/fsdp/tensor mesh axes with the default rules, remat `full`, float32 Adam moments on the
+device. A setting it cannot translate stops it (exit 2) rather than compare unlike things; what
+no key can match (the attention kernel, how the loss holds its logits, the dtype gradients are
+summed in) is listed in benchmarks/maxtext/train_compile.py. --maxtext_set="KEY=VALUE ..." adds
+MaxText overrides to every MaxText compile, shown in its line. Without --maxtext nothing is
+compared: no ratio.
 """
 
 from __future__ import annotations
@@ -50,11 +55,19 @@ from jaxscale.plan.compiled import compile_train_step  # noqa: E402
 from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.plan.targets import Target, parse_target, target_devices  # noqa: E402
 
+# MaxText's leanest loss for memory.py's comparison: of num_vocab_tiling 2, 4, 8 and 16, 4 is the
+# first with the smallest peak (8 and 16 peak at the same byte: the layers' backward pass, not the
+# loss, holds the peak then; benchmarks/RESULTS.md, 2026-11-27).
+MAXTEXT_TILING = 4
 OPTIONS = [Option("target", "v5p-64", "what to compile for: v5p-64, v5e-16, v5p:2x2x1, cpu:8",
                   "TARGET"),
            Option("per_chip_batch", 2, "sequences per chip", "N"),
-           Option("maxtext_set", "", "with --maxtext: MaxText config overrides, space-separated "
-                  "(e.g. num_vocab_tiling=2)", "'KEY=VALUE ...'")]
+           Option("maxtext_tiling", str(MAXTEXT_TILING), "with --maxtext: the values of MaxText's "
+                  "num_vocab_tiling to compile besides its default (1), comma-separated; the "
+                  "ratio is against the smallest peak ('' for MaxText's defaults alone)",
+                  "N,N,..."),
+           Option("maxtext_set", "", "with --maxtext: MaxText config overrides, space-separated, "
+                  "for every MaxText compile (e.g. vocab_tiling_ag_once=true)", "'KEY=VALUE ...'")]
 MAXTEXT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext",
                               "train_compile.py")
 # MaxText's models (configs/models/NAME.yml in its package) by jaxscale's model keys.
@@ -134,6 +147,35 @@ def versions() -> dict[str, str]:
     return found
 
 
+def maxtext_tilings(text: str, tokens_per_chip: float) -> list[int]:
+    """--maxtext_tiling's values of num_vocab_tiling; ConfigError naming one MaxText refuses (its
+    loss splits a chip's tokens into that many equal tiles)."""
+    tilings = []
+    for item in filter(None, text.split(",")):
+        n = int(item) if item.isdigit() else 0
+        if n < 2 or tokens_per_chip % n:
+            raise ConfigError(f"--maxtext_tiling: {item!r} is no num_vocab_tiling MaxText "
+                              f"compiles here: give whole numbers above 1 that divide the "
+                              f"{tokens_per_chip:g} tokens per chip, e.g. --maxtext_tiling=2,4,8")
+        tilings.append(n)
+    return tilings
+
+
+def maxtext_overrides(text: str) -> dict[str, str]:
+    """--maxtext_set's KEY=VALUE items; ConfigError for one that is not, or that sets
+    num_vocab_tiling (--maxtext_tiling's: each MaxText compile has its own)."""
+    overrides = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--maxtext_set: {item!r} is not KEY=VALUE")
+        if key == "num_vocab_tiling":
+            raise ConfigError(f"--maxtext_set: {item!r}: MaxText's tiling is "
+                              f"--maxtext_tiling's (e.g. --maxtext_tiling={value})")
+        overrides[key] = value
+    return overrides
+
+
 def run_maxtext(settings: dict[str, str]) -> tuple[list[str], StepMemory]:
     """MaxText's train_compile with `settings`, in a child process of this Python (the same jax
     and libtpu): (its printed lines, its step's memory)."""
@@ -165,8 +207,9 @@ def main(argv: list[str]) -> None:
     config, options = parse_config_flags(argv, prog="python benchmarks/memory.py",
                                          about=__doc__, options=OPTIONS)
     overridden = " ".join(argv[1:])
-    if options["maxtext_set"] and not maxtext:
-        fail("--maxtext_set needs --maxtext")
+    for option in ("maxtext_set", "maxtext_tiling"):
+        if f"--{option}" in overridden and not maxtext:
+            fail(f"--{option} needs --maxtext")
     try:
         target = parse_target(options["target"])
     except ConfigError as e:
@@ -181,8 +224,14 @@ def main(argv: list[str]) -> None:
     if "--config.model.remat" not in overridden:
         config.model.remat = "full"
 
-    maxtext_lines = maxtext_memory = None
+    maxtext_runs = []
     if maxtext:
+        try:
+            overrides = maxtext_overrides(options["maxtext_set"])
+            tilings = maxtext_tilings(options["maxtext_tiling"], config.train.batch_size
+                                      * config.train.seq_len / target.num_devices)
+        except ConfigError as e:
+            fail(str(e))
         # The distribution, not the module: benchmarks/maxtext/ (beside this script, on
         # sys.path) would pass for a namespace package named maxtext.
         try:
@@ -195,14 +244,13 @@ def main(argv: list[str]) -> None:
             settings = maxtext_settings(config, target)
         except ConfigError as e:
             fail(str(e))
-        for item in options["maxtext_set"].split():
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                fail(f"--maxtext_set: {item!r} is not KEY=VALUE")
-            settings[key] = value
-        # MaxText first: this process has not loaded libtpu yet, so the two compilers are not in
-        # memory at once.
-        maxtext_lines, maxtext_memory = run_maxtext(settings)
+        settings.update(overrides)
+        # MaxText first, one compile at a time: this process has not loaded libtpu yet, so two
+        # compilers are never in memory at once.
+        variants = [("its defaults", {})] + [(f"num_vocab_tiling={n}", {"num_vocab_tiling": n})
+                                             for n in tilings]
+        maxtext_runs = [(name, *run_maxtext({**settings, **variant}))
+                        for name, variant in variants]
 
     try:
         devices = target_devices(target)
@@ -228,17 +276,22 @@ def main(argv: list[str]) -> None:
         print("no ratio: run with --maxtext (in the venv of benchmarks/maxtext/setup.sh) to "
               "compile MaxText's step with the same settings and divide by its peak")
         return
-    for line in maxtext_lines:
-        print(line)
-    # The child's first line: "maxtext 0.2.5, jax ..., jaxlib ..., libtpu ...".
-    theirs = next((dict(part.split(" ", 1) for part in line.split(", "))
-                   for line in maxtext_lines if line.startswith("maxtext ")), {})
-    if any(theirs.get(k) != v for k, v in found.items()):
-        fail(f"MaxText ran with {theirs}, jaxscale with {found}: not comparable", exit_code=1)
-    print(f"MaxText's peak (the compiler's): {maxtext_memory.peak / GIB:.3g} GiB")
-    print(f"totals' ratio (both overstated): "
-          f"{memory.total / maxtext_memory.total:.4f}")
-    print(f"ratio: {memory.peak / maxtext_memory.peak:.4f}")
+    for _, lines, _ in maxtext_runs:
+        for line in lines:
+            print(line)
+        # The child's first line: "maxtext 0.2.5, jax ..., jaxlib ..., libtpu ...".
+        theirs = next((dict(part.split(" ", 1) for part in line.split(", "))
+                       for line in lines if line.startswith("maxtext ")), {})
+        if any(theirs.get(k) != v for k, v in found.items()):
+            fail(f"MaxText ran with {theirs}, jaxscale with {found}: not comparable",
+                 exit_code=1)
+    for name, _, theirs in maxtext_runs:
+        print(f"MaxText's peak (the compiler's), {name}: {theirs.peak / GIB:.3g} GiB; "
+              f"jaxscale's / it: {memory.peak / theirs.peak:.4f} (totals', both overstated: "
+              f"{memory.total / theirs.total:.4f})")
+    name, _, leanest = min(maxtext_runs, key=lambda run: run[2].peak)
+    print(f"the baseline: MaxText's leanest here, {name} ({leanest.peak / GIB:.3g} GiB)")
+    print(f"ratio: {memory.peak / leanest.peak:.4f}")
 
 
 if __name__ == "__main__":

@@ -10,15 +10,18 @@ Arguments are MaxText config overrides, KEY=VALUE, on top of MaxText's `configs/
 SETTINGS below: benchmarks/memory.py's default comparison (llama3-8b on 64 v5p chips, which Cloud
 TPU and MaxText call `v5p-128`; FSDP over all 64; 2 x 2048 tokens per chip; remat `full`;
 bfloat16 compute; float32 weights and Adam moments). `benchmarks/memory.py --maxtext` runs this
-script with the settings translated from its own config, and divides by the total.
+script with the settings translated from its own config, once as they are and once with MaxText's
+memory-lean loss (`num_vocab_tiling=N`, below), and divides by the smaller peak.
 
 What cannot be matched with jaxscale (both sides keep their own default):
 - attention: MaxText's `autoselected` (its splash kernel on TPU, block sizes 512) against
   jaxscale's `model.attention=auto` (splash through jaxscale/parallel/attention.py, its blocks);
-- the loss: MaxText computes the float32 logits of all positions at once (`num_vocab_tiling=1`),
-  jaxscale in 1024-position slices (`model.loss_chunk_len=1024`); MaxText's `num_vocab_tiling=N`
-  splits its batch's tokens into N tiles instead, so `num_vocab_tiling=2` is the nearest to
-  jaxscale's slices at 2 x 2048 tokens per chip (pass it above to compare);
+- the loss: by default MaxText computes the float32 logits of all positions at once
+  (`num_vocab_tiling=1`); its `num_vocab_tiling=N` splits a chip's tokens into N tiles, each
+  tile's logits over the whole vocabulary, in a scan. jaxscale's default on a TPU makes the
+  logits of 1024 positions x 16384 vocabulary entries at a time (`model.loss_chunk_len`,
+  `model.loss_vocab_tile`). memory.py compares with both of MaxText's, the ratio against the
+  leaner;
 - the gradients' reduction over the fsdp axis: jaxscale makes and sums the weights' gradients in
   `precision.grad_reduce_dtype` (bfloat16 by default); MaxText has no such key (its `grad_dtype`
   casts the gradients after they are summed): its sum is whatever XLA makes of bfloat16 compute
