@@ -224,6 +224,13 @@ def default_config() -> ml_collections.ConfigDict:
         every_minutes=0.0,  # save when this long has passed since the last save; 0: not by time
         keep=3,  # the newest checkpoints kept
         keep_every_steps=0,  # also keep for good each checkpoint whose step is a multiple; 0: none
+        # The local tier (docs/checkpointing.md, Two tiers): a folder on each host (a RAM disk, a
+        # local SSD; "": none), saved to every local_every_steps steps (0: not by steps) or
+        # local_every_minutes (0: not by time) and on SIGTERM, keeping the newest local_keep.
+        local_dir="",
+        local_every_steps=0,
+        local_every_minutes=0.0,
+        local_keep=2,
         # Start from another run's checkpoint (its workdir, checkpoint folder or one step folder)
         # when this run has none of its own yet.
         restore_from="",
@@ -314,6 +321,10 @@ NUMBERS = {
     "checkpoint.every_minutes": real("[0, inf)", {0: "not by time"}),
     "checkpoint.keep": _SIZE,
     "checkpoint.keep_every_steps": whole("[0, inf)", {0: "none kept for good"}),
+    "checkpoint.local_every_steps": whole("[0, inf)", {0: "not by steps"}),
+    "checkpoint.local_every_minutes": real("[0, inf)", {0: "not by time"}),
+    # A RAM disk holds few; a restart compares each process's newest 64 (manager.py).
+    "checkpoint.local_keep": whole("[1, 32]"),
 }
 
 
@@ -442,6 +453,14 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
             f"checkpoint.keep_every_steps={c.keep_every_steps} must be a multiple of "
             f"checkpoint.every_steps={c.every_steps}, or no saved step would ever be kept; "
             "make it a multiple or set it to 0")
+    if "://" in c.local_dir:
+        raise ConfigError(f"checkpoint.local_dir={c.local_dir!r} is a URL; the local tier is a "
+                          "folder on each host (a RAM disk, a local SSD), the bucket is "
+                          "checkpoint.dir")
+    for key in ("local_every_steps", "local_every_minutes"):
+        if c[key] and not c.local_dir:
+            raise ConfigError(f"checkpoint.{key}={c[key]} needs checkpoint.local_dir (the folder "
+                              f"on each host to save to); set it, or set checkpoint.{key}=0")
     if c.restore_params_only and not c.restore_from:
         raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH "
                           "(the checkpoint whose params to start from)")

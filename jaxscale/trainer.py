@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxscale.checkpoint import Checkpoints, Restored, lora_base, restore_from
+from jaxscale.checkpoint import PERSISTENT, Checkpoints, Restored, lora_base, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.checks import checked_mesh
 from jaxscale.data import Input, check_splits, make_input
@@ -382,8 +382,9 @@ class _Loop:
             self.bad_steps.add(done, step_metrics["skipped"])
             if stop := self.signals.reached(done):
                 self.stop(stop, done, state)
-            if self.checkpoints.due(done, log_step=self.is_log_step(done), final=done == t.steps):
-                if self.save(done, state):
+            if tier := self.checkpoints.due(done, log_step=self.is_log_step(done),
+                                            final=done == t.steps):
+                if self.save(done, state, tier) and tier == PERSISTENT:
                     self.last_saved = done
             if self.is_log_step(done):
                 with window.waiting_for_devices():
@@ -413,10 +414,16 @@ class _Loop:
         trainer.say(self.summary_line(first_step, logged))
         return logged
 
-    def save(self, step: int, state: TrainState) -> bool:
-        """Starts an async checkpoint of `step`, unless it was not finite (see Checkpoints.save)."""
-        if not self.checkpoints.enabled:
-            return False
+    def save(self, step: int, state: TrainState, tier: str) -> bool:
+        """Starts an async checkpoint of `step` to `tier`, unless it was not finite (see
+        Checkpoints.save)."""
+        finite, meta = self.checkpoint_of(step)
+        with self.window.paused():
+            return self.checkpoints.save(step, state, self.train_input.get_state(), meta,
+                                         finite=finite, tier=tier)
+
+    def checkpoint_of(self, step: int) -> tuple[bool, dict]:
+        """(whether `step` and those before it were finite, the `meta` item of its checkpoint)."""
         with self.window.waiting_for_devices():  # waits for the step: its time is step time
             finite = self.bad_steps.settle() == 0
         with self.window.paused():
@@ -427,18 +434,20 @@ class _Loop:
             if config.model.lora.rank:  # what the adapters were trained on: they need it back
                 meta["lora_base"] = (config.checkpoint.restore_from
                                      or f"the init of train.seed={config.train.seed}")
-            return self.checkpoints.save(step, state, self.train_input.get_state(), meta,
-                                         finite=finite)
+        return finite, meta
 
     def stop(self, stop: type[RunStopped], step: int, state: TrainState) -> None:
-        """Preempted or interrupted: save `step` (every process agreed on it), wait until the
-        checkpoint is durable, log the steps since the last log line and raise `stop`."""
-        saved = self.save(step, state)
-        with self.window.paused():
-            self.checkpoints.wait()
+        """Preempted or interrupted: save `step` (every process agreed on it) to the fastest
+        tier, wait until the checkpoint is durable, log the steps since the last log line and
+        raise `stop`."""
+        saved = None
+        if self.checkpoints.enabled:
+            finite, meta = self.checkpoint_of(step)
+            with self.window.paused():
+                saved = self.checkpoints.save_to_stop(step, state, self.train_input.get_state(),
+                                                      meta, finite=finite)
         self.writer.write(step, {**self.window.summary(), **self.checkpoints.take_metrics()})
-        where = (f"checkpoint {self.checkpoints.directory / str(step)} saved" if saved
-                 else "no checkpoint saved")
+        where = f"checkpoint {saved} saved" if saved else "no checkpoint saved"
         if stop is Preempted:
             message = f"preempted at step {step}: {where}; exiting to be restarted"
         else:

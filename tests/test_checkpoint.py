@@ -646,17 +646,17 @@ def test_a_failing_disk_under_restore_from_is_transient_not_no_checkpoint(
 
 def test_a_checkpoint_folder_process_0_cannot_write_stops_every_process_before_orbax(
         tmp_path, monkeypatch):
-    from jaxscale.checkpoint import manager
+    from jaxscale.checkpoint import tier
 
     (tmp_path / "a_file").write_text("hello")
     config = make_config(**FSDP8)
     config.checkpoint.dir = str(tmp_path / "a_file" / "checkpoints")
     created = []
-    monkeypatch.setattr(manager.ocp, "CheckpointManager", lambda *args, **kwargs: created.append(
+    monkeypatch.setattr(tier.ocp, "CheckpointManager", lambda *args, **kwargs: created.append(
         args))
     # Process 1 proves nothing: its row is that of an agreement it passes.
     rows_of = [Checkpoints(config, str(tmp_path)).open_for_saving,
-               lambda: manager.agreed(lambda: None)]
+               lambda: tier.agreed(lambda: None)]
     for me in (1, 0):
         with pytest.raises(JaxscaleError, match=r"^process 0: checkpoint directory .* cannot be "
                                                 r"written .*pass --config.checkpoint.dir"):

@@ -9,6 +9,7 @@ import errno
 import glob
 import hashlib
 import json
+import logging
 import os
 import resource
 import shutil
@@ -294,7 +295,7 @@ def test_a_failed_set_aside_says_which_damaged_checkpoints_it_renamed(
     with pytest.raises(raised, match=rf"damaged checkpoint {checkpoints_dir}/2 could not be "
                                      r"renamed .*; renamed before it: 3 to "
                                      r"3\.corrupt-\d+$"):
-        checkpoints._set_aside({3: "truncated", 2: "truncated"}, f"{checkpoints_dir}/1")
+        checkpoints.persistent.set_aside({3: "truncated", 2: "truncated"}, f"{checkpoints_dir}/1")
     names = sorted(os.listdir(checkpoints_dir))
     assert names[0] == "2" and names[1].startswith("3.corrupt-"), names
 
@@ -302,17 +303,20 @@ def test_a_failed_set_aside_says_which_damaged_checkpoints_it_renamed(
 # -- saving ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EIO])
-def test_an_oserror_in_an_async_save_exits_75_and_the_restart_resumes_exactly(
-        workdir, straight, monkeypatch, error_number):
+@pytest.mark.parametrize("error_number, raised, words", [
+    (errno.EIO, TransientError, "; the checkpoints before it are intact .*Input/output error"),
+    (errno.ENOSPC, JaxscaleError, ": no space left .*No space left on device.*; the checkpoints "
+                                  "before it are intact. Free space in")])
+def test_a_failed_last_save_stops_the_run_and_the_restart_resumes_exactly(
+        workdir, straight, monkeypatch, error_number, raised, words):
+    """The last step's save fails in the background: the run cannot go on without it. A full disk
+    is exit 2 (a restart would train to the same full disk), any other storage error 75."""
     checkpoints = workdir / "checkpoints"
     failed = failing(monkeypatch, "open", error_number, lambda path, mode="r": writing(mode) and (
         f"{checkpoints}/6.orbax-checkpoint-tmp" in path and path.endswith("/iterator.json")))
     before = snapshot(checkpoints)
 
-    with pytest.raises(TransientError, match=rf"checkpoint {checkpoints}/6 could not be written; "
-                                             rf"the checkpoints before it are intact .*"
-                                             rf"\[Errno {error_number}\]"):
+    with pytest.raises(raised, match=rf"^checkpoint {checkpoints}/6 could not be written{words}"):
         run(workdir, STEPS)
     assert failed
     assert kept(before, snapshot(checkpoints))
@@ -375,30 +379,34 @@ def tiny_state(value):
                       good_steps=np.array(0, np.int32))
 
 
-@pytest.mark.parametrize("surfaces_in", ["wait", "the next save", "close", "a synchronous save"])
-def test_a_failed_save_is_transient_wherever_it_surfaces(tmp_path, monkeypatch, surfaces_in):
+def fail_the_commit_of(monkeypatch, checkpoints_dir, steps, error_number):
+    """The commit (the rename once every item is written) of `steps` fails with `error_number`:
+    a failure earlier leaves TensorStore writing into the folder a moment longer, which a restart
+    in this same process would race when it saves that step again (a restarted process has
+    none)."""
+    return failing(monkeypatch, "rename", error_number, lambda path, target: any(
+        path.startswith(f"{checkpoints_dir}/{step}.orbax-checkpoint-tmp")
+        and str(target) == f"{checkpoints_dir}/{step}" for step in steps))
+
+
+@pytest.mark.parametrize("surfaces_in", ["wait", "close", "a synchronous save"])
+def test_a_failed_save_the_run_cannot_go_on_without_is_transient(tmp_path, monkeypatch,
+                                                                  surfaces_in):
     config = config_for(STEPS)
     checkpoints_dir = tmp_path / "checkpoints"
     synchronous = surfaces_in == "a synchronous save"
-    # The commit, once every item is written: a failure earlier (as in the test above) leaves
-    # TensorStore writing into the folder a moment longer, which a restart in this same process
-    # would race when it saves step 2 again (a restarted process has none).
-    failing(monkeypatch, "rename", errno.ENOSPC, lambda path, target: (
-        path.startswith(f"{checkpoints_dir}/2.orbax-checkpoint-tmp")
-        and str(target) == f"{checkpoints_dir}/2"))
+    fail_the_commit_of(monkeypatch, checkpoints_dir, [2], errno.EIO)
     checkpoints = Checkpoints(config, str(tmp_path), async_save=not synchronous)
     checkpoints.save(1, tiny_state(1), {"position": 1}, {"step": 1})
     checkpoints.wait()
     before = snapshot(checkpoints_dir)
 
-    message = rf"checkpoint {checkpoints_dir}/2 could not be written.*No space left on device"
+    message = rf"checkpoint {checkpoints_dir}/2 could not be written.*Input/output error"
     with pytest.raises(TransientError, match=message):
         checkpoints.save(2, tiny_state(2), {"position": 2}, {"step": 2})
         assert not synchronous  # an async save returns: the error surfaces later
         if surfaces_in == "wait":
             checkpoints.wait()
-        elif surfaces_in == "the next save":
-            checkpoints.save(3, tiny_state(3), {"position": 3}, {"step": 3})
         else:
             checkpoints.close()
     checkpoints.close()  # raised once: closing after it is quiet
@@ -413,6 +421,31 @@ def test_a_failed_save_is_transient_wherever_it_surfaces(tmp_path, monkeypatch, 
     assert restored.meta == {"step": 1} and restored.data_state == {"position": 1}
     np.testing.assert_array_equal(restored.params["w"], np.full(4, 1, np.float32))
     assert sorted(os.listdir(checkpoints_dir)) == ["1", "2"]
+
+
+@pytest.mark.parametrize("error_number, raised", [(errno.ENOSPC, JaxscaleError),
+                                                  (errno.EIO, TransientError)])
+def test_failed_saves_are_tried_again_and_the_third_in_a_row_stops_the_run(
+        tmp_path, monkeypatch, caplog, error_number, raised):
+    """Saves 2, 4, 5 and 6 fail, each surfacing at the next save: the first three with a warning
+    while the run goes on (3 succeeds in between and starts the count again), the third in a row
+    (6) stops it: ENOSPC with exit 2 (a person must make room), EIO with 75."""
+    checkpoints_dir = tmp_path / "checkpoints"
+    fail_the_commit_of(monkeypatch, checkpoints_dir, [2, 4, 5, 6], error_number)
+    checkpoints = Checkpoints(config_for(STEPS), str(tmp_path))
+    with caplog.at_level(logging.WARNING, "jaxscale"):
+        for step in range(1, 7):
+            assert checkpoints.save(step, tiny_state(step), {"position": step}, {"step": step})
+    warnings = [r.getMessage() for r in caplog.records if "Training goes on" in r.getMessage()]
+    assert [w.split(" could not")[0] for w in warnings] == [
+        f"checkpoint {checkpoints_dir}/{step}" for step in (2, 4, 5)]
+    assert "(1 failed in a row; 3 stop the run)" in warnings[1]
+    assert "(2 failed in a row; 3 stop the run)" in warnings[2]
+    with pytest.raises(raised, match=rf"^checkpoint {checkpoints_dir}/6 could not be written.*"
+                                     r"; 3 saves in a row failed"):
+        checkpoints.save(7, tiny_state(7), {"position": 7}, {"step": 7})
+    checkpoints.close()
+    assert sorted(name for name in os.listdir(checkpoints_dir) if name.isdigit()) == ["1", "3"]
 
 
 # Big enough that writing a checkpoint takes a while, so the kill lands in the middle of one.

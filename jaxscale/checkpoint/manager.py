@@ -1,47 +1,57 @@
-"""A run's checkpoints: when to save, async multi-host saves, and restoring the newest good one
-(or, with `restore_from`, another run's).
+"""A run's checkpoints: when to save to which tier, how a failed save ends, and restoring the
+newest checkpoint every process can trust (or, with `restore_from`, another run's).
+
+Two tiers (tier.py): the persistent one (`checkpoint.dir`, often a bucket) and, with
+`checkpoint.local_dir`, a local one on each host, saved to more often and on a stop (SIGTERM).
 
 Saving. Orbax writes a checkpoint into a temporary folder and renames it to `<step>` once every
 process has finished, so a crash mid-save leaves the earlier checkpoints as they were (the
 unfinished folder is removed at the next start), and deletes old checkpoints only after the new
-one is complete. A save that fails on storage (an OSError such as ENOSPC or EIO, in the blocking
-part or in the background, where it surfaces at the next save, `wait` or `close`) ends the run
-with TransientError (exit 75): the checkpoints before it are intact. A save the storage refuses
-(a permission, a read-only mount, a bucket the account has no rights on) ends it with a
-JaxscaleError (exit 2): no retry grants access.
+one is complete. How a save went is agreed by every process (tier.py), and `_settle` acts on it
+alike everywhere: a local save that failed turns the local tier off for this start; a persistent
+save that failed on storage (ENOSPC, EIO) is tried again at the next save while the run trains
+on, and ends the run after FAILED_SAVES_IN_A_ROW such failures or when the run cannot go on
+without it (exit 75; exit 2 when no space was left). A save the storage refuses (a permission, a
+read-only mount, a bucket the account has no rights on) ends it with a JaxscaleError (exit 2): no
+retry grants access.
 
-Restoring reads one checkpoint at a time (`reading.py`) and never renames or deletes one because
-reading it failed: each failure is sorted into damaged or unavailable (`verdict.py`), the same on
-every process. When the storage does not deliver a checkpoint, the run stops with TransientError
-(exit 75), every checkpoint where it was; when it refuses this process, with a JaxscaleError
-(exit 2), renaming nothing. An older checkpoint is not used instead: the newer one is
-likely sound, and the run would later save its step again over it. A damaged checkpoint is
-skipped for the one before it; once one restores, the damaged ones after it are renamed
-`<step>.corrupt-<time>` with a warning (a later save of the same step would collide with them).
-When every checkpoint is damaged the run stops with a JaxscaleError (exit 2) naming them all and
-renames nothing, so that a person can look at them.
+Restoring takes the newest step that every process holds locally, or the newest persistent one,
+whichever is newer (`restore_order`). It reads one checkpoint at a time (`reading.py`) and never
+renames or deletes one because reading it failed: each failure is sorted into damaged or
+unavailable (`verdict.py`), the same on every process. When the storage does not deliver a
+persistent checkpoint, the run stops with TransientError (exit 75), every checkpoint where it
+was; when it refuses this process, with a JaxscaleError (exit 2), renaming nothing. An older
+checkpoint is not used instead: the newer one is likely sound, and the run would later save its
+step again over it (a local one that does not read is passed over for an older one: the local
+tier only caches what the persistent one holds). A damaged checkpoint is skipped for the one
+before it; once one restores, the damaged ones after it are renamed `<step>.corrupt-<time>` with
+a warning (a later save of the same step would collide with them). When every checkpoint is
+damaged the run stops with a JaxscaleError (exit 2) naming them all and renames nothing, so that
+a person can look at them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxscale.checkpoint.reading import (FP8_ITEM, ParamsOnly, Restored, State, finalized_steps,
-                                         handler_registry, path_kind, restore_once, train_part)
-from jaxscale.checkpoint.verdict import (Verdict, agreed, raise_unless_ok, retrying,
-                                         save_failure)
+from jaxscale.checkpoint.barrier import failure_behind
+from jaxscale.checkpoint.reading import (ParamsOnly, Restored, State, finalized_steps,
+                                         holds_every_shard, path_kind, process_layout,
+                                         restore_once)
+from jaxscale.checkpoint.tier import SaveOutcome, Tier
+from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, agree_on_gravest, agreed,
+                                         raise_unless_ok, retrying, save_error,
+                                         save_failure_kind)
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder
 from jaxscale.hf.weights import load_params
@@ -53,7 +63,6 @@ from jaxscale.runtime.workdir import check_writable
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
-_CORRUPT_SUFFIX = ".corrupt-"
 
 
 def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -62,58 +71,57 @@ def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
+# The tiers, as `due` names them.
+PERSISTENT, LOCAL = "persistent", "local"
+# Persistent saves that may fail in a row (on storage; each leaving the checkpoints before it
+# intact) while the run trains on; the next failure stops it (docs/checkpointing.md).
+FAILED_SAVES_IN_A_ROW = 3
+# The newest local steps of each process that a restart compares (checkpoint.local_keep is at
+# most half of it, leaving room for steps an earlier start left).
+_GATHERED_STEPS = 64
+
+
 class Checkpoints:
-    """The checkpoints of one run, in `checkpoint_dir(config, workdir)`.
+    """The checkpoints of one run: the persistent tier in `checkpoint_dir(config, workdir)` and,
+    with `checkpoint.local_dir`, the local tier on each host (tier.py). Tiers are named
+    "persistent" and "local" where the trainer picks one (`due`, `save`).
 
     With `checkpoint.enabled=False` the run has none: nothing is due, nothing restores.
     `async_save=False` makes every save synchronous (the benchmark's baseline).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, async_save: bool = True):
-        self.options = config.checkpoint
-        self.enabled = self.options.enabled
+        self.options = o = config.checkpoint
+        self.enabled = o.enabled
         self.directory = epath.Path(checkpoint_dir(config, workdir))
         self._async_save = async_save
-        self._last_save = time.monotonic()
-        self._save_owed = False
-        self._in_flight: float | None = None  # perf_counter() when the unfinished save began
-        self._last_step: int | None = None  # the step of the newest save started, for errors
-        self._metrics: dict[str, float] = {}
-        # Created by `open_for_saving()`: until then nothing is written, so a run that fails its
-        # start-up checks (a checkpoint that does not fit, say) leaves the folder as it was.
-        self._manager: ocp.CheckpointManager | None = None
+        self.persistent = Tier(self.directory, process_local=False, keep=o.keep,
+                               keep_every_steps=o.keep_every_steps, async_save=async_save)
+        # This process's folder of the local tier. The tier itself lives in a folder named after
+        # the layout of the state, made when that is known (`_local_tier`); off: None.
+        self._local_root = (epath.Path(os.path.abspath(o.local_dir)) /
+                            f"process_{jax.process_index()}") if o.enabled and o.local_dir else None
+        self._local: Tier | None = None
+        self._local_on = self._local_root is not None
+        self._last_save = {PERSISTENT: time.monotonic(), LOCAL: time.monotonic()}
+        self._owed: str | None = None  # the tier of a due save postponed from a non-finite step
+        self._failed_in_a_row = 0  # persistent saves that failed since the last that did not
 
     def check_writable(self) -> None:
-        """ConfigError unless the folder can be created and written; writes nothing."""
+        """ConfigError unless the folders can be created and written; writes nothing."""
         if self.enabled and "://" not in str(self.directory):
             check_writable(str(self.directory), "checkpoint directory",
                            "pass --config.checkpoint.dir=<a folder you can write>")
+        if self._local_root is not None:
+            check_writable(str(self._local_root), "checkpoint.local_dir",
+                           "pass --config.checkpoint.local_dir=<a folder on this host you can "
+                           "write>, or '' for no local checkpoints")
 
     def open_for_saving(self) -> None:
-        """Creates the folder (proving it writable) and the manager that saves; on start, folders
-        left by a save that never finished (a crash, kill -9, a failed write) are removed."""
-        if not self.enabled or self._manager is not None:
-            return
-
-        def prove_on_process_0() -> None:
-            if jax.process_index() == 0:
-                _prove_writable(self.directory)
-        # Agreed before anyone creates the manager (whose barriers every process must reach): a
-        # ConfigError on process 0 is a JaxscaleError on every process, a TransientError 75.
-        proven = agreed(prove_on_process_0)
-        if proven.verdict is not Verdict.OK:
-            raise TransientError(proven.problem)
-        keep = [ocp.checkpoint_managers.LatestN(self.options.keep)]
-        if self.options.keep_every_steps:
-            keep.append(ocp.checkpoint_managers.EveryNSteps(self.options.keep_every_steps))
-        with self._storage_failures_are_sorted(f"checkpoint folder {self.directory} could not be "
-                                               "opened for saving"):
-            self._manager = ocp.CheckpointManager(
-                self.directory, handler_registry=handler_registry(),
-                options=ocp.CheckpointManagerOptions(
-                    enable_async_checkpointing=self._async_save,
-                    cleanup_tmp_directories=True,
-                    preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep)))
+        """Opens the persistent tier for saving, creating its folder (nothing is written before);
+        the local tier opens at its first save."""
+        if self.enabled:
+            self.persistent.open_for_saving()
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -122,158 +130,295 @@ class Checkpoints:
         self.close()
 
     def close(self) -> None:
-        """Waits for the save in flight to be durable; TransientError if it failed on storage."""
-        if self._manager is not None:
-            with self._storage_failures_are_sorted(self._save_failed()):
-                self._manager.close()
+        """Waits for the saves in flight on this process (a run that is ending: no agreement);
+        raises TransientError or JaxscaleError when the persistent one failed on storage."""
+        if self._local is not None:
+            try:
+                self._local.close()
+            except (TransientError, JaxscaleError) as e:
+                logger.warning("%s", e)
+        self.persistent.close()
 
     # -- saving ------------------------------------------------------------------------------
 
-    def due(self, step: int, *, log_step: bool, final: bool = False) -> bool:
-        """Whether `step` should be saved: the run's last step, `every_steps`, `every_minutes`, or
-        a save postponed from a non-finite step.
+    def due(self, step: int, *, log_step: bool, final: bool = False) -> str | None:
+        """The tier `step` should be saved to, or None: PERSISTENT on the run's last step, every
+        `every_steps`, after `every_minutes`, or for a save postponed from a non-finite step;
+        else LOCAL every `local_every_steps` or after `local_every_minutes`.
 
-        The clock is read on logging steps only, where process 0's answer is shared with the
+        The clocks are read on logging steps only, where process 0's answer is shared with the
         others: processes must agree, and a broadcast on every step would cost a sync each.
         """
         if not self.enabled:
-            return False
-        self._note_finished_save()
-        every_steps, every_minutes = self.options.every_steps, self.options.every_minutes
-        if final or self._save_owed or (every_steps and step % every_steps == 0):
-            return True
-        if every_minutes and log_step:
-            return _process_0_decides(time.monotonic() - self._last_save >= 60 * every_minutes)
-        return False
+            return None
+        self._note_finished_saves()
+        o = self.options
+        persistent = final or self._owed == PERSISTENT or bool(
+            o.every_steps and step % o.every_steps == 0)
+        local = self._local_on and (self._owed == LOCAL or bool(
+            o.local_every_steps and step % o.local_every_steps == 0))
+        local_clock = self._local_on and o.local_every_minutes
+        if log_step and (o.every_minutes or local_clock):
+            now = time.monotonic()
+            by_clock = _process_0_decides(
+                bool(o.every_minutes) and now - self._last_save[PERSISTENT] >= 60 * o.every_minutes,
+                bool(local_clock) and now - self._last_save[LOCAL] >= 60 * o.local_every_minutes)
+            persistent, local = persistent or by_clock[0], local or by_clock[1]
+        return PERSISTENT if persistent else LOCAL if local else None
 
     def save(self, step: int, state: State, data_state: dict, meta: dict, *,
-             finite: bool = True) -> bool:
-        """Starts saving; returns once the state is copied off the devices, so training can go on
-        (and donate the state's buffers) while the files are written. Waits first for the save
-        before it.
+             finite: bool = True, tier: str = PERSISTENT) -> bool:
+        """Starts saving `step` to `tier`; returns once the state is copied off the devices, so
+        training can go on (and donate the state's buffers) while the files are written. Waits
+        first for the tier's save before it, and settles how that one went (`_settle`).
 
         A step that was not `finite` is not saved: the save moves to the next step (`due` says
-        so), and no checkpoint ever follows a non-finite step. Returns whether it saved.
-        Raises TransientError when this save or the one before failed on storage.
+        so), and no checkpoint ever follows a non-finite step. Returns whether it saved: a local
+        save that cannot be made turns the local tier off instead.
         """
         if not finite:
-            self._save_owed = True
+            self._owed = tier
             logger.warning("step %d was not finite: its checkpoint waits for a finite step", step)
             return False
-        self.open_for_saving()
-        begin = time.perf_counter()
-        self.wait()  # Orbax would wait too; waiting here records the previous save's total time
-        self._last_step = step
-        with self._storage_failures_are_sorted(self._save_failed()):
-            items = dict(params=ocp.args.StandardSave(state.params),
-                         train=ocp.args.StandardSave(train_part(state)),
-                         data=ocp.args.JsonSave(data_state),
-                         meta=ocp.args.JsonSave(meta))
-            if state.fp8 is not None:
-                items[FP8_ITEM] = ocp.args.StandardSave(state.fp8)
-            self._manager.save(step, force=True, args=ocp.args.Composite(**items))
-        now = time.perf_counter()
-        self._metrics["checkpoint_blocking_seconds"] = now - begin
-        self._in_flight, self._last_save, self._save_owed = begin, time.monotonic(), False
+        if tier == LOCAL:
+            saved = self._save_locally(step, state, data_state, meta)
+        else:
+            self.persistent.open_for_saving()
+            self._settle(PERSISTENT, self.persistent.finish(), can_go_on=True)
+            self.persistent.save(step, state, data_state, meta)
+            saved = True
+        if saved:
+            now = time.monotonic()
+            self._last_save[LOCAL] = now  # a persistent checkpoint is as fresh as a local one
+            if tier == PERSISTENT:
+                self._last_save[PERSISTENT] = now
+            self._owed = None
+        return saved
+
+    def _save_locally(self, step: int, state: State, data_state: dict, meta: dict) -> bool:
+        local = self._local_tier(state)
+        if local is None:
+            return False
+        self._settle(LOCAL, local.finish(), can_go_on=True)
+        if not self._local_on or not self._local_is_open(state, local):
+            return False
+        problem = ""
+        try:
+            local.save(step, state, data_state, meta)
+        except (TransientError, JaxscaleError) as e:  # this host's disk: the run goes on
+            problem = str(e)
+        failed, problem = agree_on_gravest(bool(problem), problem)
+        if failed:
+            self._local_off(problem)
+        return self._local_on
+
+    def _local_is_open(self, state: State, local: Tier) -> bool:
+        """Opens the local tier for saving at its first save, when every process can: every
+        shard it holds writable, its folder written (a full disk turns the tier off)."""
+        if local.is_open:
+            return True
+        holds = holds_every_shard(state)
+        unfit, problem = agree_on_gravest(not holds, "" if holds else (
+            "it holds shards of one replica and others of another, which Orbax's process-local "
+            "writer does not save whole"))
+        if unfit:
+            self._local_off(f"the local tier cannot serve this mesh ({problem})")
+            return False
+        try:
+            local.open_for_saving()
+        except (TransientError, JaxscaleError) as e:  # agreed: the same on every process
+            self._local_off(str(e))
+            return False
         return True
 
+    def save_to_stop(self, step: int, state: State, data_state: dict, meta: dict, *,
+                     finite: bool = True) -> epath.Path | None:
+        """Saves `step` to the fastest tier (the local one when it is on), waits until it is
+        durable and returns its folder; None when the step was not finite (no checkpoint ever
+        follows one). A failed local save turns the local tier off and saves to the persistent
+        tier instead."""
+        if not finite:
+            return None
+        if self._local_on and self.save(step, state, data_state, meta, tier=LOCAL):
+            self.wait()
+            if self._local_on:
+                return self._local.path(step)
+        self.save(step, state, data_state, meta)
+        self.wait()
+        return self.persistent.path(step)
+
     def wait(self) -> None:
-        """Blocks until the last save is durable; TransientError if it failed on storage."""
-        if self._manager is not None:
-            with self._storage_failures_are_sorted(self._save_failed()):
-                self._manager.wait_until_finished()
-            self._note_finished_save()
+        """Blocks until the saves in flight are durable and settles how they went (every process
+        together): raises when the persistent one failed, turns the local tier off when its
+        failed."""
+        if self._local is not None and self._local_on:
+            self._settle(LOCAL, self._local.finish(), can_go_on=False)
+        self._settle(PERSISTENT, self.persistent.finish(), can_go_on=False)
+
+    def _settle(self, tier: str, outcome: SaveOutcome, *, can_go_on: bool) -> None:
+        """Acts on how a save of `tier` went, every process alike (the outcome is agreed).
+
+        A local save that failed turns the local tier off until the run restarts, with one
+        warning: training goes on, saving to the persistent tier. A persistent save the storage
+        refused stops the run (JaxscaleError, exit 2). One that failed on storage left the
+        checkpoints before it intact: where the run `can_go_on`, training goes on and the next
+        save tries again, up to FAILED_SAVES_IN_A_ROW failures in a row; then, or where the run
+        cannot go on without it (its last step, a stop), the run stops: with exit 2 when no space
+        was left (a restart would train to the same full disk), else with exit 75. Anything else
+        is a bug, raised."""
+        failure, problem = outcome.failure, outcome.problem
+        if failure is SaveFailure.NONE:
+            if tier == PERSISTENT and outcome.step is not None:
+                self._failed_in_a_row = 0
+            return
+        if failure is SaveFailure.BUG:
+            own = failure_behind(outcome.error) if outcome.error is not None else None
+            if own is not None and save_failure_kind(own)[0] is SaveFailure.BUG:
+                raise outcome.error
+            raise RuntimeError(f"a checkpoint save failed on another process: {problem}")
+        if tier == LOCAL:
+            self._local_off(f"the local checkpoint of step {outcome.step} could not be written "
+                            f"({problem})")
+            return
+        what = f"checkpoint {self.persistent.path(outcome.step)} could not be written"
+        if failure is SaveFailure.REFUSED:
+            raise save_error(failure, what, problem)
+        self._failed_in_a_row += 1
+        in_a_row = (f"; {self._failed_in_a_row} saves in a row failed"
+                    if self._failed_in_a_row > 1 else "")
+        if failure is SaveFailure.NO_SPACE and (
+                not can_go_on or self._failed_in_a_row >= FAILED_SAVES_IN_A_ROW):
+            raise JaxscaleError(
+                f"{what}: no space left ({problem}){in_a_row}; the checkpoints before it are "
+                f"intact. Free space in {self.directory} (or lower checkpoint.keep, or point "
+                "checkpoint.dir at a folder with room), then run the same command again")
+        if not can_go_on or self._failed_in_a_row >= FAILED_SAVES_IN_A_ROW:
+            raise TransientError(f"{what}; the checkpoints before it are intact and a restart "
+                                 f"resumes from the newest ({problem}){in_a_row}")
+        logger.warning("%s (%s); the checkpoints before it are intact. Training goes on and the "
+                       "next save tries again (%d failed in a row; %d stop the run)", what,
+                       problem, self._failed_in_a_row, FAILED_SAVES_IN_A_ROW)
+
+    def _local_tier(self, state: Any) -> Tier | None:
+        """The local tier for `state`'s layout (arrays or abstract shapes); None while off."""
+        if self._local_on and self._local is None:
+            self._local = Tier(self._local_root / process_layout(state), process_local=True,
+                               keep=self.options.local_keep, async_save=self._async_save,
+                               label="local checkpoint", metrics_prefix="local_")
+        return self._local if self._local_on else None
+
+    def _local_off(self, why: str) -> None:
+        """Turns the local tier off for the rest of this start (every process alike), saying so
+        once: the persistent tier goes on."""
+        self._local_on = False
+        if self._owed == LOCAL:
+            self._owed = None
+        if jax.process_index() == 0:
+            logger.warning("%s; local checkpoints are off until the run restarts: checkpoints go "
+                           "to %s only", why, self.directory)
 
     def take_metrics(self) -> dict[str, float]:
-        """Timings of saves since the last call: blocking part and total (start to durable)."""
-        self._note_finished_save()
-        metrics, self._metrics = self._metrics, {}
+        """Timings of saves since the last call, of each tier: the blocking part and the total
+        (start to durable)."""
+        self._note_finished_saves()
+        metrics = {}
+        for tier in (self.persistent, self._local):
+            if tier is not None:
+                metrics.update(tier.metrics)
+                tier.metrics = {}
         return metrics
 
-    def _note_finished_save(self) -> None:
-        if self._in_flight is not None and not (self._manager and
-                                                self._manager.is_saving_in_progress()):
-            self._metrics["checkpoint_seconds"] = time.perf_counter() - self._in_flight
-            self._in_flight = None
-
-    def _save_failed(self) -> str:
-        return (f"checkpoint {self.directory / str(self._last_step)} could not be written; the "
-                "checkpoints before it are intact and a restart resumes from the newest")
-
-    @contextlib.contextmanager
-    def _storage_failures_are_sorted(self, what: str) -> Iterator[None]:
-        """Raises TransientError("<what> (<the error>)") for an error that says the storage
-        failed, JaxscaleError for one that says it refused this process (see `save_failure`);
-        any other error passes as it is."""
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - sorted by its causes; all but storage re-raised
-            failure = save_failure(e, what)
-            if failure is None:
-                raise
-            raise failure from e
+    def _note_finished_saves(self) -> None:
+        for tier in (self.persistent, self._local):
+            if tier is not None and tier.is_open:
+                tier.note_finished_save()
 
     # -- restoring ---------------------------------------------------------------------------
 
     def restore_newest(self, abstract_state: State) -> Restored | None:
-        """The newest checkpoint that restores, into `abstract_state`'s shapes and shardings.
+        """The newest checkpoint that restores, into `abstract_state`'s shapes and shardings:
+        of the local tier when every process holds it, else of the persistent tier
+        (`restore_order`).
 
-        Reads only, but for damaged checkpoints newer than the one restored: they are renamed
-        (see the module's docstring). Raises TransientError when the storage does not deliver a
-        checkpoint, JaxscaleError when every checkpoint is damaged, and ConfigError when one does
-        not fit the model config (the user's to resolve).
+        Reads only, but for damaged checkpoints newer than the one restored, which are renamed
+        (see the module's docstring), and for local checkpoints newer than it that some process
+        lacks, which no start can use and which are removed. Raises TransientError when the
+        storage does not deliver a checkpoint (a local one only when nothing older restores),
+        JaxscaleError when every checkpoint is damaged, and ConfigError when one does not fit
+        the model config (the user's to resolve).
         """
         if not self.enabled:
             return None
         # Agreed, and before any process writes: a process that looked after another had created
         # the folder would open a reader (and its barriers) that the others do not.
-        listing = retrying(lambda: finalized_steps(self.directory),
-                           f"checkpoint folder {self.directory}")
-        raise_unless_ok(listing, f"checkpoint folder {self.directory}")
-        damaged: dict[int, str] = {}
-        for step in reversed(listing.value):
-            path = self.directory / str(step)
-            outcome = retrying(
-                lambda: restore_once(self.directory, step, abstract_state, params_only=False),
-                f"checkpoint {path}")
+        persistent = self.persistent.steps()
+        local = self._local_tier(abstract_state)
+        mine = local.steps() if local is not None else []
+        everyone, incomplete = steps_everyone_holds(mine) if local is not None else ([], [])
+        tiers = {PERSISTENT: self.persistent, LOCAL: local}
+        damaged: dict[str, dict[int, str]] = {PERSISTENT: {}, LOCAL: {}}
+        restored, unavailable = None, None
+        for step, name in restore_order(everyone, persistent):
+            tier = tiers[name]
+            outcome = tier.restore(step, abstract_state)
             if outcome.verdict is Verdict.OK:
-                self._set_aside(damaged, outcome.value.path)
-                return outcome.value
-            if outcome.verdict is not Verdict.DAMAGED:
-                raise_unless_ok(outcome, f"checkpoint {path}")
-            logger.warning("checkpoint %s is damaged (%s); trying the one before it", path,
-                           outcome.problem)
-            damaged[step] = outcome.problem
-        if damaged:
-            named = "; ".join(f"{step}: {problem}" for step, problem in damaged.items())
+                restored = outcome.value
+                break
+            if outcome.verdict is Verdict.DAMAGED:
+                damaged[name][step] = outcome.problem
+                logger.warning("%s %s is damaged (%s); trying the one before it", tier.label,
+                               tier.path(step), outcome.problem)
+            elif name == LOCAL and outcome.verdict is Verdict.UNAVAILABLE:
+                unavailable = unavailable or outcome
+                logger.warning("%s %s could not be read (%s); trying the one before it",
+                               tier.label, tier.path(step), outcome.problem)
+            else:
+                raise_unless_ok(outcome, f"{tier.label} {tier.path(step)}")
+        if restored is None and unavailable is not None:
+            raise_unless_ok(unavailable, "the newest local checkpoint")
+        if restored is None and (damaged[PERSISTENT] or damaged[LOCAL]):
+            named = "; ".join(f"{'local ' if name == LOCAL else ''}{step}: {problem}"
+                              for name in (LOCAL, PERSISTENT)
+                              for step, problem in damaged[name].items())
+            folders = " and ".join(str(tiers[name].directory) for name in (LOCAL, PERSISTENT)
+                                   if damaged[name])
             raise JaxscaleError(
-                f"every checkpoint in {self.directory} is damaged ({named}); none was renamed, so "
-                "that you can inspect them: repair them, or move them away to start the run from "
+                f"every checkpoint in {folders} is damaged ({named}); none was renamed, so that "
+                "you can inspect them: repair them, or move them away to start the run from "
                 "scratch")
-        return None
+        for name, tier in tiers.items():
+            if damaged[name]:
+                tier.set_aside(damaged[name], restored.path if restored else None)
+        since = restored.meta["step"] if restored is not None else -1
+        if local is not None:
+            local.remove([step for step in incomplete if step > since],
+                         "another process lacks its part, so no start can restore it")
+        return restored
 
-    def _set_aside(self, damaged: dict[int, str], restored: str) -> None:
-        """Renames the damaged checkpoints `<step>.corrupt-<time>`, newer than the one `restored`:
-        a later save of their step would collide with them."""
-        stamp = int(time.time())
-        done: list[str] = []  # what was renamed before a rename failed: "4 to 4.corrupt-<time>"
-        for step, problem in damaged.items():
-            path = self.directory / str(step)
-            target = path.parent / f"{step}{_CORRUPT_SUFFIX}{stamp}"
-            changed = (f"renamed before it: {', '.join(done)}" if done else
-                       "nothing else was changed")
-            try:
-                renamed = retrying(lambda: agreed(lambda: _rename_on_process_0(path, target)),
-                                   f"checkpoint {path}")
-            except JaxscaleError as e:  # refused: the words agreed on every process, and ours
-                raise JaxscaleError(f"damaged checkpoint {path} could not be renamed "
-                                    f"{target.name} ({e}); {changed}") from e
-            if renamed.verdict is not Verdict.OK:
-                raise TransientError(f"damaged checkpoint {path} could not be renamed "
-                                     f"{target.name} ({renamed.problem}); {changed}")
-            done.append(f"{step} to {target.name}")
-            logger.warning("checkpoint %s is damaged (%s): renamed %s; resumed from %s", path,
-                           problem, target.name, restored)
+
+
+def restore_order(local: Sequence[int], persistent: Sequence[int]) -> list[tuple[int, str]]:
+    """The checkpoints a start tries, newest first, as (step, tier): the `local` steps (those
+    every process holds) and the `persistent` ones; of a step in both, the local copy first
+    (the faster read)."""
+    return sorted([(step, LOCAL) for step in local] + [(step, PERSISTENT) for step in persistent],
+                  key=lambda candidate: (-candidate[0], candidate[1] != LOCAL))
+
+
+def steps_everyone_holds(mine: Sequence[int], gather: Callable[[np.ndarray], np.ndarray] | None
+                         = None) -> tuple[list[int], list[int]]:
+    """(the steps every process holds, of the newest _GATHERED_STEPS of each; those of this
+    process's that another lacks), oldest first. `gather` stacks every process's row (a test's
+    stand-in for the allgather)."""
+    newest = sorted(mine)[-_GATHERED_STEPS:]
+    row = np.full(_GATHERED_STEPS, -1, np.int32)
+    row[:len(newest)] = newest
+    if gather is None:
+        gather = (lambda r: r[None]) if jax.process_count() == 1 else (
+            multihost_utils.process_allgather)
+    rows = np.asarray(gather(row)).reshape(-1, _GATHERED_STEPS)
+    everyone = set.intersection(*(set(r[r >= 0].tolist()) for r in rows))
+    return sorted(everyone), sorted(set(newest) - everyone)
 
 
 def restore_from(path: str, abstract_state: State, *, params_only: bool,
@@ -370,26 +515,7 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     raise JaxscaleError(f"checkpoint.restore_from={path!r} holds no jaxscale checkpoint; {hint}")
 
 
-def _rename_on_process_0(source: epath.Path, target: epath.Path) -> None:
-    if jax.process_index() == 0:
-        source.rename(target)
-
-
-def _prove_writable(directory: epath.Path) -> None:
-    """Creates `directory` and writes a file in it, before anything is compiled: ConfigError
-    when the user must change something, TransientError when the storage is failing."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write_probe_{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise storage_error(e, f"checkpoint directory {str(directory)!r} cannot be written "
-                               f"({reason(e)})",
-                            "pass --config.checkpoint.dir=<a folder you can write>") from e
-
-
-def _process_0_decides(answer: bool) -> bool:
+def _process_0_decides(*answers: bool) -> tuple[bool, ...]:
     if jax.process_count() == 1:
-        return answer
-    return bool(multihost_utils.broadcast_one_to_all(np.bool_(answer)))
+        return answers
+    return tuple(bool(a) for a in multihost_utils.broadcast_one_to_all(np.array(answers)))

@@ -1,7 +1,7 @@
 """One checkpoint folder: what it holds, and one agreed try at reading it back.
 
 A checkpoint is the folder `<checkpoint dir>/<step>/` with four Orbax items, written and read
-through the same handlers (`handler_registry`):
+through the same handlers (`handler_registry`, with the items of `items_to_save`):
 
     params/  the trained parameters (with LoRA, the adapters: the base is named by the config's
              checkpoint.restore_from and not written again); every process writes its shards
@@ -13,6 +13,12 @@ through the same handlers (`handler_registry`):
 The train step uses no random numbers: the seed, the step and the data position determine every
 later step, so they are the run's whole RNG state.
 
+A process-local checkpoint (the local tier, `checkpoint.local_dir`) holds the same items in a
+folder of one process's own: that process writes every shard it holds (not only those of the
+first replica) and the JSON items, with no other process taking part, and reads them back alone.
+It restores onto the same shards only: `process_layout` names them, and the tier keeps each
+layout's checkpoints apart. `holds_every_shard` says whether Orbax's writer covers them.
+
 Reading one (`restore_once`) goes in agreed steps, each ending in a verdict (`verdict.py`): its
 files are inspected for positive evidence of damage, its metadata read, its shapes checked
 against the model's (ConfigError: the user's to resolve), then its arrays read. Every read and
@@ -22,6 +28,7 @@ stat raises its real error: a failing disk is no missing file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -63,10 +70,11 @@ class Restored(NamedTuple):
 
 
 def restore_once(directory: epath.Path, step: int, abstract_state: State, *,
-                 params_only: bool) -> Outcome:
+                 params_only: bool, process_local: bool = False) -> Outcome:
     """One agreed try at restoring checkpoint `step`: its files are inspected and its metadata
     read, then (once it is known to fit `abstract_state`) its items. Raises ConfigError when the
-    checkpoint is sound but its shapes do not fit."""
+    checkpoint is sound but its shapes do not fit. With `process_local`, `directory` is this
+    process's own (every process reads the same step from its own folder at once)."""
     path = directory / str(step)
     begin = time.perf_counter()
     # Inspected apart, before the reader: its barrier must be reached by every process or none.
@@ -75,7 +83,7 @@ def restore_once(directory: epath.Path, step: int, abstract_state: State, *,
         return inspected
     with contextlib.ExitStack() as stack:
         def read_metadata() -> tuple[ocp.CheckpointManager, Any]:
-            reader = stack.enter_context(_reader(directory))
+            reader = stack.enter_context(_reader(directory, process_local))
             saved = reader.item_metadata(step)
             if not saved["params"] or not (params_only or saved["train"]):
                 # Orbax reads None when `exists()` says False, as it does on a storage error;
@@ -98,8 +106,8 @@ def restore_once(directory: epath.Path, step: int, abstract_state: State, *,
                         path, cast_floats=True)
         if with_fp8:
             _check_fits(saved[FP8_ITEM].tree, abstract_state.fp8, "fp8 scale entry", path)
-        read = agreed(lambda: reader.restore(step, args=_restore_args(abstract_state,
-                                                                        params_only, with_fp8)))
+        read = agreed(lambda: reader.restore(step, args=_restore_args(
+            abstract_state, params_only, with_fp8, process_local)))
     if read.verdict is not Verdict.OK:
         return read
     items = read.value
@@ -143,15 +151,30 @@ def _json_file(path: epath.Path, name: str) -> Any:
         raise Damage(f"{name} is not JSON ({e})") from None
 
 
-def _restore_args(abstract_state: State, params_only: bool,
-                  with_fp8: bool) -> ocp.args.Composite:
-    items = dict(params=ocp.args.StandardRestore(abstract_state.params),
-                 meta=ocp.args.JsonRestore())
+def _restore_args(abstract_state: State, params_only: bool, with_fp8: bool,
+                  process_local: bool) -> ocp.args.Composite:
+    def arrays(abstract: Any) -> ocp.args.CheckpointArgs:
+        if process_local:
+            return ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+        return ocp.args.StandardRestore(abstract)
+    items = dict(params=arrays(abstract_state.params), meta=ocp.args.JsonRestore())
     if not params_only:
-        items.update(train=ocp.args.StandardRestore(train_part(abstract_state)),
-                     data=ocp.args.JsonRestore())
+        items.update(train=arrays(train_part(abstract_state)), data=ocp.args.JsonRestore())
     if with_fp8:
-        items[FP8_ITEM] = ocp.args.StandardRestore(abstract_state.fp8)
+        items[FP8_ITEM] = arrays(abstract_state.fp8)
+    return ocp.args.Composite(**items)
+
+
+def items_to_save(state: State, data_state: dict, meta: dict, *,
+                  process_local: bool = False) -> ocp.args.Composite:
+    """The items of a checkpoint of `state` (see the module's docstring)."""
+    def arrays(tree: Any) -> ocp.args.CheckpointArgs:
+        return ocp.args.PyTreeSave(tree) if process_local else ocp.args.StandardSave(tree)
+    items = dict(params=arrays(state.params), train=arrays(train_part(state)),
+                 data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+    if state.fp8 is not None:
+        items[FP8_ITEM] = arrays(state.fp8)
     return ocp.args.Composite(**items)
 
 
@@ -196,17 +219,70 @@ def train_part(state: State) -> dict:
     return {k: v for k, v in state._asdict().items() if k not in ("params", "fp8", "frozen")}
 
 
-def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+def handler_registry(process_local: bool = False
+                     ) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """The handlers of a checkpoint's items; with `process_local`, those of a process-local one:
+    every array shard this process holds, and the JSON items, written by this process alone."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    if process_local:
+        alone = process_local_options()
+        every_shard = ocp.type_handlers.create_type_handler_registry((
+            jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                                      use_replica_parallel=False)))
+        arrays = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone,
+                                             type_handler_registry=every_shard)
+        array_args = (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)
+        json_handler, data_state = (ocp.JsonCheckpointHandler(multiprocessing_options=alone),
+                                    _DataStateHandler(multiprocessing_options=alone))
+    else:
+        arrays, array_args = None, (ocp.args.StandardSave, ocp.args.StandardRestore)
+        json_handler, data_state = None, _DataStateHandler()
     for item in ("params", "train", FP8_ITEM):
-        registry.add(item, ocp.args.StandardSave)
-        registry.add(item, ocp.args.StandardRestore)
-    data_state = _DataStateHandler()
-    registry.add("data", ocp.args.JsonSave, data_state)
-    registry.add("data", ocp.args.JsonRestore, data_state)
-    registry.add("meta", ocp.args.JsonSave)
-    registry.add("meta", ocp.args.JsonRestore)
+        for args in array_args:
+            registry.add(item, args, arrays)
+    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+        registry.add("data", args, data_state)
+        registry.add("meta", args, json_handler)
     return registry
+
+
+def process_local_options() -> ocp.options.MultiprocessingOptions:
+    """Orbax's options for a manager or handler that this process uses alone: no barrier with the
+    others, every file of its own written by itself."""
+    process = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=None, active_processes={process},
+                                              barrier_sync_key_prefix=f"process_{process}")
+
+
+def process_layout(state: Any) -> str:
+    """A name for the shards of `state` (arrays or their abstract shapes) that this process holds:
+    the same for the same processes, shapes and shardings, so a process-local checkpoint restores
+    where the reader needs exactly the shards it holds (a shard it lacks would read as zeros)."""
+    lines = [f"process {jax.process_index()} of {jax.process_count()}"]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        shape = tuple(leaf.shape)
+        held = "host" if sharding is None else sorted(
+            {tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+             for index in sharding.addressable_devices_indices_map(shape).values()})
+        lines.append(f"{jax.tree_util.keystr(path)} {shape} {held}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def holds_every_shard(state: Any) -> bool:
+    """Whether Orbax's process-local writer, which writes the shards of one replica (the first
+    shard's), writes every shard this process holds of `state`'s arrays. A process that holds one
+    replica of some shards and another of others would restore the rest as zeros."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            shards = leaf.addressable_shards
+            def held(chosen):
+                return {tuple(s.indices(n)[:2] for s, n in zip(shard.index, leaf.shape))
+                        for shard in chosen}
+            first = [s for s in shards if s.replica_id == shards[0].replica_id]
+            if held(first) != held(shards):
+                return False
+    return True
 
 
 class _DataStateHandler(ocp.handlers.JsonCheckpointHandler):
@@ -218,8 +294,8 @@ class _DataStateHandler(ocp.handlers.JsonCheckpointHandler):
     FILENAME = "iterator.json"
     EARLIER_FILENAME = "process_0.json"
 
-    def __init__(self):
-        super().__init__(self.FILENAME)
+    def __init__(self, **options: Any):
+        super().__init__(self.FILENAME, **options)
 
     def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> dict:
         # `path_kind`, not `exists()`: a storage error must not send the reader to the earlier file.
@@ -228,13 +304,16 @@ class _DataStateHandler(ocp.handlers.JsonCheckpointHandler):
         return super().restore(directory, item, args)
 
 
-def _reader(directory: epath.Path) -> ocp.CheckpointManager:
-    """A manager that only reads `directory`: it creates, cleans up and deletes nothing."""
+def _reader(directory: epath.Path, process_local: bool = False) -> ocp.CheckpointManager:
+    """A manager that only reads `directory`: it creates, cleans up and deletes nothing. With
+    `process_local`, a folder of this process's own, read with no other process."""
     with _quiet_read_only_notice():
         return ocp.CheckpointManager(
-            directory, handler_registry=handler_registry(),
-            options=ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                                 save_interval_steps=0))
+            directory, handler_registry=handler_registry(process_local),
+            options=ocp.CheckpointManagerOptions(
+                read_only=True, create=False, save_interval_steps=0,
+                **({"multiprocessing_options": process_local_options()} if process_local
+                   else {})))
 
 
 @contextlib.contextmanager
@@ -285,3 +364,12 @@ def _everyones(answer: bool) -> np.ndarray:
     if jax.process_count() == 1:
         return np.array([answer])
     return np.asarray(multihost_utils.process_allgather(np.bool_(answer))).reshape(-1)
+
+
+def own_steps(directory: epath.Path) -> list[int]:
+    """The steps Orbax lists as complete in `directory`, a folder of this process's own (the
+    local tier), oldest first; [] without the folder. A storage error is raised as it is."""
+    if path_kind(directory) is None:
+        return []
+    with _reader(directory, process_local=True) as reader:
+        return sorted(reader.all_steps())

@@ -37,6 +37,7 @@ import enum
 import errno
 import json
 import logging
+import os
 import re
 import time
 from typing import Any, Callable, Iterator, NamedTuple
@@ -170,19 +171,51 @@ def _cause_verdict(error: BaseException) -> Verdict | None:
     return Verdict.DAMAGED if found.code in _DAMAGE_STATUSES else None
 
 
-def save_failure(error: BaseException, what: str) -> JaxscaleError | TransientError | None:
-    """What to raise when `error` made `what` (a save) fail, from the first of its causes that
-    says the storage failed: a JaxscaleError (exit 2) when the storage refused this process, a
-    TransientError (exit 75) for an OSError (ENOSPC, EIO, a timeout), MemoryError, or a
-    TensorStore error from a failed system call or an unanswered request; None for a bug."""
+class SaveFailure(enum.IntEnum):
+    """How a save went, gravest last: processes take the gravest any reached."""
+    NONE = 0
+    ABORTED = 1  # stopped because another process's save failed (barrier.SaveAborted)
+    STORAGE = 2  # the storage failed for now (EIO, a timeout): tried again at the next save
+    NO_SPACE = 3  # ENOSPC or EDQUOT: room must be made, which may take a person
+    REFUSED = 4  # the storage refused this process (a permission): exit 2 at once
+    BUG = 5  # no storage failure: raised
+
+
+# "No space left on device" and "Disk quota exceeded", as OSErrors and inside TensorStore's words.
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_NO_SPACE_WORDS = tuple(os.strerror(number) for number in sorted(_NO_SPACE_ERRNOS))
+
+
+def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
+    """What `error` says about a failed save, with the words of the cause that says it: the first
+    of its causes that says the storage refused this process (REFUSED) or failed (an OSError,
+    MemoryError, or a TensorStore error from a failed system call or an unanswered request:
+    NO_SPACE when it says so, else STORAGE); BUG for anything else."""
     for cause in _causes(error):
         if access_denied(cause):
-            return JaxscaleError(f"{what} ({one_line(cause)}); {grant_or(_WRITABLE)}")
+            return SaveFailure.REFUSED, one_line(cause)
         found = _tensorstore_error(cause)
         if isinstance(cause, (OSError, MemoryError)) or (
                 found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):
-            return TransientError(f"{what} ({one_line(cause)})")
-    return None
+            no_space = (getattr(cause, "errno", None) in _NO_SPACE_ERRNOS
+                        or any(words in str(cause) for words in _NO_SPACE_WORDS))
+            return (SaveFailure.NO_SPACE if no_space else SaveFailure.STORAGE), one_line(cause)
+    return SaveFailure.BUG, one_line(error)
+
+
+def save_failure(error: BaseException, what: str) -> JaxscaleError | TransientError | None:
+    """What to raise when `error` made `what` (a save) fail (see `save_failure_kind`); None for a
+    bug."""
+    kind, words = save_failure_kind(error)
+    return None if kind is SaveFailure.BUG else save_error(kind, what, words)
+
+
+def save_error(kind: SaveFailure, what: str, words: str) -> JaxscaleError | TransientError:
+    """A JaxscaleError (exit 2) for a save the storage refused, else a TransientError (exit 75):
+    "<what> (<words>)", with the fix for a refusal."""
+    if kind is SaveFailure.REFUSED:
+        return JaxscaleError(f"{what} ({words}); {grant_or(_WRITABLE)}")
+    return TransientError(f"{what} ({words})")
 
 
 # -- agreeing, retrying ----------------------------------------------------------------------
@@ -216,17 +249,24 @@ def agreed(attempt: Callable[[], Any]) -> Outcome:
 
 
 def _agree(verdict: Verdict, problem: str) -> tuple[Verdict, str]:
+    gravest, problem = agree_on_gravest(verdict, problem)
+    return Verdict(gravest), problem
+
+
+def agree_on_gravest(code: int, problem: str) -> tuple[int, str]:
+    """(the gravest `code` any process holds, "process <first with it>: <its problem>"; "" when
+    the gravest is 0), the same on every process (one allgather)."""
     if jax.process_count() == 1:
-        return verdict, problem
+        return code, problem
     mine = np.zeros(1 + _PROBLEM_BYTES, np.uint8)
-    mine[0] = verdict
+    mine[0] = code
     words = problem.encode()[:_PROBLEM_BYTES]
     mine[1:1 + len(words)] = np.frombuffer(words, np.uint8)
     everyone = np.asarray(multihost_utils.process_allgather(mine))
     gravest = int(everyone[:, 0].max())
     first = int(np.argmax(everyone[:, 0] == gravest))
     words = everyone[first, 1:].tobytes().rstrip(b"\0").decode(errors="replace")
-    return Verdict(gravest), (f"process {first}: {words}" if gravest else "")
+    return gravest, (f"process {first}: {words}" if gravest else "")
 
 
 def retrying(attempt: Callable[[], Outcome], what: str) -> Outcome:
