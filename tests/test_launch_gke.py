@@ -49,6 +49,12 @@ def gpu_jobset():
 
 
 @pytest.fixture(scope="module")
+def local_tier_jobset():
+    return render([*GPU_ARGS, "--node_local_dir=/mnt/disks/ssd0/jaxscale",
+                   "--config.checkpoint.local_every_steps=50"])
+
+
+@pytest.fixture(scope="module")
 def tpu_jobset():
     return render([*TPU_ARGS, "--service_account=trainer", "--cpu=10", "--memory_gib=64",
                    "--shm_gib=8", "--config.train.steps=7"])
@@ -83,7 +89,7 @@ def assert_valid_jobset(jobset):
         assert strip_none(api.sanitize_for_serialization(model)) == template
 
 
-@pytest.mark.parametrize("fixture", ["gpu_jobset", "tpu_jobset"])
+@pytest.mark.parametrize("fixture", ["gpu_jobset", "tpu_jobset", "local_tier_jobset"])
 def test_manifests_validate(fixture, request):
     assert_valid_jobset(request.getfixturevalue(fixture))
 
@@ -143,6 +149,30 @@ def test_a_checkpoint_dir_of_the_users_own_is_kept():
         "template"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert [a for a in command if a.startswith("--config.checkpoint.dir=")] == [
         "--config.checkpoint.dir=gs://other/run"]
+
+
+def test_the_local_tier_is_a_folder_of_the_node_that_outlives_the_pod(local_tier_jobset):
+    """A pod that exits 42 is replaced by a new one (restartPolicy Never): only a folder of the
+    node, not an emptyDir of the pod, is still there for it."""
+    _, pod = job_and_pod(local_tier_jobset)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert volumes[mounts["/local-checkpoints"]]["hostPath"] == {
+        "path": "/mnt/disks/ssd0/jaxscale", "type": "DirectoryOrCreate"}
+    command = pod["containers"][0]["command"]
+    assert command[-2:] == ["--config.checkpoint.local_dir=/local-checkpoints/tiny",
+                            "--config.checkpoint.local_every_steps=50"]
+    assert "--config.checkpoint.dir=gs://ckpts/tiny/checkpoints" in command  # the persistent tier
+    _, plain = job_and_pod(render(GPU_ARGS))
+    assert not any("hostPath" in v for v in plain["volumes"])
+    assert not any(a.startswith("--config.checkpoint.local_dir") for a in
+                   plain["containers"][0]["command"])
+    args, overrides = parse_args([*GPU_ARGS, "--node_local_dir=/mnt/x",
+                                  "--config.checkpoint.local_dir=/local-checkpoints/mine"])
+    command = render_jobset(args, Shape(args), overrides)["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert [a for a in command if a.startswith("--config.checkpoint.local_dir=")] == [
+        "--config.checkpoint.local_dir=/local-checkpoints/mine"]
 
 
 def test_pods_run_as_the_images_non_root_user_without_privileges(gpu_jobset):
@@ -253,6 +283,8 @@ def test_kueue_setup_defines_the_default_queue_and_priority_classes():
     ([*GPU_ARGS, "--shm_gib=320"], "--shm_gib=320 must be less than the pod's memory request "
                                    "(320 GiB)"),
     ([*GPU_ARGS, "--cpu=0"], "argument --cpu: 0 must be >= 1"),
+    ([*GPU_ARGS, "--node_local_dir=ssd/jaxscale"], "--node_local_dir='ssd/jaxscale' must be an "
+                                                   "absolute path"),
 ])
 def test_bad_input_is_one_error_line_and_no_manifest(args, message):
     result = subprocess.run([*RENDER, *args], cwd=REPO, capture_output=True, text=True,

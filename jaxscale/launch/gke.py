@@ -27,6 +27,9 @@ How the manifest maps jaxscale's contract onto Kubernetes:
 - Checkpoints on a bucket (--bucket) go to gs://BUCKET/NAME/checkpoints through Orbax's own GCS
   path, which commits a checkpoint with a marker file; GCS FUSE, which cannot rename a folder
   atomically, carries only the workdir (metrics, TensorBoard, the compilation cache).
+- The local tier of checkpoints (--node_local_dir) is a folder on each node (its local SSD, or a
+  RAM disk the node mounts) given to the pod as a hostPath volume: it outlives the pod, which the
+  Job replaces after every exit (an emptyDir, memory-backed or not, would go with it).
 - Hardening: a non-root user (RUN_AS, the image's USER), no privilege escalation, no
   capabilities, the runtime's default seccomp profile, a read-only root filesystem with a
   writable /tmp (HOME), no service-account token unless --service_account names one, and a
@@ -49,6 +52,7 @@ from jaxscale.launch.cli import check_train_args, nonnegative, positive
 CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"
 WORKDIR_MOUNT = "/workdir"
+LOCAL_CHECKPOINTS_MOUNT = "/local-checkpoints"
 # The uid and gid the pods run as: launch/Dockerfile's USER (tests check that the two agree).
 RUN_AS = 1000
 # GKE's accelerator labels (--gpu_type) of the GPUs the train step can be compiled for, and their
@@ -110,6 +114,12 @@ def make_parser() -> ArgumentParser:
                                        f"{RUN_AS}.")
     parser.add_argument("--workdir", help=f"Workdir inside the pod (default "
                                           f"{WORKDIR_MOUNT}/NAME on the bucket or volume).")
+    parser.add_argument("--node_local_dir",
+                        help="A folder on each node (its local SSD, or a RAM disk) for the local "
+                             "tier of checkpoints, mounted at "
+                             f"{LOCAL_CHECKPOINTS_MOUNT}; training gets "
+                             f"--config.checkpoint.local_dir={LOCAL_CHECKPOINTS_MOUNT}/NAME. It "
+                             f"must be writable by uid {RUN_AS} (docs/checkpointing.md).")
     parser.add_argument("--service_account",
                         help="Kubernetes service account the pods run as, with its token mounted, "
                              "e.g. for Workload Identity access to the bucket; without it the "
@@ -154,6 +164,9 @@ def check_args(args) -> None:
                                                      args.bucket):
         fail(f"--bucket={args.bucket!r} must be a bucket name such as my-bucket: lowercase "
              "letters, digits, '-', '_' and '.', without gs://")
+    if args.node_local_dir is not None and not args.node_local_dir.startswith("/"):
+        fail(f"--node_local_dir={args.node_local_dir!r} must be an absolute path on the nodes, "
+             "e.g. /mnt/disks/ssd0/jaxscale")
     if args.tpu_accelerator:
         if args.nodes is not None:
             fail("--nodes is for GPUs; on TPUs the hosts follow from --tpu_topology and "
@@ -198,13 +211,8 @@ class Shape:
 def render(args, shape: Shape, overrides: list[str]) -> dict:
     """The JobSet, as a dict ready for JSON."""
     workdir = args.workdir or f"{WORKDIR_MOUNT}/{args.name}"
-    train = ["python", "-m", "jaxscale.train", f"--config={args.config}", f"--workdir={workdir}"]
-    if args.bucket and not any(o.startswith("--config.checkpoint.dir=") for o in overrides):
-        # Orbax writes gs:// itself (TensorStore for arrays, gcsfs for the rest) and commits each
-        # checkpoint with a commit_success.txt marker: no folder rename, which FUSE cannot do
-        # atomically. With the default workdir, beside its files, as <workdir>/checkpoints.
-        train.append(f"--config.checkpoint.dir=gs://{args.bucket}/{args.name}/checkpoints")
-    train += overrides
+    train = ["python", "-m", "jaxscale.train", f"--config={args.config}", f"--workdir={workdir}",
+             *training_overrides(args, overrides)]
     env = {
         # What runtime.distributed's gke mode reads (JOB_COMPLETION_INDEX comes from Kubernetes).
         "JOBSET_NAME": args.name,
@@ -247,6 +255,12 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{args.shm_gib}Gi"}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    if args.node_local_dir:
+        # The node's own folder: what the pod that replaces this one on the node reads back.
+        volumes.append({"name": "local-checkpoints", "hostPath": {
+            "path": args.node_local_dir, "type": "DirectoryOrCreate"}})
+        container["volumeMounts"].append({"name": "local-checkpoints",
+                                          "mountPath": LOCAL_CHECKPOINTS_MOUNT})
     pod_spec = {
         "restartPolicy": "Never",  # the Job replaces failed pods; required by podFailurePolicy
         "terminationGracePeriodSeconds": args.grace_period_s,
@@ -319,6 +333,21 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
     }
 
 
+def training_overrides(args, overrides: list[str]) -> list[str]:
+    """The `--config.` flags training gets: where the manifest puts the checkpoints, unless the
+    user's `overrides` (which follow) say otherwise."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    added = []
+    if args.bucket and "--config.checkpoint.dir" not in given:
+        # Orbax writes gs:// itself (TensorStore for arrays, gcsfs for the rest) and commits each
+        # checkpoint with a commit_success.txt marker: no folder rename, which FUSE cannot do
+        # atomically. With the default workdir, beside its files, as <workdir>/checkpoints.
+        added.append(f"--config.checkpoint.dir=gs://{args.bucket}/{args.name}/checkpoints")
+    if args.node_local_dir and "--config.checkpoint.local_dir" not in given:
+        added.append(f"--config.checkpoint.local_dir={LOCAL_CHECKPOINTS_MOUNT}/{args.name}")
+    return added + overrides
+
+
 def workdir_volume(args) -> dict:
     if args.bucket:
         # uid/gid: the files belong to the pod's user, who may then write them.
@@ -339,7 +368,8 @@ def main(argv: list[str]) -> None:
              f"({shape.memory_gib} GiB): /dev/shm is memory the pod uses; pass a smaller "
              "--shm_gib or a larger --memory_gib")
     gpu = "" if args.tpu_accelerator or args.no_compile else GKE_GPUS.get(args.gpu_type, "")
-    check_train_args([f"--config={args.config}", *overrides], shape.devices, shape.granules, gpu)
+    check_train_args([f"--config={args.config}", *training_overrides(args, overrides)],
+                     shape.devices, shape.granules, gpu)
     json.dump(render(args, shape, overrides), sys.stdout, indent=2)
     print()
 
