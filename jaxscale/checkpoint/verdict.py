@@ -27,8 +27,9 @@ being handled when it was raised (`__context__`): Orbax and jaxscale wrap with `
 and a KeyError raised while handling an OSError is a bug, not a storage failure.
 
 Every process reaches the same verdict on each try (the gravest any process reached) before any
-acts on it. The same sorting of causes tells a save that failed on storage (`save_failure`) from
-one the storage refused and from a bug.
+acts on it. The same sorting of causes tells a save that failed on storage from one that found
+no space left, one the storage refused and a bug (`save_failure_kind`); `agree_on_gravest` makes
+the gravest outcome of a save every process's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import enum
 import errno
 import json
 import logging
-import os
 import re
 import time
 from typing import Any, Callable, Iterator, NamedTuple
@@ -47,7 +47,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.runtime.storage import access_denied, grant_or
+from jaxscale.runtime.storage import access_denied, grant_or, no_space
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,6 @@ class SaveFailure(enum.IntEnum):
     BUG = 5  # no storage failure: raised
 
 
-# "No space left on device" and "Disk quota exceeded", as OSErrors and inside TensorStore's words.
-_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_NO_SPACE_WORDS = tuple(os.strerror(number) for number in sorted(_NO_SPACE_ERRNOS))
-
-
 def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
     """What `error` says about a failed save, with the words of the cause that says it: the first
     of its causes that says the storage refused this process (REFUSED) or failed (an OSError,
@@ -197,9 +192,8 @@ def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
         found = _tensorstore_error(cause)
         if isinstance(cause, (OSError, MemoryError)) or (
                 found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):
-            no_space = (getattr(cause, "errno", None) in _NO_SPACE_ERRNOS
-                        or any(words in str(cause) for words in _NO_SPACE_WORDS))
-            return (SaveFailure.NO_SPACE if no_space else SaveFailure.STORAGE), one_line(cause)
+            return ((SaveFailure.NO_SPACE if no_space(cause) else SaveFailure.STORAGE),
+                    one_line(cause))
     return SaveFailure.BUG, one_line(error)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 
 from jaxscale.errors import ConfigError, TransientError
 
@@ -41,6 +42,19 @@ def access_denied(error: BaseException) -> bool:
             return True
         return error.errno is None and str(error).startswith(_DENIED_HTTP_WORDS)
     return isinstance(error, ValueError) and str(error).startswith(_DENIED_STATUSES)
+
+
+# No room left: the storage failing too, but one a person may have to resolve (free space).
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# TensorStore reports them in its own words, without the errno.
+_NO_SPACE_WORDS = tuple(os.strerror(number) for number in sorted(_NO_SPACE_ERRNOS))
+
+
+def no_space(error: BaseException) -> bool:
+    """Whether `error` says the storage has no room left (ENOSPC, EDQUOT, or TensorStore's
+    words for them)."""
+    return (getattr(error, "errno", None) in _NO_SPACE_ERRNOS
+            or any(words in str(error) for words in _NO_SPACE_WORDS))
 
 
 def grant_or(fix: str) -> str:
