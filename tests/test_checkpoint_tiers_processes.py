@@ -166,21 +166,31 @@ def test_a_preempted_run_saves_locally_and_resumes_from_local_exactly(
 def test_a_replaced_host_resumes_from_the_persistent_tier_exactly(tmp_path, tmp_path_factory):
     reference_dir = reference(2, tmp_path_factory)
     workdir = tmp_path / "run"
-    # Process 1 sleeps 0.5 s a step, so that the stop lands before the last step.
-    results = preempt(start_all(2, workdir, cached(reference_dir),
-                                env={"JAXSCALE_TEST_SLOW_HOST": "1:0.5"}), workdir, after_step=8)
-    assert [r[0] for r in results] == [RESTART_EXIT_CODE] * 2, results[0][2][-3000:]
-    step, _ = stopped_at(results[0][1])
-    assert step > 8 and os.listdir(workdir / "checkpoints") == ["8"]
+    # Process 1 sleeps 0.5 s a step, so that the kill lands before the last step.
+    procs = start_all(2, workdir, cached(reference_dir), env={"JAXSCALE_TEST_SLOW_HOST": "1:0.5"})
+    while not all(10 in held(workdir, process) for process in (0, 1)):
+        assert procs[0].poll() is None, open(log_file(workdir, 0, "err")).read()[-3000:]
+        time.sleep(0.01)
+    os.kill(trainer_of(procs[0]), signal.SIGKILL)  # the host of process 0 is lost
+    results = finish(procs, workdir)
+    assert results[1][0] == TRANSIENT_EXIT_CODE, results[1][2][-3000:]
+    assert sorted(n for n in os.listdir(workdir / "checkpoints") if n.isdigit()) == ["8"]
     shutil.rmtree(os.path.join(local_dir(workdir), "process_1"))  # a new host: an empty folder
 
     results = finish(start_all(2, workdir, cached(reference_dir)), workdir)
     assert [r[0] for r in results] == [0] * 2, results[0][2][-3000:]
     assert f"restored {workdir}/checkpoints/8 " in results[0][1]
     assert losses(workdir) == losses(reference_dir)
-    # Process 0's local checkpoints after 8 lacked process 1's part: removed at the restart, then
-    # made again.
-    assert "another process lacks its part" in results[0][2]
+    # Process 0's local 10 lacked process 1's part: removed at the restart (then made again).
+    assert "/10 removed: another process lacks its part" in results[0][2]
+
+
+def held(workdir, process):
+    """The complete local steps of `process`; [] before its first local save."""
+    try:
+        return [step for steps in local_steps(workdir, process).values() for step in steps]
+    except FileNotFoundError:
+        return []
 
 
 def test_a_local_save_torn_by_kill_9_resumes_from_an_older_checkpoint_exactly(
