@@ -68,9 +68,9 @@ def fail_with(error: JaxscaleError | TransientError) -> NoReturn:
 @dataclasses.dataclass(frozen=True)
 class Option:
     """A plain flag next to --config: `--NAME=VALUE`, a string (or an int when `default` is, of
-    `kind` when given)."""
+    `kind` when given; a switch, `--NAME` or `--noNAME`, when `default` is a bool)."""
     name: str
-    default: str | int | None
+    default: str | int | bool | None
     help: str
     metavar: str = "VALUE"
     kind: Number | None = None
@@ -214,14 +214,24 @@ def print_help(prog: str, about: str, options: list[Option], config_help: str) -
 
 DEFAULT_WORKDIR = os.path.join("runs", "default")
 TRAIN_OPTIONS = [Option("workdir", DEFAULT_WORKDIR, "folder for metrics, TensorBoard files and "
-                        "checkpoints; a workdir with checkpoints resumes from the newest", "DIR")]
+                        "checkpoints; a workdir with checkpoints resumes from the newest", "DIR"),
+                 Option("verbose", False, "show what libraries log (Orbax, JAX, absl, their "
+                        "tracebacks) on the terminal too; it always goes to <workdir>/train.log",
+                        "BOOL")]
+
+
+def parse_train_command(argv: list[str], about: str = "") -> tuple[ml_collections.ConfigDict,
+                                                                   dict]:
+    """(config, {"workdir": ..., "verbose": ...}) from a `python -m jaxscale.train` command
+    line."""
+    return parse_config_flags(argv, prog="python -m jaxscale.train", about=about,
+                              options=TRAIN_OPTIONS)
 
 
 def parse_train_flags(argv: list[str], about: str = "") -> tuple[ml_collections.ConfigDict, str]:
     """(config, workdir) from a `python -m jaxscale.train` command line; the launchers' pre-checks
     parse a training command with it too, so they accept exactly what training accepts."""
-    config, values = parse_config_flags(argv, prog="python -m jaxscale.train", about=about,
-                                        options=TRAIN_OPTIONS)
+    config, values = parse_train_command(argv, about)
     return config, values["workdir"]
 
 
@@ -249,7 +259,8 @@ def parse_config_flags(argv: list[str], *, prog: str, about: str, options: list[
                                         lock_config=True, sys_argv=stripped)
         holders = {}
         for o in options:
-            define = flags.DEFINE_integer if isinstance(o.default, int) else flags.DEFINE_string
+            define = (flags.DEFINE_bool if isinstance(o.default, bool) else
+                      flags.DEFINE_integer if isinstance(o.default, int) else flags.DEFINE_string)
             holders[o.name] = define(o.name, o.default, o.help, flag_values=flag_values)
         rest = flag_values(stripped)
     except flags.Error as e:

@@ -5,9 +5,10 @@ train.steps, logs metrics and saves checkpoints. Ctrl-C saves and stops (exit 13
 command again to resume); SIGTERM saves and exits 42 ("restart me"). A mistake the user can fix
 prints one `error: ...` line and exits with status 2, before anything is compiled or written; a
 transient infrastructure failure (storage, coordinator, a peer) prints one `error: ...` line and
-exits 75 ("retry with backoff"), every checkpoint left where it was. One of several processes
-runs the trainer as its child (runtime.distributed.guard): when JAX stops it because the run
-lost a process (a crash, `kill -9`, a lost host) it exits 75 too. With mesh.auto the planner
+exits 75 ("retry with backoff"), every checkpoint left where it was. What libraries log (Orbax,
+JAX, absl, with their tracebacks) goes to DIR/train.log, with --verbose to the terminal too. One
+of several processes runs the trainer as its child (runtime.distributed.guard): when JAX stops
+it because the run lost a process (a crash, `kill -9`, a lost host) it exits 75 too. With mesh.auto the planner
 chooses the layout first (jaxscale/plan/auto.py) and the trainer runs the step it compiled.
 """
 
@@ -17,7 +18,7 @@ import os
 import signal
 import sys
 
-from jaxscale.cli import fail_with, parse_train_flags
+from jaxscale.cli import fail_with, parse_train_command
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
 
 
@@ -32,7 +33,8 @@ def _stop_at_once(signum, frame) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, _stop_at_once)
     try:
-        config, workdir = parse_train_flags(argv, about=__doc__)
+        config, values = parse_train_command(argv, about=__doc__)
+        workdir = values["workdir"]
         from jaxscale.runtime import distributed  # no JAX: the guard stays fast
 
         try:
@@ -44,6 +46,11 @@ def main(argv: list[str]) -> None:
                                            spec))
         except (JaxscaleError, TransientError) as e:
             fail_with(e)
+        from jaxscale.observe.run_log import RunLog
+
+        # What libraries log goes to <workdir>/train.log, not over the run's own lines, until
+        # the process ends (tracebacks come while it stops, too).
+        RunLog(verbose=values["verbose"])
         # Import JAX only now, so that --help, flag errors and the guard stay fast.
         import jax
 

@@ -43,6 +43,7 @@ from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, 
                              TransientError)
 from jaxscale.inference.samples import TrainingSamples
 from jaxscale.observe import metrics as metrics_lib
+from jaxscale.observe import run_log
 from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
                                             memory_metrics)
 from jaxscale.observe.profiling import ProfileWindow
@@ -224,6 +225,7 @@ class Trainer:
                     self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint "
                              f"to resume from; starting from step 0 (the earlier files are in "
                              f"{earlier})")
+            run_log.open_file(self.workdir, jax.process_index())  # what libraries log
             cache.open()
             checkpoints.open_for_saving()
             writer = stack.enter_context(metrics_lib.MetricsWriter(

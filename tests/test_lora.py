@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxscale.checks import checked_mesh
+from jaxscale.errors import ConfigError
 from jaxscale.models import lora
 from jaxscale.training.program import TrainProgram
 from jaxscale.models.spec import model_spec
@@ -181,6 +182,27 @@ def test_a_lora_run_resumes_exactly_from_a_checkpoint_of_adapters(tmp_path, drop
          "--prompt=ab", "--max_new_tokens=4", "--temperature=0"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert sampled.returncode == 0, sampled.stderr[-2000:]
+
+
+def test_restoring_adapters_into_a_model_without_lora_says_they_are_adapters(tmp_path):
+    """restore_from a LoRA run with LoRA off: the checkpoint holds adapters, which the message
+    says, with the two ways on (before, it named a missing 'blocks/attn/k' and pointed to
+    checkpoint.restore_from, which the user had just used)."""
+    config = lora_config()
+    config.train.steps = 1
+    config.checkpoint.update(every_steps=1, compilation_cache=False)
+    mesh_trainer(config, tmp_path / "lora").run()
+
+    plain = small_config()
+    plain.checkpoint.update(restore_from=str(tmp_path / "lora"), compilation_cache=False)
+    with pytest.raises(ConfigError) as raised:
+        mesh_trainer(plain, tmp_path / "full").run()
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"checkpoint {tmp_path / 'lora' / 'checkpoints' / '1'} holds LoRA adapters" in message
+    assert "rank 4" in message and "set model.lora.rank=4" in message
+    assert "python -m jaxscale.export_hf" in message
+    assert not (tmp_path / "full").exists()
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, agree_on_gravest,
                                          raise_unless_ok, retrying, save_error,
                                          save_failure_kind)
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.hf.config import is_hf_folder
+from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import ModelSpec, create_model
@@ -429,6 +429,12 @@ def restore_from(path: str, abstract_state: State, *, params_only: bool,
     JaxscaleError when it is no checkpoint or a damaged one, TransientError when the storage does
     not deliver it."""
     if is_hf_folder(path):
+        if mismatch := shape_mismatch(path, model_config):  # the folder is whole; the config not
+            raise JaxscaleError(
+                f"checkpoint.restore_from={path!r} is a Hugging Face model of another shape than "
+                f"the config's model: its config.json has {mismatch}; start from "
+                f"--config=configs/hf.py:{path} (the model taken from the folder), or set "
+                "those model keys to the folder's")
         begin = time.perf_counter()
         params = load_params(path, model_config, abstract_state.params)
         return Restored(params=params, train=None, data_state=None, meta={"step": 0},

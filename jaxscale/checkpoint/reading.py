@@ -43,6 +43,7 @@ from jax.experimental import multihost_utils
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
 from jaxscale.errors import ConfigError
 from jaxscale.models.fp8 import fresh_meta
+from jaxscale.models.lora import ADAPTER_SUFFIX
 
 FP8_ITEM = "fp8"  # the item of TrainState.fp8, when the run has one
 # A train state as the checkpoint sees it (jaxscale/training/state.py `TrainState`, whose module
@@ -186,6 +187,8 @@ def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path, *,
     saved_leaves, expected_leaves = _leaves_by_name(saved), _leaves_by_name(expected)
     fix = ("resume with the config that wrote it, or train in a new workdir (with "
            "checkpoint.restore_from to start from it)")
+    if kind == "parameter":
+        _check_adapters(saved_leaves, expected_leaves, path)
     for name, want in expected_leaves.items():
         have = saved_leaves.get(name)
         if have is None:
@@ -203,6 +206,29 @@ def _check_fits(saved: Any, expected: Any, kind: str, path: epath.Path, *,
     if extra:
         raise ConfigError(f"checkpoint {path} does not fit the model config: it has {kind} "
                           f"{extra[0]!r}, which this config lacks; {fix}")
+
+
+def _check_adapters(saved: dict[str, Any], expected: dict[str, Any], path: epath.Path) -> None:
+    """ConfigError that says so when one side's parameters are LoRA adapters only (a LoRA run's
+    checkpoint holds its adapters, not the frozen base) and the other's a whole model."""
+    def adapters_only(leaves: dict[str, Any]) -> bool:
+        return bool(leaves) and all(f"{ADAPTER_SUFFIX}/" in name for name in leaves)
+
+    if adapters_only(saved) and not adapters_only(expected):
+        name, leaf = next((n, x) for n, x in saved.items() if n.endswith("/a"))
+        raise ConfigError(
+            f"checkpoint {path} holds LoRA adapters (e.g. {name!r}, rank {leaf.shape[-1]}), not "
+            "a whole model's parameters, and this config has model.lora off; to continue that "
+            f"run, set model.lora.rank={leaf.shape[-1]} (and its targets) with its base as "
+            "checkpoint.restore_from; to start from the adapted model, merge it first "
+            "(python -m jaxscale.export_hf writes base and adapters as one model) and restore "
+            "from that folder")
+    if adapters_only(expected) and not adapters_only(saved):
+        raise ConfigError(
+            f"checkpoint {path} holds a whole model's parameters, and this config trains LoRA "
+            "adapters (model.lora.rank > 0), whose checkpoints hold the adapters only; to "
+            "fine-tune that model with LoRA, train in a new workdir with "
+            f"checkpoint.restore_from={str(path)!r} (its base)")
 
 
 def _leaves_by_name(tree: Any) -> dict[str, Any]:

@@ -106,6 +106,19 @@ def model_section(path: str) -> dict[str, Any]:
                             f"(see transformers' {family.hf_architecture})") from None
 
 
+# The model keys that decide the weights' shapes (vocab_size aside: jaxscale may pad it).
+_SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
+               "tie_embeddings")
+
+
+def shape_mismatch(path: str, model_config) -> str:
+    """'' when the folder's config.json describes the model `model_config` is (shape for
+    shape), else the keys that differ as 'd_model=4096 (the config: 64), ...'."""
+    section = model_section(path)
+    return ", ".join(f"{key}={section[key]} (the config: {getattr(model_config, key)})"
+                     for key in _SHAPE_KEYS if section[key] != getattr(model_config, key))
+
+
 def apply_model_section(config: ml_collections.ConfigDict, section: dict[str, Any]) -> None:
     """Sets `config.model` from `model_section`'s keys (the rope group key by key, as the
     config's validation expects)."""
