@@ -15,7 +15,7 @@ from jaxscale.checkpoint import Checkpoints
 from jaxscale.checks import validate
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
-from jaxscale.models.fp8 import check_fp8, fp8_matmul
+from jaxscale.models.fp8 import check_fp8, fp8_matmul, next_meta, step_meta
 from jaxscale.models.layers import weight_matmul
 from jaxscale.plan.search import candidates
 from jaxscale.trainer import Trainer
@@ -42,11 +42,20 @@ def meta(history, x=(1.0, ()), weight=(1.0, ()), grad=(1.0, ())):
     return (*operand(*x), *operand(*weight), *operand(*grad))
 
 
+NAMES = ("x_scale", "x_history", "weight_scale", "weight_history", "grad_scale", "grad_history")
+
+
 def step(x, w, g, state):
-    """fp8_matmul's output, and its gradients (x, weight, next meta) for cotangent g."""
+    """fp8_matmul's output and its gradients (x, weight) for cotangent g, and the meta after the
+    step: as a train step makes it, from the step's meta (`step_meta`) and the amaxes the
+    matmul's backward returns for its sinks (`next_meta`)."""
+    meta = dict(zip(NAMES, state))
+    taken = step_meta(meta)
     out, vjp = jax.vjp(lambda x, w, m: fp8_matmul(SPEC, x.dtype, w.dtype, x.dtype, x, w, m),
-                       x, w, state)
-    return (out, *vjp(g))
+                       x, w, tuple(taken[name] for name in NAMES))
+    grad_x, grad_w, amaxes = vjp(g)
+    after = next_meta(meta, taken, dict(zip(NAMES, amaxes)))
+    return out, grad_x, grad_w, tuple(after[name] for name in NAMES)
 
 
 def test_delayed_scaling_matches_a_hand_computation():

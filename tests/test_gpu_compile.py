@@ -126,3 +126,19 @@ def test_launch_gke_refuses_a_step_that_does_not_fit_before_rendering_anything()
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].endswith("(compiled for h100:2x8)")
+
+
+def test_fp8_meta_is_kept_for_the_whole_stack_at_once():
+    """The fp8 matmuls' scale and history bookkeeping runs once a step for every layer of the
+    stack (jaxscale/models/fp8.py `step_meta`, `next_meta`), not per layer: compiled for an
+    H100, the step of 4 layers writes histories in place as often as the step of 2 (per layer,
+    the 4 would write 84 times, the 2 42)."""
+    def in_place_updates(layers):
+        config = bfloat16_config()
+        config.model.n_layers = layers
+        config.precision.matmul = "fp8"
+        compiled, _ = compile_train_step(config, target_devices(parse_target("h100:1")))
+        return compiled.as_text().count("dynamic-update-slice(")
+
+    two, four = in_place_updates(2), in_place_updates(4)
+    assert two == four <= 3 * 7  # at most one per operand of each of a layer's 7 matmuls

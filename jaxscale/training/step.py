@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from jaxscale.training.loss import summed_cross_entropy
-from jaxscale.models.fp8 import combine_updates
+from jaxscale.models.fp8 import combine_updates, next_meta, step_meta
 from jaxscale.models.layers import weights_cast_for_use
 from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
@@ -110,11 +110,15 @@ class Objective:
             objective = total + self.router_penalty(router, tokens)
             return objective * multiplier, (total, router)
         used = weights_cast_for_use(self._model(weights), weights.params)
-        (_, (total, router)), (grads, next_fp8) = jax.value_and_grad(
-            scaled, argnums=(0, 1), has_aux=True)(used, weights.fp8)
+        # fp8: the matmuls take this step's scales and amax sinks, whose "gradients" are the
+        # amaxes that roll into the histories (jaxscale/models/fp8.py).
+        fp8 = None if weights.fp8 is None else step_meta(weights.fp8)
+        (_, (total, router)), (grads, amaxes) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True)(used, fp8)
         if not made_dtypes:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, weights.params)
-        return ForwardBackward(total, grads, router, next_fp8)
+        return ForwardBackward(total, grads, router,
+                               None if fp8 is None else next_meta(weights.fp8, fp8, amaxes))
 
     def router_penalty(self, router: RouterStats | None, tokens: jax.Array) -> jax.Array:
         """The routers' penalties as a sum over the `tokens` real tokens they were measured on,
