@@ -41,7 +41,7 @@ import jax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.cli import Option, fail, load_config_file  # noqa: E402
-from jaxscale.parallel.mesh import MESH_AXES  # noqa: E402
+from jaxscale.config import MESH_AXES  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
 from jaxscale.plan.auto import planned_config  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402

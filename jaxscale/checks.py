@@ -16,7 +16,7 @@ from __future__ import annotations
 import ml_collections
 from jax.sharding import Mesh
 
-from jaxscale.config import check_settings
+from jaxscale.config import MESH_AXES, check_settings
 from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import check_samples
@@ -29,7 +29,7 @@ from jaxscale.observe.trackers import check_trackers
 from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
 from jaxscale.parallel.context import check_context
 from jaxscale.parallel.experts import check_experts
-from jaxscale.parallel.mesh import MESH_AXES, build_mesh, dcn_granules, resolve_mesh_shape
+from jaxscale.parallel.mesh import build_mesh, dcn_granules, resolve_mesh_shape
 from jaxscale.parallel.pipeline import check_pipeline
 from jaxscale.parallel.sharding import check_rules
 from jaxscale.runtime.xla_flags import check_setting

@@ -1,31 +1,36 @@
-"""Config defaults and validation.
+"""The config's schema and the rules between its own keys.
 
 A config file is a Python file whose `get_config()` returns an `ml_collections.ConfigDict` built on
-`default_config()` (loaded by `jaxscale.cli`). The schema is `default_config()` (every key, its
-default) and `NUMBERS` (the kind of every numeric key: whole or real, its range, what 0 or -1
-means); `check_schema` checks a config against both without importing anything, and
-`check_settings` adds the rules between its own keys (jaxscale/checks.py composes them with each
-component's checks and the devices'). Each raises `ConfigError` with the key, the bad value and
-the fix, before anything is compiled or written. This module imports nothing of jaxscale but the
-errors and the kinds of number: everything else imports it.
+`default_config()` (loaded by `jaxscale.cli`). The schema is `SCHEMA`: every key declared once,
+with its default, what it means in one line and, for a number, its kind (whole or real, its range,
+what 0 or -1 means: jaxscale/kinds.py). `default_config()` and `NUMBERS` are read off it, and
+tests/test_anatomy.py checks the README's table of keys against it. `check_schema` checks a config
+against it without importing anything, and `check_settings` adds the rules between its own keys
+(jaxscale/checks.py composes them with each component's checks and the devices'). Each raises
+`ConfigError` with the key, the bad value and the fix, before anything is compiled or written.
+This module imports nothing of jaxscale but the errors and the kinds of number: everything else
+imports it.
 """
-
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ml_collections
 
 from jaxscale.errors import ConfigError
-from jaxscale.kinds import real, whole
+from jaxscale.kinds import Number, real, whole
 
 # Multi-process runs: how long `jax.distributed.initialize` waits for every process to join, and
 # the seconds without a heartbeat after which JAX declares a process dead and stops the others
 # (the bound on how long survivors of a crashed peer keep running).
 DEFAULT_INIT_TIMEOUT_S = 300
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
-# The mesh axes' size keys (their order of layout is jaxscale/parallel/mesh.py's MESH_AXES).
-_MESH_AXIS_KEYS = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
+# The mesh's axes, outermost (devices far apart, slow links) to innermost (neighbours on the
+# fastest links): jaxscale/parallel/mesh.py lays the devices out in this order, so tensor
+# parallelism gets the closest devices. Each has a size key `mesh.<axis>` and a DCN factor
+# `mesh.dcn.<axis>`.
+MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 LOGICAL_AXES = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
     "experts",
@@ -36,296 +41,312 @@ MATMUL_PRECISIONS = ("bfloat16", "fp8")  # precision.matmul
 OPTIMIZER_STATE_LAYOUTS = ("params", "data")
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """Every key jaxscale understands, with its default. Config files start from this."""
-    c = ml_collections.ConfigDict()
-
-    c.train = dict(
-        steps=200,
-        seed=0,
-        batch_size=16,  # global, in sequences
-        seq_len=128,
-        microbatches=1,  # gradient accumulation: the batch is split into this many parts
-        log_every=10,
-        eval_every=100,  # 0 disables periodic eval
-        eval_batches=4,
-        # Stop the run after this many non-finite (skipped) steps in a row.
-        max_bad_steps=20,
-        # Multi-host: warn when the slowest host makes each step this much longer (metrics:
-        # step_time_max_host_s, slowest_host, host_time_*).
-        straggler_ratio=1.2,
-        # Every sample_every steps (0: never), the greedy continuation of each prompt, sample_tokens
-        # new tokens, logged as text to every tracker (<workdir>/samples.jsonl, TensorBoard, ...).
-        sample_every=0,
-        sample_prompts=(),
-        sample_tokens=32,
-    )
-    # Mesh axis sizes within a slice (ICI); -1 takes the devices left over. `dcn` multiplies an axis
-    # across slices / hosts connected by the data-centre network.
-    c.mesh = dict(**{axis: -1 if axis == "data" else 1 for axis in _MESH_AXIS_KEYS},
-                  dcn={axis: 1 for axis in _MESH_AXIS_KEYS},
-                  # True: the planner chooses the sizes above, the remat policy, accumulation and
-                  # optimizer-state layout at start-up (docs/planning.md), planning for
-                  # auto_memory_gib GiB per device (0: the capacity the memory check uses,
-                  # performance.device_memory_gib or what the device reports; CPUs have none),
-                  # and times auto_trials candidates that fit for a few steps on the devices, a
-                  # spread of the meshes its estimate cannot tell apart (1: trusts its ranking).
-                  auto=False, auto_memory_gib=0.0, auto_trials=3)
-    # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
-    c.sharding = dict(
-        rules=dict(
-            # Rows split over the expert axis too: the dense layers stay data-parallel there.
-            batch=("data", "fsdp", "expert"),
-            length=("context",),  # long sequences: activations split along the sequence
-            embed=("fsdp",),
-            heads=("tensor",),
-            kv_heads=("tensor",),
-            head_dim=(),
-            mlp=("tensor",),
-            vocab=("tensor",),
-            layers=("pipeline",),  # pipeline stages hold consecutive layers
-            experts=("expert",),  # the experts of an MoE layer (model.moe)
-        ),
-        # Where the optimizer state lives: "params" (with each parameter) or "data" (ZeRO-1: also
-        # split over the data-parallel axes; see docs/parallelism.md).
-        optimizer_state="params",
-    )
-    # Pipeline parallelism over mesh.pipeline stages (docs/parallelism.md): the per-step batch (of
-    # each train.microbatches part) goes through in `microbatches` parts (0: 2 x stages); each
-    # stage holds `repeats` groups of layers (circular); schedule gpipe | 1f1b (repeats 1).
-    c.pipeline = dict(microbatches=0, repeats=1, schedule="gpipe")
-    c.model = dict(
-        name="llama",  # the model family: llama | qwen3 (jaxscale/models/__init__.py)
-        vocab_size=259,  # the byte tokenizer: 256 bytes + pad, bos, eos
-        vocab_multiple=128,  # the embedding is padded to a multiple of this (shards evenly)
-        d_model=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=32,
-        mlp_dim=768,
-        max_seq_len=2048,
-        rope_theta=10000.0,
-        # Llama 3.1+ RoPE frequency scaling (Hugging Face rope_type "llama3"): type none | llama3;
-        # the other keys are read for llama3 only (their defaults are Llama 3.1's).
-        rope_scaling=dict(type="none", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_seq_len=8192),
-        norm_eps=1e-5,
-        tie_embeddings=False,
-        remat="none",  # jaxscale.models.REMAT_POLICIES: none | full | save_dots
-        # The attention kernel: auto (splash on TPU, cudnn on GPU, else xla) | xla | splash (TPU)
-        # | cudnn (NVIDIA GPU); see jaxscale/parallel/attention.py.
-        attention="auto",
-        # How the step runs (jaxscale/training/step_settings.py): layers per iteration of the
-        # layer loop (lax.scan's unroll; 0: no loop), the sequence positions and vocabulary
-        # entries whose float32 logits the loss holds at once (0: all). The same loss either
-        # way; -1: chosen for the device (GPUs: unrolled, whole logits where that fits; TPUs and
-        # CPUs: a loop, 1024 positions x 16384 entries).
-        scan_unroll=-1,
-        loss_chunk_len=-1,
-        loss_vocab_tile=-1,
-        # Mixture of experts (jaxscale/models/moe.py): every `every`-th layer's feed-forward is
-        # `experts` SwiGLU experts of mlp_dim, each token routed to its top_k (0: all dense).
-        # Each expert takes capacity_factor x an even share of a sequence's tokens; the rest
-        # are dropped (0: dropless, grouped matmuls over every assignment). The training loss
-        # adds aux_loss_weight x the load-balancing loss and z_loss_weight x the router z-loss.
-        moe=dict(experts=0, top_k=2, capacity_factor=1.25, every=0, aux_loss_weight=0.01,
-                 z_loss_weight=0.001),
-        # LoRA (jaxscale/models/lora.py): rank > 0 trains low-rank adapters beside the target
-        # weights (q k v o of attention, gate up down of the feed-forward) with everything else
-        # frozen in the compute dtype; each adapter adds (alpha / rank) x A B to its weight.
-        # dropout: in the train step only, each element of an adapter's input is zeroed with
-        # this probability (PEFT's lora_dropout). The base is checkpoint.restore_from (a
-        # Hugging Face folder or a run), else the init.
-        lora=dict(rank=0, alpha=16.0, dropout=0.0,
-                  targets=("q", "k", "v", "o", "gate", "up", "down")),
-    )
-    c.optim = dict(
-        lr=3e-3,
-        warmup_steps=20,
-        min_lr_ratio=0.1,  # cosine reaches lr * min_lr_ratio at the last step
-        b1=0.9,
-        b2=0.95,
-        eps=1e-8,
-        weight_decay=0.1,  # not applied to norms and biases
-        grad_clip=1.0,  # global-norm clipping; 0 disables
-        # Storage dtype of Adam's moments (mu and nu; the update is computed in float32):
-        # float32 | bfloat16 (half their memory; see docs/performance.md for nu's precision).
-        moment_dtype="float32",
-        # Keep the moments in host memory (pinned_host) and move them to the device for the update.
-        offload_state=False,
-    )
-    c.precision = dict(
-        compute_dtype="bfloat16",  # matmuls and activations; params/optimizer stay float32
-        # The dtype the attention, dense feed-forward and head weights' gradients are made and
-        # summed over the data-parallel devices in: bfloat16 (2 bytes a parameter on the wire,
-        # each partial sum rounded to bfloat16) | float32 (4 bytes, twice the traffic). Moot with
-        # float32 compute; float32 either way with float16 compute. bfloat16 moved tiny's loss
-        # less than reordering float32 sums does: docs/performance.md.
-        grad_reduce_dtype="bfloat16",
-        # The attention and dense feed-forward weight matmuls: bfloat16 (the compute dtype) |
-        # fp8 (e4m3 forward, e5m2 gradients, per-tensor delayed scaling; needs bfloat16 compute
-        # and, on a GPU, compute capability 8.9+). The head, attention and loss stay as they are.
-        matmul="bfloat16",
-        # fp8: the steps of amax history each scale is set from (docs/performance.md, FP8).
-        fp8_amax_history=16,
-        # Dynamic loss scaling, used only with float16 compute.
-        loss_scale_init=2.0 ** 15,
-        loss_scale_growth_interval=2000,
-    )
-    # See docs/data.md for the source formats and their keys.
-    c.data = dict(
-        # A tuple of dicts, mixed by `weight`: stdlib (this Python's own .py files), synthetic
-        # (random tokens), text, jsonl, parquet, array_record, tokens (from jaxscale.data.prepare),
-        # chat (conversations or prompt/completion pairs: the loss on the replies only).
-        sources=(dict(format="stdlib"),),
-        tokenizer="byte",  # byte | a SentencePiece .model | a Hugging Face tokenizer.json
-        add_bos=True,  # frame each document as BOS + text + EOS
-        add_eos=True,
-        bos_token="",  # a learned tokenizer's BOS/EOS token; "" = its own (SentencePiece)
-        eos_token="",
-        # concat (concat-then-split, no padding) | first_fit (whole documents) | auto: first_fit
-        # when a source is chat data (a conversation must not be cut), else concat
-        packing="auto",
-        # The most runs (documents, padding counted as one) a packed row holds; a row with more is
-        # cut into several, padded. 0: no bound. A bound puts packed rows in cuDNN's packed layout
-        # on GPUs: faster attention, a workspace that grows with it (parallel/attention.py).
-        max_segments=0,
-        max_bad_records=100,  # malformed records a process skips before the run fails
-        # Threads reading and tokenizing the row streams; 0 reads on the prefetch thread; -1: 0
-        # for the byte tokenizer, 4 for learned ones. Batches are the same for any value.
-        workers=-1,
-        prefetch=2,  # batches prepared ahead of the step
-    )
-    # A jax.profiler trace of steps start_step .. start_step + steps - 1 in <workdir>/profile/
-    # (docs/performance.md); steps=0: off. Process 0 only unless all_processes.
-    c.profile = dict(start_step=10, steps=0, all_processes=False)
-    # Where process 0 sends the metrics besides the console (docs: README, Reading the metrics):
-    # any of jsonl (<workdir>/metrics.jsonl), tensorboard, wandb, mlflow (pip install
-    # 'jaxscale[wandb]' / 'jaxscale[mlflow]'). `project` is the W&B project and the MLflow
-    # experiment; wandb_mode: online | offline | "" (W&B's own: WANDB_MODE, else online);
-    # mlflow_tracking_uri: "" -> MLFLOW_TRACKING_URI, else file://<workdir>/mlruns.
-    c.metrics = dict(trackers=("jsonl", "tensorboard"), project="jaxscale", wandb_mode="",
-                     mlflow_tracking_uri="")
-    # XLA flags: "auto" (a tuned set on NVIDIA GPUs; jaxscale/runtime/xla_flags.py), "none", or a
-    # string of "--xla_...=..." flags. Flags already in the XLA_FLAGS environment variable win.
-    # device_memory_gib: what one device holds, which the train step's compiled memory must fit
-    # before the run starts (0: the capacity the backend reports; CPUs report none, so unchecked).
-    c.performance = dict(xla_flags="auto", device_memory_gib=0.0)
-    # Multi-process runs (docs/launch.md): how long to wait for every process to join, and how long
-    # a silent process may go before the others are stopped.
-    c.distributed = dict(init_timeout_s=DEFAULT_INIT_TIMEOUT_S,
-                         heartbeat_timeout_s=DEFAULT_HEARTBEAT_TIMEOUT_S)
-    # See docs/checkpointing.md.
-    c.checkpoint = dict(
-        enabled=True,
-        dir="",  # "" -> <workdir>/checkpoints; any path Orbax writes (local, gs://...)
-        every_steps=100,  # save when the step is a multiple; 0: not by steps
-        every_minutes=0.0,  # save when this long has passed since the last save; 0: not by time
-        keep=3,  # the newest checkpoints kept
-        keep_every_steps=0,  # also keep for good each checkpoint whose step is a multiple; 0: none
-        # The local tier (docs/checkpointing.md, Two tiers): a folder on each host (a RAM disk, a
-        # local SSD; "": none), saved to every local_every_steps steps (0: not by steps) or
-        # local_every_minutes (0: not by time) and on SIGTERM, keeping the newest local_keep.
-        local_dir="",
-        local_every_steps=0,
-        local_every_minutes=0.0,
-        local_keep=2,
-        # Start from another run's checkpoint (its workdir, checkpoint folder or one step folder)
-        # when this run has none of its own yet.
-        restore_from="",
-        restore_params_only=False,  # with restore_from: params only (fine-tuning), from step 0
-        compilation_cache=True,  # JAX's persistent compilation cache: restarts skip compiling
-        compilation_cache_dir="",  # "" -> <workdir>/compilation_cache
-    )
-    return c
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One config key: its default, what it means, and for a number its kind."""
+    default: Any
+    meaning: str
+    kind: Number | None = None
 
 
-_MESH_SIZE = whole("[1, inf)", {-1: "the devices left over"})
 _SIZE = whole("[1, inf)")
+_MESH_SIZE = whole("[1, inf)", {-1: "the devices left over"})
 _OFF = {0: "off"}
-# The kind of every number in default_config(), section by section: `check_schema` checks them
-# before anything else (the command line as soon as it has read the flags). A number added to
-# default_config() needs its line here: tests/test_faults_inputs.py fails until it has one.
-NUMBERS = {
-    "train.steps": _SIZE,
-    "train.seed": whole(f"[0, {2 ** 63 - 1}]"),  # JAX's and NumPy's seeds: a non-negative int64
-    "train.batch_size": _SIZE,
-    "train.seq_len": _SIZE,
-    "train.microbatches": _SIZE,
-    "train.log_every": _SIZE,
-    "train.eval_every": whole("[0, inf)", {0: "no periodic eval"}),
-    "train.eval_batches": _SIZE,  # an eval of no batches would log a loss of 0
-    "train.max_bad_steps": _SIZE,
-    "train.straggler_ratio": real("(1, inf)", {1.2: "warn when a host makes steps 20% longer"}),
-    "train.sample_every": whole("[0, inf)", {0: "no samples"}),
-    "train.sample_tokens": _SIZE,
-    **{f"mesh.{axis}": _MESH_SIZE for axis in _MESH_AXIS_KEYS},
-    **{f"mesh.dcn.{axis}": _SIZE for axis in _MESH_AXIS_KEYS},
-    "mesh.auto_memory_gib": real("[0, inf)", {0: "the capacity the memory check uses"}),
-    "mesh.auto_trials": whole("[1, inf)", {1: "the planner's first choice, untimed"}),
-    "pipeline.microbatches": whole("[0, inf)", {0: "2 x the stages"}),
-    "pipeline.repeats": _SIZE,
-    "model.vocab_size": _SIZE,
-    "model.vocab_multiple": _SIZE,
-    "model.d_model": _SIZE,
-    "model.n_layers": _SIZE,
-    "model.n_heads": _SIZE,
-    "model.n_kv_heads": _SIZE,
-    "model.head_dim": _SIZE,
-    "model.mlp_dim": _SIZE,
-    "model.max_seq_len": _SIZE,
-    "model.rope_theta": real("(1, inf)", {10000: "Llama 2", 500000: "Llama 3"}),
-    "model.rope_scaling.factor": real("[1, inf)"),
-    "model.rope_scaling.low_freq_factor": real("(0, inf)"),
-    "model.rope_scaling.high_freq_factor": real("(0, inf)"),
-    "model.rope_scaling.original_max_seq_len": _SIZE,
-    "model.norm_eps": real("(0, inf)"),
-    "model.scan_unroll": whole("[0, inf)", {0: "no loop: every layer unrolled",
-                                            -1: "chosen for the device"}),
-    "model.loss_chunk_len": whole("[0, inf)", {0: "the whole sequence at once",
-                                               -1: "chosen for the device"}),
-    "model.loss_vocab_tile": whole("[0, inf)", {0: "the whole vocabulary at once",
-                                                -1: "chosen for the device"}),
-    "model.moe.experts": whole("[0, inf)"),
-    "model.moe.top_k": _SIZE,
-    "model.moe.capacity_factor": real("[0, inf)", {0: "dropless"}),
-    "model.moe.every": whole("[0, inf)", {0: "no MoE layers"}),
-    "model.moe.aux_loss_weight": real("[0, inf)", _OFF),
-    "model.moe.z_loss_weight": real("[0, inf)", _OFF),
-    "model.lora.rank": whole("[0, inf)", {0: "no adapters: full fine-tuning"}),
-    "model.lora.alpha": real("(0, inf)"),
-    "model.lora.dropout": real("[0, 1)", _OFF),
-    "optim.lr": real("(0, inf)"),
-    "optim.warmup_steps": whole("[0, inf)"),
-    "optim.min_lr_ratio": real("[0, 1]"),  # 1: no decay; the final rate never exceeds optim.lr
-    "optim.b1": real("[0, 1)"),  # Adam's decay rates: 1 would never forget the first gradients
-    "optim.b2": real("[0, 1)"),
-    "optim.eps": real("(0, inf)"),  # 0 divides by zero where a gradient is always 0
-    "optim.weight_decay": real("[0, inf)"),
-    "optim.grad_clip": real("[0, inf)", {0: "no clipping"}),
-    "precision.loss_scale_init": real("(0, inf)"),
-    "precision.loss_scale_growth_interval": _SIZE,
-    "precision.fp8_amax_history": _SIZE,
-    "data.max_segments": whole("[2, inf)", {0: "no bound"}),  # 1: no room for padding
-    "data.max_bad_records": whole("[0, inf)", {0: "the first one stops the run"}),
-    "data.workers": whole("[0, inf)", {0: "read on the prefetch thread",
-                                       -1: "chosen by the tokenizer"}),
-    "data.prefetch": whole("[0, inf)", {0: "no prefetching"}),
-    "profile.start_step": whole("[0, inf)"),
-    "profile.steps": whole("[0, inf)", _OFF),
-    "performance.device_memory_gib": real("[0, inf)", {0: "the capacity the backend reports"}),
-    "distributed.init_timeout_s": real("(0, inf)"),
-    "distributed.heartbeat_timeout_s": real("(0, inf)"),
-    "checkpoint.every_steps": whole("[0, inf)", {0: "not by steps"}),
-    "checkpoint.every_minutes": real("[0, inf)", {0: "not by time"}),
-    "checkpoint.keep": _SIZE,
-    "checkpoint.keep_every_steps": whole("[0, inf)", {0: "none kept for good"}),
-    "checkpoint.local_every_steps": whole("[0, inf)", {0: "not by steps"}),
-    "checkpoint.local_every_minutes": real("[0, inf)", {0: "not by time"}),
-    # A RAM disk holds few; a restart compares each process's newest 64 (manager.py).
-    "checkpoint.local_keep": whole("[1, 32]"),
+_DEVICE = {-1: "chosen for the device"}  # jaxscale/training/step_settings.py
+
+# Every key jaxscale understands, group by group (a dict is a group of keys). Config files start
+# from its defaults (`default_config`); `NUMBERS` is its numbers' kinds.
+SCHEMA = {
+    "train": {
+        "steps": Key(200, "the step the run trains to", _SIZE),
+        # JAX's and NumPy's seeds: a non-negative int64.
+        "seed": Key(0, "the init's, the data order's and dropout's seed",
+                    whole(f"[0, {2 ** 63 - 1}]")),
+        "batch_size": Key(16, "sequences per step, over every device", _SIZE),
+        "seq_len": Key(128, "tokens per sequence", _SIZE),
+        "microbatches": Key(1, "gradient accumulation: the batch goes through in this many parts",
+                            _SIZE),
+        "log_every": Key(10, "steps between metrics lines", _SIZE),
+        "eval_every": Key(100, "steps between evaluations of the eval split",
+                          whole("[0, inf)", {0: "no periodic eval"})),
+        # An eval of no batches would log a loss of 0.
+        "eval_batches": Key(4, "batches of the eval split each evaluation reads", _SIZE),
+        "max_bad_steps": Key(20, "non-finite (skipped) steps in a row that stop the run", _SIZE),
+        # Metrics step_time_max_host_s, slowest_host, host_time_*.
+        "straggler_ratio": Key(
+            1.2, "multi-host: warn when the slowest host makes a step this much longer",
+            real("(1, inf)", {1.2: "warn when a host makes steps 20% longer"})),
+        # Logged as text to every tracker (<workdir>/samples.jsonl, TensorBoard, ...).
+        "sample_every": Key(0, "steps between greedy samples of sample_prompts",
+                            whole("[0, inf)", {0: "no samples"})),
+        "sample_prompts": Key((), "the prompts sampled every sample_every steps"),
+        "sample_tokens": Key(32, "new tokens each sample continues its prompt by", _SIZE),
+    },
+    "mesh": {
+        **{axis: Key(-1 if axis == "data" else 1, f"the {axis} axis' size within a slice (ICI)",
+                     _MESH_SIZE) for axis in MESH_AXES},
+        "dcn": {axis: Key(1, f"the {axis} axis' factor across slices or hosts (DCN)", _SIZE)
+                for axis in MESH_AXES},
+        # The planner chooses the axis sizes, remat, accumulation and optimizer-state layout at
+        # start-up (docs/planning.md).
+        "auto": Key(False, "the planner chooses the layout at start-up"),
+        # 0: performance.device_memory_gib, or what the device reports (CPUs report none).
+        "auto_memory_gib": Key(0.0, "the memory per device mesh.auto plans for",
+                               real("[0, inf)", {0: "the capacity the memory check uses"})),
+        # A spread of the meshes its estimate cannot tell apart.
+        "auto_trials": Key(3, "candidates that fit that mesh.auto times on the devices",
+                           whole("[1, inf)", {1: "the planner's first choice, untimed"})),
+    },
+    # Logical axis name -> tuple of mesh axes it is sharded over (empty: replicated).
+    "sharding": {
+        "rules": {
+            # The dense layers stay data-parallel over the expert axis.
+            "batch": Key(("data", "fsdp", "expert"), "rows: over the data-parallel axes"),
+            "length": Key(("context",), "long sequences: activations split along them"),
+            "embed": Key(("fsdp",), "the model dimension: parameters split over fsdp"),
+            "heads": Key(("tensor",), "attention heads: tensor parallelism"),
+            "kv_heads": Key(("tensor",), "key/value heads: tensor parallelism"),
+            "head_dim": Key((), "each head's dimension: not split"),
+            "mlp": Key(("tensor",), "the feed-forward's hidden units: tensor parallelism"),
+            "vocab": Key(("tensor",), "the vocabulary: tensor parallelism"),
+            "layers": Key(("pipeline",), "pipeline stages hold consecutive layers"),
+            "experts": Key(("expert",), "the experts of an MoE layer (model.moe)"),
+        },
+        # docs/parallelism.md.
+        "optimizer_state": Key("params", "where the optimizer state lives: params (with each "
+                               "parameter) | data (ZeRO-1: also over the data axes)"),
+    },
+    # docs/parallelism.md.
+    "pipeline": {
+        "microbatches": Key(0, "the parts a step's batch goes through the stages in",
+                            whole("[0, inf)", {0: "2 x the stages"})),
+        "repeats": Key(1, "groups of layers each stage holds (circular)", _SIZE),
+        "schedule": Key("gpipe", "gpipe | 1f1b (repeats 1)"),
+    },
+    "model": {
+        "name": Key("llama", "the model family: llama | qwen3 (jaxscale/models/__init__.py)"),
+        "vocab_size": Key(259, "the tokenizer's ids (the byte tokenizer's: 256 + pad, bos, eos)",
+                          _SIZE),
+        "vocab_multiple": Key(128, "the embedding's rows are padded to a multiple of this",
+                              _SIZE),
+        "d_model": Key(256, "the model dimension", _SIZE),
+        "n_layers": Key(4, "decoder layers", _SIZE),
+        "n_heads": Key(8, "query heads", _SIZE),
+        "n_kv_heads": Key(4, "key/value heads (grouped-query attention)", _SIZE),
+        "head_dim": Key(32, "each head's dimension", _SIZE),
+        "mlp_dim": Key(768, "the SwiGLU feed-forward's hidden units", _SIZE),
+        "max_seq_len": Key(2048, "the longest context the model is for", _SIZE),
+        "rope_theta": Key(10000.0, "RoPE's base wavelength",
+                          real("(1, inf)", {10000: "Llama 2", 500000: "Llama 3"})),
+        # Hugging Face rope_type "llama3"; the other keys are read for llama3 only, their defaults
+        # Llama 3.1's.
+        "rope_scaling": {
+            "type": Key("none", "Llama 3.1+ RoPE frequency scaling: none | llama3"),
+            "factor": Key(8.0, "how much long wavelengths are stretched", real("[1, inf)")),
+            "low_freq_factor": Key(1.0, "wavelengths past original / this are stretched",
+                                   real("(0, inf)")),
+            "high_freq_factor": Key(4.0, "wavelengths below original / this are kept",
+                                    real("(0, inf)")),
+            "original_max_seq_len": Key(8192, "the context pre-training had", _SIZE),
+        },
+        "norm_eps": Key(1e-5, "RMSNorm's epsilon", real("(0, inf)")),
+        "tie_embeddings": Key(False, "the head is the embedding's transpose"),
+        "remat": Key("none", "what the backward pass recomputes: none | full | save_dots"),
+        # jaxscale/parallel/attention.py.
+        "attention": Key("auto", "the attention kernel: auto (splash on TPU, cudnn on GPU, else "
+                         "xla) | xla | splash | cudnn"),
+        # How the step runs (jaxscale/training/step_settings.py): the same loss either way; -1:
+        # chosen for the device (GPUs: unrolled, whole logits where that fits; TPUs and CPUs: a
+        # loop, 1024 positions x 16384 entries).
+        "scan_unroll": Key(-1, "layers per turn of the layer loop (lax.scan's unroll)",
+                           whole("[0, inf)", {0: "no loop: every layer unrolled", **_DEVICE})),
+        "loss_chunk_len": Key(-1, "sequence positions whose float32 logits the loss holds at "
+                              "once", whole("[0, inf)", {0: "the whole sequence at once",
+                                                         **_DEVICE})),
+        "loss_vocab_tile": Key(-1, "vocabulary entries whose float32 logits the loss holds at "
+                               "once", whole("[0, inf)", {0: "the whole vocabulary at once",
+                                                          **_DEVICE})),
+        # Mixture of experts (jaxscale/models/moe.py): each expert takes capacity_factor x an even
+        # share of a sequence's tokens, the rest dropped (0: dropless, grouped matmuls over every
+        # assignment).
+        "moe": {
+            "experts": Key(0, "SwiGLU experts of mlp_dim in an MoE layer", whole("[0, inf)")),
+            "top_k": Key(2, "the experts each token is routed to", _SIZE),
+            "capacity_factor": Key(1.25, "each expert's slots, in even shares of the tokens",
+                                   real("[0, inf)", {0: "dropless"})),
+            "every": Key(0, "every every-th layer's feed-forward is MoE",
+                         whole("[0, inf)", {0: "no MoE layers"})),
+            "aux_loss_weight": Key(0.01, "the load-balancing loss's weight in the training loss",
+                                   real("[0, inf)", _OFF)),
+            "z_loss_weight": Key(0.001, "the router z-loss's weight in the training loss",
+                                 real("[0, inf)", _OFF)),
+        },
+        # LoRA (jaxscale/models/lora.py, docs/finetuning.md): everything else frozen in the
+        # compute dtype; the base is checkpoint.restore_from (a Hugging Face folder or a run),
+        # else the init.
+        "lora": {
+            "rank": Key(0, "the adapters' rank", whole("[0, inf)", {0: "no adapters: full "
+                                                                    "fine-tuning"})),
+            "alpha": Key(16.0, "each adapter adds (alpha / rank) x A B to its weight",
+                         real("(0, inf)")),
+            "dropout": Key(0.0, "train step only: an adapter input's elements zeroed with this "
+                           "probability (PEFT's lora_dropout)", real("[0, 1)", _OFF)),
+            "targets": Key(("q", "k", "v", "o", "gate", "up", "down"),
+                           "the weights with adapters: q k v o gate up down"),
+        },
+    },
+    "optim": {
+        "lr": Key(3e-3, "the peak learning rate", real("(0, inf)")),
+        "warmup_steps": Key(20, "steps of linear warm-up to lr", whole("[0, inf)")),
+        # 1: no decay; the final rate never exceeds optim.lr.
+        "min_lr_ratio": Key(0.1, "cosine reaches lr x this at the last step", real("[0, 1]")),
+        # Adam's decay rates: 1 would never forget the first gradients.
+        "b1": Key(0.9, "Adam's first moment decay", real("[0, 1)")),
+        "b2": Key(0.95, "Adam's second moment decay", real("[0, 1)")),
+        # 0 divides by zero where a gradient is always 0.
+        "eps": Key(1e-8, "Adam's epsilon", real("(0, inf)")),
+        "weight_decay": Key(0.1, "decoupled weight decay, not on norms and biases",
+                            real("[0, inf)")),
+        "grad_clip": Key(1.0, "global-norm clipping", real("[0, inf)", {0: "no clipping"})),
+        # The update is computed in float32; see docs/performance.md for nu's precision.
+        "moment_dtype": Key("float32", "Adam's moments' storage dtype: float32 | bfloat16"),
+        "offload_state": Key(False, "keep the moments in host memory, streamed to the device for "
+                             "the update"),
+    },
+    "precision": {
+        "compute_dtype": Key("bfloat16", "matmuls and activations (parameters and optimizer "
+                             "state stay float32): bfloat16 | float32 | float16"),
+        # bfloat16: 2 bytes a parameter on the wire, each partial sum rounded to bfloat16; moot
+        # with float32 compute, float32 either way with float16 compute. It moved tiny's loss less
+        # than reordering float32 sums does: docs/performance.md.
+        "grad_reduce_dtype": Key("bfloat16", "the dtype weight gradients are made and summed "
+                                 "over data-parallel devices in: bfloat16 | float32"),
+        # fp8: e4m3 forward, e5m2 gradients, per-tensor delayed scaling; needs bfloat16 compute
+        # and, on a GPU, compute capability 8.9+. The head, attention and loss stay as they are.
+        "matmul": Key("bfloat16", "the attention and dense feed-forward weight matmuls: "
+                      "bfloat16 (the compute dtype) | fp8"),
+        "fp8_amax_history": Key(16, "fp8: the steps of amax history each scale is set from",
+                                _SIZE),
+        "loss_scale_init": Key(2.0 ** 15, "float16 only: the dynamic loss scale's start",
+                               real("(0, inf)")),
+        "loss_scale_growth_interval": Key(2000, "float16 only: good steps before the scale "
+                                          "doubles", _SIZE),
+    },
+    # docs/data.md: the source formats and their keys.
+    "data": {
+        # stdlib (this Python's own .py files), synthetic (random tokens), text, jsonl, parquet,
+        # array_record, tokens (from jaxscale.data.prepare), chat (conversations or
+        # prompt/completion pairs: the loss on the replies only).
+        "sources": Key((dict(format="stdlib"),), "a tuple of dicts, mixed by their weight"),
+        "tokenizer": Key("byte", "byte | a SentencePiece .model | a Hugging Face "
+                         "tokenizer.json"),
+        "add_bos": Key(True, "frame each document with BOS"),
+        "add_eos": Key(True, "and EOS"),
+        "bos_token": Key("", "a learned tokenizer's BOS token (\"\": its own)"),
+        "eos_token": Key("", "a learned tokenizer's EOS token (\"\": its own)"),
+        # auto: first_fit when a source is chat data (a conversation must not be cut), else concat.
+        "packing": Key("auto", "concat (concat-then-split, no padding) | first_fit (whole "
+                       "documents) | auto"),
+        # A row with more is cut into several, padded. A bound puts packed rows in cuDNN's packed
+        # layout on GPUs: faster attention, a workspace that grows with it. 1: no room for
+        # padding.
+        "max_segments": Key(0, "the most runs (documents, padding one) a packed row holds",
+                            whole("[2, inf)", {0: "no bound"})),
+        "max_bad_records": Key(100, "malformed records a process skips before the run fails",
+                               whole("[0, inf)", {0: "the first one stops the run"})),
+        # Batches are the same for any value.
+        "workers": Key(-1, "threads reading and tokenizing the row streams",
+                       whole("[0, inf)", {0: "read on the prefetch thread",
+                                          -1: "chosen by the tokenizer"})),
+        "prefetch": Key(2, "batches prepared ahead of the step",
+                        whole("[0, inf)", {0: "no prefetching"})),
+    },
+    # A jax.profiler trace in <workdir>/profile/ (docs/performance.md).
+    "profile": {
+        "start_step": Key(10, "the first step traced", whole("[0, inf)")),
+        "steps": Key(0, "steps traced", whole("[0, inf)", _OFF)),
+        "all_processes": Key(False, "every process traces (else process 0 only)"),
+    },
+    # Where process 0 sends the metrics besides the console (README, Reading the metrics); wandb
+    # and mlflow: pip install 'jaxscale[wandb]' / 'jaxscale[mlflow]'.
+    "metrics": {
+        "trackers": Key(("jsonl", "tensorboard"), "any of jsonl, tensorboard, wandb, mlflow"),
+        "project": Key("jaxscale", "the W&B project and the MLflow experiment"),
+        "wandb_mode": Key("", "online | offline | \"\" (W&B's own: WANDB_MODE, else online)"),
+        "mlflow_tracking_uri": Key("", "\"\": MLFLOW_TRACKING_URI, else "
+                                   "file://<workdir>/mlruns"),
+    },
+    "performance": {
+        # jaxscale/runtime/xla_flags.py; flags already in the XLA_FLAGS environment variable win.
+        "xla_flags": Key("auto", "auto (a tuned set on NVIDIA GPUs) | none | a string of "
+                         "--xla_... flags"),
+        # CPUs report none, so unchecked.
+        "device_memory_gib": Key(0.0, "what one device holds, which the compiled step must fit",
+                                 real("[0, inf)", {0: "the capacity the backend reports"})),
+    },
+    # Multi-process runs (docs/launch.md).
+    "distributed": {
+        "init_timeout_s": Key(DEFAULT_INIT_TIMEOUT_S, "how long to wait for every process to "
+                              "join", real("(0, inf)")),
+        "heartbeat_timeout_s": Key(DEFAULT_HEARTBEAT_TIMEOUT_S, "how long a silent process may "
+                                   "go before the others are stopped", real("(0, inf)")),
+    },
+    # docs/checkpointing.md.
+    "checkpoint": {
+        "enabled": Key(True, "the run saves and restores checkpoints"),
+        "dir": Key("", "where (\"\": <workdir>/checkpoints); any path Orbax writes (local, "
+                   "gs://...)"),
+        "every_steps": Key(100, "save when the step is a multiple",
+                           whole("[0, inf)", {0: "not by steps"})),
+        "every_minutes": Key(0.0, "save when this long has passed since the last save",
+                             real("[0, inf)", {0: "not by time"})),
+        "keep": Key(3, "the newest checkpoints kept", _SIZE),
+        "keep_every_steps": Key(0, "also keep for good each checkpoint whose step is a multiple",
+                                whole("[0, inf)", {0: "none kept for good"})),
+        # The local tier (docs/checkpointing.md, Two tiers): also saved on SIGTERM.
+        "local_dir": Key("", "a folder on each host for the local tier (a RAM disk, a local SSD; "
+                         "\"\": none)"),
+        "local_every_steps": Key(0, "save to the local tier when the step is a multiple",
+                                 whole("[0, inf)", {0: "not by steps"})),
+        "local_every_minutes": Key(0.0, "save to the local tier when this long has passed",
+                                   real("[0, inf)", {0: "not by time"})),
+        # A RAM disk holds few; a restart compares each process's newest 64 (manager.py).
+        "local_keep": Key(2, "the newest local checkpoints kept", whole("[1, 32]")),
+        # Its workdir, checkpoint folder or one step folder, or a Hugging Face folder.
+        "restore_from": Key("", "start from another run's checkpoint when this run has none"),
+        "restore_params_only": Key(False, "with restore_from: its params only (fine-tuning), "
+                                   "from step 0"),
+        "compilation_cache": Key(True, "JAX's persistent compilation cache: restarts skip "
+                                 "compiling"),
+        "compilation_cache_dir": Key("", "\"\": <workdir>/compilation_cache"),
+    },
 }
+
+
+def _defaults(group: dict) -> dict:
+    return {name: _defaults(key) if isinstance(key, dict) else key.default
+            for name, key in group.items()}
+
+
+def declared_keys(group: dict = SCHEMA, prefix: str = "") -> dict[str, Key]:
+    """{"train.steps": its Key, ...}: every key of `group` (default: the whole schema)."""
+    keys = {}
+    for name, key in group.items():
+        if isinstance(key, dict):
+            keys.update(declared_keys(key, f"{prefix}{name}."))
+        else:
+            keys[f"{prefix}{name}"] = key
+    return keys
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key jaxscale understands, with its default (`SCHEMA`). Config files start from this."""
+    return ml_collections.ConfigDict(_defaults(SCHEMA))
+
+
+# The kind of every number in the schema: `check_schema` checks them before anything else (the
+# command line as soon as it has read the flags).
+NUMBERS = {path: key.kind for path, key in declared_keys().items() if key.kind is not None}
 
 
 def _unknown_keys(config: Any, defaults: Any, prefix: str = "") -> list[str]:

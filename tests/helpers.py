@@ -10,8 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from jaxscale.config import default_config
-from jaxscale.parallel.mesh import MESH_AXES
+from jaxscale.config import MESH_AXES, default_config
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,6 +4,7 @@ Python, not from a reader. README's Layout section describes the same layers."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -140,3 +141,33 @@ def test_the_readmes_layout_names_every_package_module_and_config():
     names += [p.name for p in (PACKAGE.parent / "configs").glob("*.py")]
     missing = sorted(name for name in names if name not in layout)
     assert not missing, f"README's Layout does not name {missing}"
+
+
+def keys_named_in(cell: str) -> set[str]:
+    """The keys a README table cell names: `steps`, `rope_scaling.{type,factor}` (both),
+    `dcn.<axis>` (a group, every key of it)."""
+    named = set()
+    for token in re.findall(r"`([a-z_][a-z0-9_.{},<> ]*)`", cell):
+        braces = re.fullmatch(r"([a-z0-9_.]*)\{([a-z0-9_, ]+)\}", token)
+        if braces:
+            named |= {braces[1] + name.strip() for name in braces[2].split(",")}
+        else:
+            named.add(re.sub(r"\.<[a-z ]+>$", ".*", token))
+    return named
+
+
+def test_the_readmes_table_names_every_config_key():
+    """README's table of config keys, row by group, names each key of jaxscale/config.py's
+    SCHEMA (a group of keys by `group.<...>`)."""
+    from jaxscale.config import declared_keys
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.+) \|$", readme, re.M))
+    missing = []
+    for path in declared_keys():
+        group, key = path.split(".", 1)
+        named = keys_named_in(rows.get(group, ""))
+        if key not in named and not any(n.endswith(".*") and key.startswith(n[:-1])
+                                        for n in named):
+            missing.append(path)
+    assert not missing, f"README's table of config keys lacks {missing}"

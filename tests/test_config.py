@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from jaxscale.checks import validate
-from jaxscale.config import default_config
-from jaxscale.parallel.mesh import MESH_AXES, resolve_mesh_shape
+from jaxscale.config import MESH_AXES, default_config
+from jaxscale.parallel.mesh import resolve_mesh_shape
 from jaxscale.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

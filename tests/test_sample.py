@@ -20,8 +20,7 @@ from jaxscale import hf
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import create_model
 from jaxscale.checkpoint import restore_from
-from jaxscale.config import default_config
-from jaxscale.parallel.mesh import MESH_AXES
+from jaxscale.config import MESH_AXES, default_config
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.hf.config import update_config
 from jaxscale.parallel.sharding import rules_from_config

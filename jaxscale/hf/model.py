@@ -12,13 +12,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.config import default_config
+from jaxscale.config import MESH_AXES, default_config
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import weights
 from jaxscale.hf.config import CONFIG_FILE, apply_model_section, hf_config, model_section
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import model_spec, params_on_mesh
-from jaxscale.parallel.mesh import MESH_AXES, build_mesh
+from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import Rules, rules_from_config
 
 

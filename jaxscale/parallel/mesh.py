@@ -1,4 +1,5 @@
-"""Device mesh: axes `data`, `fsdp`, `tensor`, `pipeline`; each an ICI size times a DCN factor."""
+"""Device mesh: the axes of jaxscale/config.py MESH_AXES (data, pipeline, fsdp, context, expert,
+tensor); each an ICI size times a DCN factor."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxscale.errors import ConfigError
-
 # Outermost (devices far apart, slow links) to innermost (neighbours on the fastest links): the
-# device mesh is laid out in this order, so tensor parallelism gets the closest devices.
-MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
+# device mesh is laid out in MESH_AXES' order, so tensor parallelism gets the closest devices.
+from jaxscale.config import MESH_AXES
+from jaxscale.errors import ConfigError
 
 
 class MeshLayoutError(ConfigError):

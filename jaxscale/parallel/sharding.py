@@ -19,9 +19,8 @@ import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxscale.config import LOGICAL_AXES
+from jaxscale.config import LOGICAL_AXES, MESH_AXES
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.mesh import MESH_AXES
 
 Rules = Mapping[str, tuple[str, ...]]
 

@@ -28,7 +28,7 @@ from typing import Mapping
 import ml_collections
 
 from jaxscale.checks import validate
-from jaxscale.parallel.mesh import MESH_AXES
+from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
 from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.parallel.pipeline import Pipeline
