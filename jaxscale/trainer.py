@@ -2,23 +2,26 @@
 
 `Trainer(config, workdir)` checks the config for the devices, builds the mesh and the training
 program on it (jaxscale/training/program.py: model, optimizer, shardings, the jitted steps;
-nothing compiled yet). `run()` then
+nothing compiled yet). `run()` then, a method a step:
 
-  1. opens the inputs and checks the data (and the eval split);
-  2. checks that the trackers can be opened (an MLflow or W&B server answers in seconds) and
-     that the checkpoint and compilation-cache folders can be written;
-  3. restores, read-only, this run's newest good checkpoint, else `checkpoint.restore_from`
-     (a checkpoint that does not fit the config stops here, before anything is written);
-  4. compiles the train step once, ahead of time, and prints its memory per device next to the
-     device's capacity: a step that does not fit stops here, before anything is written (the
-     memory is also logged on the first metrics line);
-  5. writes: the workdir's config.json, run.json, metrics and TensorBoard files;
-  6. starts from the restored state or a fresh sharded init, and runs `_Loop`: next batch ->
-     train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval. A
-     `profile` window traces chosen steps (jaxscale/observe/profiling.py).
+  1. `open_inputs`: opens the inputs and checks the data (and the eval split);
+  2. `check_folders`: checks that the trackers can be opened (an MLflow or W&B server answers
+     in seconds) and that the checkpoint and compilation-cache folders can be written;
+  3. `restore`: restores, read-only, this run's newest good checkpoint, else
+     `checkpoint.restore_from` (a checkpoint that does not fit the config stops here);
+  4. `compile`: compiles the train step once, ahead of time, and prints its memory per device
+     next to the device's capacity: a step that does not fit stops here (the memory is also
+     logged on the first metrics line);
+  5. `open_for_writing`: writes the workdir's config.json and run.json, moves the compilation
+     cache in and opens the checkpoints for saving;
+  6. `train`: starts from the restored state or a fresh sharded init, and runs `_Loop`: next
+     batch -> train step -> stop signal? -> checkpoint when due -> metrics on logging steps ->
+     eval. A `profile` window traces chosen steps (jaxscale/observe/profiling.py).
 
-Nothing is fetched from the devices on steps that neither log nor save; the host stays at most
-two steps ahead of the devices, so a stop signal is acted on within two steps.
+Steps 1 to 4 write nothing, and every process reaches the same verdict on them
+(jaxscale/runtime/agreement.py). Nothing is fetched from the devices on steps that neither log
+nor save; the host stays at most two steps ahead of the devices, so a stop signal is acted on
+within two steps.
 """
 
 from __future__ import annotations
@@ -26,21 +29,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint import PERSISTENT, Checkpoints, Restored, lora_base, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.checks import checked_mesh
 from jaxscale.data import Input, check_splits, make_input
-from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
-                             TransientError)
+from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import TrainingSamples
 from jaxscale.observe import metrics as metrics_lib
 from jaxscale.observe import run_log
@@ -49,6 +49,7 @@ from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capac
 from jaxscale.observe.profiling import ProfileWindow
 from jaxscale.observe.trackers import check_tracker_access
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
+from jaxscale.runtime.agreement import agreed_checks
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
 from jaxscale.runtime.compilation_cache import (CACHE_FIX, CompilationCache,
                                                 compilation_cache_dir)
@@ -58,52 +59,36 @@ from jaxscale.training.bad_steps import BadSteps
 from jaxscale.training.program import TrainProgram
 from jaxscale.training.state import TrainState
 
-# Room for a failing start-up check's message in the agreement; a longer one is cut.
-_AGREED_MESSAGE_BYTES = 4096
-
-
-@contextlib.contextmanager
-def agreed_checks():
-    """Runs a block of start-up checks, then makes its verdict every process's: when a check fails
-    on some processes (one host's disk, data or memory), all of them raise the error of the first
-    (lowest id) of those, of its kind (JaxscaleError: exit 2, TransientError: exit 75), after one
-    allgather. Without it the others would go on into the next collective and wait there until
-    the heartbeat timeout. The block must hold no collective: a process whose check failed skips
-    the rest of it."""
-    failure = None
-    try:
-        yield
-    except (JaxscaleError, TransientError) as e:
-        failure = e
-    if jax.process_count() == 1:
-        if failure is not None:
-            raise failure
-    elif (agreed := _first_failure(failure)) is not None:
-        raise agreed from failure
-
-
-def _first_failure(failure: JaxscaleError | TransientError | None) -> Exception | None:
-    """The error every process raises: the first failing process's, the same line on each (with
-    that process's id when not every process failed); None when all passed."""
-    kind = (0 if failure is None else
-            TRANSIENT_EXIT_CODE if isinstance(failure, TransientError) else USAGE_EXIT_CODE)
-    message = str(failure or "").encode()[:_AGREED_MESSAGE_BYTES]
-    mine = np.zeros(3 + _AGREED_MESSAGE_BYTES, np.uint8)  # kind, message length (2 bytes), message
-    mine[:3] = kind, len(message) // 256, len(message) % 256
-    mine[3:3 + len(message)] = np.frombuffer(message, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(mine))  # in process order
-    failed = [process for process, row in enumerate(rows) if row[0]]
-    if not failed:
-        return None
-    row = rows[failed[0]]
-    text = row[3:3 + 256 * int(row[1]) + int(row[2])].tobytes().decode(errors="replace")
-    if len(failed) < len(rows):
-        text = f"process {failed[0]} of {len(rows)}: {text}"
-    return (TransientError if row[0] == TRANSIENT_EXIT_CODE else JaxscaleError)(text)
-
-
 def devices_kind(mesh) -> str:
     return mesh.devices.flat[0].device_kind
+
+
+class Inputs(NamedTuple):
+    """The run's inputs, opened and checked (`Trainer.open_inputs`)."""
+    train: Input
+    held_out: HeldOut | None  # the eval split; None without periodic eval
+
+
+class LoraBase(NamedTuple):
+    """LoRA's frozen base (`lora_base`): its parameters, laid out as the state's `frozen`, and
+    what they are (a folder, a run, the init of a seed)."""
+    params: Any
+    name: str
+
+
+class Start(NamedTuple):
+    """Where this start of the run begins (`Trainer.restore`; nothing written)."""
+    own: Restored | None  # this run's newest good checkpoint
+    restored: Restored | None  # what the run starts from: `own`, else checkpoint.restore_from's
+    base: LoraBase | None  # with LoRA, the frozen base the adapters train on; else None
+
+
+class CompiledStep(NamedTuple):
+    """The train step compiled for the devices, with what it needs per device and the capacity
+    it was checked against (`Trainer.compile`)."""
+    step: jax.stages.Compiled
+    memory: StepMemory
+    capacity: tuple[int, str] | None
 
 
 class Trainer:
@@ -123,7 +108,7 @@ class Trainer:
                               "config and step to Trainer(config, workdir, planned_step=step)")
         self._planned_step = planned_step
         mesh = checked_mesh(config, devices)
-        self.config, self.workdir = config, workdir
+        self.workdir = workdir
         self.is_primary = jax.process_index() == 0
         check_workdir(workdir)
         self.program = TrainProgram(config, mesh)
@@ -136,6 +121,112 @@ class Trainer:
             flops_per_token=model.config.flops_per_token(model.num_params, config.train.seq_len,
                                                          model.num_trained),
             num_devices=mesh.size, peak_flops_per_device=peak_flops_per_device(devices_kind(mesh)))
+
+    def say(self, message: str) -> None:
+        if self.is_primary:
+            print(message, flush=True)
+
+    def run(self) -> dict[str, float]:
+        """Trains to `train.steps`, resuming from the newest checkpoint; returns the newest logged
+        metrics. On SIGTERM (Ctrl-C) saves and raises `Preempted` (`Interrupted`).
+
+        The start is checked whole before anything is written (steps 1 to 4), every process
+        reaching the same verdict (`agreed_checks`): a check that fails on one host stops them
+        all, with its error. Only then does the run write (steps 5 and 6)."""
+        with contextlib.ExitStack() as stack:
+            with agreed_checks():  # each process's own checks: no collective in this block
+                inputs = self.open_inputs(stack)  # 1
+                checkpoints, cache_dir = self.check_folders(stack)  # 2
+            # The restore is collective (every process reads its shards); nothing after it here
+            # is, so a process whose check fails skips the rest and goes to the agreement.
+            with agreed_checks():
+                start = self.restore(checkpoints, inputs.train)  # 3
+                if self.already_complete(start):
+                    return latest_metrics(self.workdir)  # once every process agrees
+                cache = stack.enter_context(contextlib.closing(
+                    CompilationCache(cache_dir, jax.process_index())))
+                compiled = self.compile()  # 4
+            self.open_for_writing(start, cache, checkpoints)  # 5
+            return self.train(stack, start, compiled, inputs, checkpoints)  # 6
+
+    def open_inputs(self, stack: contextlib.ExitStack) -> Inputs:
+        """1. The train split's input, and the eval split's when the run evaluates, checked."""
+        config = self.config
+        train = stack.enter_context(contextlib.closing(
+            make_input(config, "train", self.program.batch_sharding)))
+        held_out = None
+        if config.train.eval_every:
+            check_splits(config, ("eval",))
+            held_out = stack.enter_context(contextlib.closing(
+                HeldOut(config, self.program.batch_sharding)))
+        return Inputs(train, held_out)
+
+    def check_folders(self, stack: contextlib.ExitStack) -> tuple[Checkpoints, str | None]:
+        """2. The trackers can be opened (an MLflow or W&B server answers in seconds), and the
+        checkpoint and compilation-cache folders can be written: (the checkpoints, the cache's
+        folder; None: no cache)."""
+        if self.is_primary:  # the one process that writes metrics
+            check_tracker_access(self.config, self.workdir)
+        checkpoints = stack.enter_context(Checkpoints(self.config, self.workdir))
+        checkpoints.check_writable()
+        cache_dir = compilation_cache_dir(self.config, self.workdir)
+        if cache_dir:
+            check_writable(cache_dir, "checkpoint.compilation_cache_dir", CACHE_FIX)
+        return checkpoints, cache_dir
+
+    def restore(self, checkpoints: Checkpoints, train_input: Input) -> Start:
+        """3. Where the run starts: its own newest good checkpoint, else
+        `checkpoint.restore_from`, else nothing (a fresh init). With LoRA, restore_from is the
+        frozen base instead (`lora_base`: every start reads it, no checkpoint holds it), and a
+        run starts from its own checkpoint or fresh adapters. The data position is restored into
+        `train_input`. Reads only: a checkpoint that does not fit raises before anything is
+        written."""
+        c, abstract = self.config.checkpoint, self.program.abstract_state
+        model = self.program.model
+        own = checkpoints.restore_newest(abstract)
+        restored, base = own, None
+        if model.config.lora:
+            base = LoraBase(*lora_base(self.config, model, abstract.frozen))
+        elif own is None and c.restore_from:
+            restored = restore_from(c.restore_from, abstract, params_only=c.restore_params_only,
+                                    model_config=model.config)
+        if restored is not None and restored.train is not None:
+            train_input.set_state(restored.data_state)
+        return Start(own, restored, base)
+
+    def already_complete(self, start: Start) -> bool:
+        """Whether the run's own checkpoint is at train.steps already (it says so); ConfigError
+        when checkpoint.restore_from's is (a fresh run would train nothing)."""
+        t, own, restored = self.config.train, start.own, start.restored
+        if own is not None and own.meta["step"] >= t.steps:
+            self.say(f"the run in {self.workdir} is already complete at step {own.meta['step']} "
+                     f"(train.steps={t.steps}); to train it further, pass "
+                     f"--config.train.steps=<more than {own.meta['step']}>")
+            return True
+        if own is None and restored is not None and restored.train is not None \
+                and restored.meta["step"] >= t.steps:
+            raise ConfigError(
+                f"checkpoint.restore_from={self.config.checkpoint.restore_from!r} is at step "
+                f"{restored.meta['step']}, not before train.steps={t.steps}; raise train.steps, "
+                "or start from its parameters only with checkpoint.restore_params_only=True")
+        return False
+
+    def compile(self) -> CompiledStep:
+        """4. The train step compiled once, ahead of time (`compile_train_step`), and its memory
+        per device checked against the device's capacity (said next to it; the first metrics
+        line logs it too): ConfigError when it does not fit."""
+        program = self.program
+        self.say(f"jaxscale: {program.model.num_params / 1e6:.2f}M parameters, mesh "
+                 f"{dict(program.mesh.shape)} on {program.mesh.size} "
+                 f"{devices_kind(program.mesh)} device(s), {jax.process_count()} process(es)")
+        if pipeline := program.pipeline:
+            self.say(pipeline.summary())
+        capacity = device_capacity(self.local_devices, self.config.performance.device_memory_gib)
+        step, memory = self.compile_train_step(capacity)
+        self.say(f"train step: {self.program.settings.label()}")
+        self.say(memory_line(memory, capacity))
+        check_fits(memory, capacity)
+        return CompiledStep(step, memory, capacity)
 
     def compile_train_step(self, capacity: tuple[int, str] | None = None
                            ) -> tuple[jax.stages.Compiled, StepMemory]:
@@ -151,130 +242,54 @@ class Trainer:
         self.config = self.program.config
         return compiled, memory
 
-    def say(self, message: str) -> None:
+    def open_for_writing(self, start: Start, cache: CompilationCache,
+                         checkpoints: Checkpoints) -> None:
+        """5. Every check has passed: the workdir's config.json and run.json are written (an
+        earlier start's metrics without a checkpoint set aside), the compilation cache moves in
+        and the checkpoints may be saved."""
         if self.is_primary:
-            print(message, flush=True)
+            open_workdir(self.workdir, self.config.to_json_best_effort(indent=2))
+            if start.own is None and (earlier := set_aside_earlier_start(self.workdir)):
+                self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint to "
+                         f"resume from; starting from step 0 (the earlier files are in "
+                         f"{earlier})")
+        run_log.open_file(self.workdir, jax.process_index())  # what libraries log
+        cache.open()
+        checkpoints.open_for_saving()
 
-    def run(self) -> dict[str, float]:
-        """Trains to `train.steps`, resuming from the newest checkpoint; returns the newest logged
-        metrics. On SIGTERM (Ctrl-C) saves and raises `Preempted` (`Interrupted`).
+    def train(self, stack: contextlib.ExitStack, start: Start, compiled: CompiledStep,
+              inputs: Inputs, checkpoints: Checkpoints) -> dict[str, float]:
+        """6. From the restored state or a fresh sharded init, `_Loop` to train.steps: next batch
+        -> train step -> stop signal? -> checkpoint when due -> metrics on logging steps -> eval.
+        A `profile` window traces chosen steps (jaxscale/observe/profiling.py)."""
+        config, program, memory = self.config, self.program, compiled.memory
+        writer = stack.enter_context(metrics_lib.MetricsWriter(
+            self.workdir, enabled=self.is_primary, total_steps=config.train.steps,
+            config=config))
+        signals = stack.enter_context(StopSignals())
+        state, window = self.start_state(start)
+        window.first_line.update(step_memory_gib=memory.total / GIB,
+                                 step_memory_arguments_gib=memory.arguments / GIB,
+                                 step_memory_temporaries_gib=memory.temporaries / GIB)
+        # Closed however the loop ends (the last step, a stop signal, an error): the trace of a
+        # window cut short is still written.
+        profile = stack.enter_context(contextlib.closing(ProfileWindow(config.profile,
+                                                                       self.workdir)))
+        samples = (TrainingSamples(config, program.model.graphdef, program.mesh, program.rules)
+                   if config.train.sample_every else None)
+        loop = _Loop(self, compiled.step, checkpoints, inputs.train, inputs.held_out, samples,
+                     window, writer, signals, profile)
+        return loop.run(state)
 
-        The start is checked whole before anything is written: the data, the eval split, the
-        trackers, the checkpoint folder, whether the checkpoint to resume from fits this config,
-        and whether the compiled train step fits the devices' memory. Only then are the workdir's
-        files, the compilation cache and the checkpoint manager opened. Every process reaches the
-        same verdict (`agreed_checks`): a check that fails on one host stops them all, with its
-        error.
-        """
-        config, t, program = self.config, self.config.train, self.program
-        with contextlib.ExitStack() as stack:
-            with agreed_checks():  # each process's own checks: no collective in this block
-                train_input = stack.enter_context(
-                    contextlib.closing(make_input(config, "train", program.batch_sharding)))
-                held_out = None
-                if t.eval_every:
-                    check_splits(config, ("eval",))
-                    held_out = stack.enter_context(
-                        contextlib.closing(HeldOut(config, program.batch_sharding)))
-                if self.is_primary:  # the one process that writes metrics
-                    check_tracker_access(config, self.workdir)
-                checkpoints = stack.enter_context(Checkpoints(config, self.workdir))
-                checkpoints.check_writable()
-                if cache_dir := compilation_cache_dir(config, self.workdir):
-                    check_writable(cache_dir, "checkpoint.compilation_cache_dir", CACHE_FIX)
-            # The restore is collective (every process reads its shards); nothing after it here
-            # is, so a process whose check fails skips the rest and goes to the agreement.
-            with agreed_checks():
-                own, restored, base = self.restore(checkpoints, train_input)
-                if own is not None and own.meta["step"] >= t.steps:
-                    self.say(f"the run in {self.workdir} is already complete at step "
-                             f"{own.meta['step']} (train.steps={t.steps}); to train it further, "
-                             f"pass --config.train.steps=<more than {own.meta['step']}>")
-                    return latest_metrics(self.workdir)  # once every process agrees
-                if own is None and restored is not None and restored.train is not None \
-                        and restored.meta["step"] >= t.steps:
-                    raise ConfigError(
-                        f"checkpoint.restore_from={config.checkpoint.restore_from!r} is at step "
-                        f"{restored.meta['step']}, not before train.steps={t.steps}; raise "
-                        "train.steps, or start from its parameters only with "
-                        "checkpoint.restore_params_only=True")
-
-                self.say(f"jaxscale: {program.model.num_params / 1e6:.2f}M parameters, mesh "
-                         f"{dict(program.mesh.shape)} on {program.mesh.size} {devices_kind(program.mesh)} "
-                         f"device(s), {jax.process_count()} process(es)")
-                if pipeline := program.pipeline:
-                    self.say(pipeline.summary())
-                cache = stack.enter_context(contextlib.closing(
-                    CompilationCache(cache_dir, jax.process_index())))
-                capacity = device_capacity(self.local_devices,
-                                           config.performance.device_memory_gib)
-                # Tests make one process's devices too small with
-                # JAXSCALE_TEST_FAIL_CHECK=<process>: its check_fits fails, the others' pass.
-                if os.environ.get("JAXSCALE_TEST_FAIL_CHECK") == str(jax.process_index()):
-                    capacity = (1, "JAXSCALE_TEST_FAIL_CHECK")
-                train_step, memory = self.compile_train_step(capacity)
-                config, program = self.config, self.program  # the step settings chosen
-                self.say(f"train step: {program.settings.label()}")
-                self.say(memory_line(memory, capacity))
-                check_fits(memory, capacity)
-
-            # Every check has passed: from here on the run writes.
-            if self.is_primary:
-                open_workdir(self.workdir, config.to_json_best_effort(indent=2))
-                if own is None and (earlier := set_aside_earlier_start(self.workdir)):
-                    self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint "
-                             f"to resume from; starting from step 0 (the earlier files are in "
-                             f"{earlier})")
-            run_log.open_file(self.workdir, jax.process_index())  # what libraries log
-            cache.open()
-            checkpoints.open_for_saving()
-            writer = stack.enter_context(metrics_lib.MetricsWriter(
-                self.workdir, enabled=self.is_primary, total_steps=t.steps, config=config))
-            signals = stack.enter_context(StopSignals())
-            state, window = self.start_state(restored, own, base)
-            window.first_line.update(step_memory_gib=memory.total / GIB,
-                                     step_memory_arguments_gib=memory.arguments / GIB,
-                                     step_memory_temporaries_gib=memory.temporaries / GIB)
-            # Closed however the loop ends (the last step, a stop signal, an error): the trace of
-            # a window cut short is still written.
-            profile = stack.enter_context(contextlib.closing(ProfileWindow(config.profile,
-                                                                           self.workdir)))
-            samples = (TrainingSamples(config, program.model.graphdef, program.mesh,
-                                       program.rules) if t.sample_every else None)
-            loop = _Loop(self, train_step, checkpoints, train_input, held_out, samples, window,
-                         writer, signals, profile)
-            return loop.run(state)
-
-    def restore(self, checkpoints: Checkpoints, train_input: Input
-                ) -> tuple[Restored | None, Restored | None, tuple[Any, str] | None]:
-        """(this run's newest good checkpoint, what the run starts from, LoRA's base and its
-        name): the own checkpoint, else `checkpoint.restore_from`, else None. With LoRA,
-        restore_from is the frozen base instead (`lora_base`: every start reads it, no
-        checkpoint holds it), and a run starts from its own checkpoint or fresh adapters. The
-        data position is restored into `train_input`. Reads only: a checkpoint that does not fit
-        raises before anything is written."""
-        c, abstract = self.config.checkpoint, self.program.abstract_state
-        model = self.program.model
-        own = checkpoints.restore_newest(abstract)
-        restored, base = own, None
-        if model.config.lora:
-            base = lora_base(self.config, model, abstract.frozen)
-        elif own is None and c.restore_from:
-            restored = restore_from(c.restore_from, abstract, params_only=c.restore_params_only,
-                                    model_config=model.config)
-        if restored is not None and restored.train is not None:
-            train_input.set_state(restored.data_state)
-        return own, restored, base
-
-    def start_state(self, restored: Restored | None, own: Restored | None,
-                    base: tuple[Any, str] | None = None) -> tuple[TrainState, StepWindow]:
+    def start_state(self, start: Start) -> tuple[TrainState, StepWindow]:
         """The state the loop starts from (restored, or a fresh sharded init; with LoRA, on the
-        `base` from `restore`), with the window that times the steps from here on."""
+        base), with the window that times the steps from here on."""
         init_state, seed = self.program.init_state, self.config.train.seed
+        own, restored, base = start
         frozen = None
         if base is not None:
-            frozen, name = base
-            self.say(f"LoRA: the frozen base is {name}")
+            frozen = base.params
+            self.say(f"LoRA: the frozen base is {base.name}")
         run_clock = RunClock(self.workdir, enabled=self.is_primary)
         if restored is None:
             state = init_state(seed)
@@ -352,9 +367,6 @@ class _Loop:
         self.bad_steps = BadSteps(self.t.max_bad_steps)
         self.last_saved: int | None = None
         self.in_flight = StepsInFlight(limit=2)
-        # Tests make one host slow with JAXSCALE_TEST_SLOW_HOST=<process>:<seconds per step>.
-        process, _, seconds = os.environ.get("JAXSCALE_TEST_SLOW_HOST", "").partition(":")
-        self.test_slow_host_s = float(seconds) if process == str(jax.process_index()) else 0.0
 
     def is_log_step(self, step: int) -> bool:
         return step % self.t.log_every == 0 or step == self.t.steps
@@ -368,8 +380,6 @@ class _Loop:
         logged: dict[str, float] = {}
         first_step = int(state.step)
         for step in range(first_step, t.steps):
-            if self.test_slow_host_s:
-                time.sleep(self.test_slow_host_s)
             with window.waiting_for_data():
                 batch = next(self.train_input)
             # Waiting on the devices is not the host's own time: in the dispatch (which blocks on

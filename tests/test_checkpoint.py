@@ -179,10 +179,10 @@ def test_a_new_run_starts_from_another_runs_checkpoint(saved, tmp_path, params_o
                              restore_params_only=params_only)
     trainer = Trainer(config, str(tmp_path))
     with Checkpoints(config, str(tmp_path)) as checkpoints:
-        own, restored, base = trainer.restore(
+        start = trainer.restore(
             checkpoints, make_input(config, "train", trainer.program.batch_sharding))
-        assert own is None
-        state, _ = trainer.start_state(restored, own, base)
+        assert start.own is None
+        state, _ = trainer.start_state(start)
     state = jax.device_get(state)
     jax.tree.map(np.testing.assert_array_equal, state.params, expected.params)
     if params_only:  # fine-tuning: step 0 and a fresh optimizer
@@ -378,7 +378,7 @@ def test_restore_from_a_relative_path(saved, tmp_path, monkeypatch, mlp_dim, mes
     with Checkpoints(config, str(tmp_path)) as checkpoints:
         train_input = make_input(config, "train", trainer.program.batch_sharding)
         if message is None:
-            _, restored, _ = trainer.restore(checkpoints, train_input)
+            restored = trainer.restore(checkpoints, train_input).restored
             assert restored.path == str(source / "checkpoints" / "2")
         else:
             with pytest.raises(ConfigError, match=message):

@@ -20,6 +20,7 @@ import pytest
 
 from jaxscale.errors import RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE
 from jaxscale.launch.local import free_port, process_env
+from tests.fakes import fake_env
 from tests.helpers import REPO
 from tests.test_faults_processes import STARTED, last_line, trainer_of
 # Kills what a failed test left running (STARTED), as in that module.
@@ -167,7 +168,8 @@ def test_a_replaced_host_resumes_from_the_persistent_tier_exactly(tmp_path, tmp_
     reference_dir = reference(2, tmp_path_factory)
     workdir = tmp_path / "run"
     # Process 1 sleeps 0.5 s a step, so that the kill lands before the last step.
-    procs = start_all(2, workdir, cached(reference_dir), env={"JAXSCALE_TEST_SLOW_HOST": "1:0.5"})
+    procs = start_all(2, workdir, cached(reference_dir),
+                      env=fake_env(tmp_path, slow_host=(1, 0.5)))
     while not all(10 in held(workdir, process) for process in (0, 1)):
         assert procs[0].poll() is None, open(log_file(workdir, 0, "err")).read()[-3000:]
         time.sleep(0.01)

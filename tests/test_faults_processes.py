@@ -14,6 +14,7 @@ import pytest
 
 from jaxscale.errors import TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE
 from jaxscale.launch.local import free_port, process_env
+from tests.fakes import SMALL_DEVICES_SAYS, fake_env
 from tests.helpers import REPO
 from tests.test_launch_training import SMALL, STEPS, children, losses
 from tests.test_memory_check import listing
@@ -94,8 +95,8 @@ def test_a_start_up_check_failing_on_one_process_stops_both_with_its_line(refere
     before = listing(tmp_path)
     cache_before = listing(reference_dir / "compilation_cache")
     port = free_port()
-    procs = [start(i, tmp_path, port, cached(reference_dir),
-                   env={"JAXSCALE_TEST_FAIL_CHECK": "1"}) for i in (0, 1)]
+    fakes = fake_env(tmp_path.parent / f"{tmp_path.name}-fakes", small_devices=1)
+    procs = [start(i, tmp_path, port, cached(reference_dir), env=fakes) for i in (0, 1)]
     ended, deadline = {}, time.monotonic() + 120
     while len(ended) < 2:
         for i, p in enumerate(procs):
@@ -108,7 +109,7 @@ def test_a_start_up_check_failing_on_one_process_stops_both_with_its_line(refere
     assert last_line(stderrs[0]) == last_line(stderrs[1])
     assert last_line(stderrs[0]).startswith(
         "error: process 1 of 2: the train step does not fit: per device it needs")
-    assert "(JAXSCALE_TEST_FAIL_CHECK)" in last_line(stderrs[0])
+    assert f"({SMALL_DEVICES_SAYS})" in last_line(stderrs[0])
     assert abs(ended[0] - ended[1]) < 10  # together, not process 0 a heartbeat timeout later
     assert listing(tmp_path) == before  # nothing written, every checkpoint as it was
     assert listing(reference_dir / "compilation_cache") == cache_before
@@ -133,8 +134,8 @@ def kill_9_mid_run(victim: int, workdir, reference_dir, within_s: float) -> dict
     checkpoints saved before the kill are untouched. Returns them."""
     port = free_port()
     # Process 1 sleeps 0.5 s a step, so the kill lands mid-run.
-    procs = [start(i, workdir, port, cached(reference_dir),
-                   env={"JAXSCALE_TEST_SLOW_HOST": "1:0.5"}) for i in (0, 1)]
+    fakes = fake_env(workdir.parent / f"{workdir.name}-fakes", slow_host=(1, 0.5))
+    procs = [start(i, workdir, port, cached(reference_dir), env=fakes) for i in (0, 1)]
     wait_for_step(procs[0], 7)
     before = checkpoints(workdir)
     assert {path.split(os.sep)[0] for path in before} == {"4"}

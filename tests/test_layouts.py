@@ -15,6 +15,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.launch.cli import check_train_args
 from jaxscale.parallel.mesh import dcn_granules
 from jaxscale.trainer import Trainer
+from tests.fakes import fake_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,10 +140,10 @@ def test_each_ici_group_of_a_hybrid_mesh_is_on_one_host(layout, dcn_axis):
 @pytest.mark.slow
 def test_the_slowest_host_is_named(tmp_path):
     # A second per step: far above what a busy test machine adds to either host's own time.
-    run = launch_two(tmp_path, "--config.mesh.data=-1",
-                     env={"JAXSCALE_TEST_SLOW_HOST": "1:1.0"})
+    run = launch_two(tmp_path / "run", "--config.mesh.data=-1",
+                     env=fake_env(tmp_path, slow_host=(1, 1.0)))
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    with open(tmp_path / "metrics.jsonl") as f:
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
         lines = [r for r in map(json.loads, f) if "slowest_host" in r]
     assert lines and all(r["slowest_host"] == 1 for r in lines), lines
     assert all(r["host_time_max_s"] >= 1.0 for r in lines)  # the injected sleep is its own time

@@ -83,8 +83,8 @@ def test_a_preempted_run_raises_an_ordinary_exception_in_python(tmp_path):
     trainer = Trainer(config, str(tmp_path))
     compile_step, calls = trainer.compile_train_step, []
 
-    def compile_step_then_sigterm():
-        step_fn, memory = compile_step()
+    def compile_step_then_sigterm(capacity=None):
+        step_fn, memory = compile_step(capacity)
 
         def step_then_sigterm(state, batch):
             calls.append(1)

@@ -6,7 +6,6 @@ and the checkpoint restores into the abstract state TrainProgram makes from it.
     layout = StateLayout(model, rules, mesh_shape, optimizer_state="params", offload=False)
     layout.params, layout.moments, layout.slices, layout.fp8     # PartitionSpecs; slice counts
     shardings = layout.on(mesh)                                   # the same as NamedShardings
-    shardings.of(abstract_state, tx)                              # a TrainState of shardings
 
 The parameters are every parameter of the model, base and adapters; with LoRA each adapter
 factor is placed like its weight (jaxscale/models/lora.py `followed_specs`), and the moments and
@@ -20,15 +19,13 @@ from typing import Any, Mapping, NamedTuple
 
 import jax
 import ml_collections
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxscale.models.lora import followed_specs
 from jaxscale.models.spec import ModelSpec, model_spec
 from jaxscale.parallel.placement import moment_specs, param_specs, streamed_slices
 from jaxscale.parallel.sharding import Rules, logical_to_mesh, mesh_shardings, rules_from_config
 from jaxscale.training import offload as host_offload
-from jaxscale.training.state import TrainState
 
 
 class StateLayout:
@@ -70,7 +67,8 @@ class StateLayout:
 
 
 class StateShardings(NamedTuple):
-    """A `StateLayout` on a mesh (`StateLayout.on`)."""
+    """A `StateLayout` on a mesh (`StateLayout.on`); jaxscale/training/state.py `placed` makes
+    the train state's shardings of it."""
     mesh: Mesh
     params: Any  # every parameter's: what evaluation and sampling read
     moments: Any  # each trained parameter's moments on the device: where its gradient is reduced
@@ -78,18 +76,6 @@ class StateShardings(NamedTuple):
     fp8: Any  # None without fp8
     trained: Any  # TrainState.params: `params`, or with LoRA the adapters'
     frozen: Any  # TrainState.frozen: with LoRA the base's; None without
-
-    def of(self, abstract_state: TrainState, tx: optax.GradientTransformation) -> TrainState:
-        """A TrainState of shardings for `abstract_state` (`jax.eval_shape` of its init with
-        `tx`): each optimizer moment as its parameter's entry of `stored_moments`, scalars
-        replicated."""
-        replicated = NamedSharding(self.mesh, P())
-        opt_state = optax.tree_map_params(
-            tx, lambda _, sharding: sharding, abstract_state.opt_state, self.stored_moments,
-            transform_non_params=lambda _: replicated)
-        return TrainState(step=replicated, params=self.trained, opt_state=opt_state,
-                          loss_scale=replicated, good_steps=replicated, fp8=self.fp8,
-                          frozen=self.frozen)
 
 
 def check_optimizer_layout(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

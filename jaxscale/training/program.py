@@ -29,7 +29,7 @@ from jaxscale.parallel.sharding import batch_sharding, with_rules
 from jaxscale.training import step_settings
 from jaxscale.training.layout import StateLayout
 from jaxscale.training.optim import make_optimizer
-from jaxscale.training.state import init_state
+from jaxscale.training.state import init_state, placed
 from jaxscale.training.step import BATCH_KEYS, Objective, make_eval_step, make_train_step
 
 
@@ -58,7 +58,7 @@ class TrainProgram:
             config.optim, config.train.steps, model.trained(model.logical_specs), layout.slices)
         init = functools.partial(init_state, config, self.tx)
         abstract_state = jax.eval_shape(init, 0)
-        self.state_shardings = shardings.of(abstract_state, self.tx)
+        self.state_shardings = placed(abstract_state, self.tx, shardings)
         # What a checkpoint is restored into: this run's shapes and shardings, whatever the mesh
         # that wrote it.
         self.abstract_state = jax.tree.map(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.models.fp8 import Fp8Meta
 from jaxscale.models.lora import join_adapters, split_adapters
@@ -50,6 +51,21 @@ def init_state(config: ml_collections.ConfigDict, tx: optax.GradientTransformati
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),
                       good_steps=jnp.zeros((), jnp.int32), fp8=fp8, frozen=frozen)
+
+
+def placed(abstract_state: TrainState, tx: optax.GradientTransformation,
+           shardings: Any) -> TrainState:
+    """A TrainState of shardings for `abstract_state` (`jax.eval_shape` of `init_state` with
+    `tx`) from `shardings`, a StateLayout on a mesh (jaxscale/training/layout.py
+    `StateShardings`): each optimizer moment as its parameter's entry of `stored_moments`,
+    scalars replicated."""
+    replicated = NamedSharding(shardings.mesh, P())
+    opt_state = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_state.opt_state, shardings.stored_moments,
+        transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=shardings.trained, opt_state=opt_state,
+                      loss_scale=replicated, good_steps=replicated, fp8=shardings.fp8,
+                      frozen=shardings.frozen)
 
 
 def uses_dynamic_loss_scale(config: ml_collections.ConfigDict) -> bool:
