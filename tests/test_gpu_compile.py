@@ -116,6 +116,7 @@ def test_launch_fit_compiles_for_the_gpus_and_refuses_a_step_that_does_not_fit()
     assert lines[0].endswith("(compiled for h100:1x8)")
 
 
+@pytest.mark.slow  # 12-20 s of compiling
 def test_launch_gke_refuses_a_step_that_does_not_fit_before_rendering_anything():
     result = subprocess.run(
         [sys.executable, "-m", "jaxscale.launch.gke", "--config=configs/tiny.py", "--nodes=2",
@@ -128,6 +129,7 @@ def test_launch_gke_refuses_a_step_that_does_not_fit_before_rendering_anything()
     assert len(lines) == 1 and lines[0].endswith("(compiled for h100:2x8)")
 
 
+@pytest.mark.slow  # 12-20 s of compiling
 def test_fp8_meta_is_kept_for_the_whole_stack_at_once():
     """The fp8 matmuls' scale and history bookkeeping runs once a step for every layer of the
     stack (jaxscale/models/fp8.py `step_meta`, `next_meta`), not per layer: compiled for an
