@@ -16,6 +16,17 @@ from jaxscale.config import MESH_AXES, default_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def benchmark_module(name: str):
+    """benchmarks/NAME.py imported as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks",
+                                                                      f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def resumable_cli_losses(workdir, steps: int, **flags) -> tuple[dict[int, float], str]:
     """configs/tiny.py trained to `steps` through the CLI in float32 with `flags`, a constant
     learning rate after one warmup step and a checkpoint every 2 steps, so that a run of 2 steps

@@ -2,25 +2,16 @@
 num_vocab_tiling it compiles MaxText with, and its bad inputs (one `error:` line, exit status 2,
 before anything is compiled or MaxText is looked for)."""
 
-import importlib.util
 import os
 
 import pytest
 
 from jaxscale.errors import ConfigError
-from tests.helpers import REPO
-
-
-def _memory():
-    spec = importlib.util.spec_from_file_location(
-        "memory_benchmark", os.path.join(REPO, "benchmarks", "memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import REPO, benchmark_module
 
 
 def test_maxtext_tilings_are_the_divisors_of_a_chips_tokens_it_is_given():
-    memory = _memory()
+    memory = benchmark_module("memory")
     assert memory.maxtext_tilings("2,4,8,16", 4096.0) == [2, 4, 8, 16]
     assert memory.maxtext_tilings("", 4096.0) == []  # MaxText's defaults alone
     for bad in ("3", "1", "0", "-2", "8192", "x"):
@@ -41,7 +32,7 @@ def test_maxtext_tilings_are_the_divisors_of_a_chips_tokens_it_is_given():
 ])
 def test_a_bad_maxtext_option_is_one_error_line(args, named, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing written: the folder stays empty
-    memory = _memory()
+    memory = benchmark_module("memory")
     with pytest.raises(SystemExit) as exit:
         memory.main(["memory.py", f"--config={REPO}/configs/llama3_8b.py", *args])
     err = capsys.readouterr().err

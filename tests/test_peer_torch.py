@@ -2,27 +2,17 @@
 config describes, the optimizer and schedule it trains with, remat mapped to checkpointing, and
 the log windows it reports. (On a GPU, benchmarks/accelerator.sh --peer runs it at full size.)"""
 
-import importlib.util
 import math
-import os
 
 import numpy as np
 import pytest
 
 from jaxscale.training.optim import learning_rate_schedule
 from jaxscale.models.spec import model_spec
-from tests.helpers import REPO, small_config
+from tests.helpers import benchmark_module, small_config
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-
-def _peer():
-    spec = importlib.util.spec_from_file_location(
-        "peer_torch", os.path.join(REPO, "benchmarks", "peer_torch.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _config(remat="none"):
@@ -34,7 +24,7 @@ def _config(remat="none"):
 
 
 def test_the_peer_is_the_configs_model_and_optimizer():
-    peer, config = _peer(), _config()
+    peer, config = benchmark_module("peer_torch"), _config()
     model = peer.build_model(config, "cpu")
     # The same parameters jaxscale counts (the padded vocabulary's rows, tied head).
     assert sum(p.numel() for p in model.parameters()) == model_spec(config).num_params
@@ -53,14 +43,14 @@ def test_the_peer_is_the_configs_model_and_optimizer():
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_maps_to_activation_checkpointing(remat):
-    assert _peer().build_model(_config(remat), "cpu").is_gradient_checkpointing
+    assert benchmark_module("peer_torch").build_model(_config(remat), "cpu").is_gradient_checkpointing
 
 
 def test_the_peer_trains_and_reports_its_last_window(capsys):
     """Eager at tiny shapes: two windows of three steps, the loss near log(vocabulary) at the
     start (random init) and falling on repeated random tokens is not asked; the figures are the
     last window's."""
-    peer, config = _peer(), _config("save_dots")
+    peer, config = benchmark_module("peer_torch"), _config("save_dots")
     result = peer.train(config, "cpu", compiled=False)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(lines) == 2 and result["step"] == 6
