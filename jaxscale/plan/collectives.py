@@ -65,6 +65,31 @@ def shapes_bytes(text: str) -> list[int]:
             for dtype, dims in _SHAPE.findall(text)]
 
 
+def _tuple_items(text: str) -> list[str]:
+    """The top-level items of a tuple type (`((bf16[2]{0}), bf16[2]{0})`: `(bf16[2]{0})` and
+    `bf16[2]{0}`); a type that is no tuple is its own one item."""
+    text = text.strip()
+    if not text.startswith("("):
+        return [text]
+    items, depth, begin = [], 0, 1
+    for i, char in enumerate(text[1:-1], start=1):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            items.append(text[begin:i])
+            begin = i + 1
+    return items + [text[begin:-1]]
+
+
+def _written_bytes(op: str, started: bool, type_text: str) -> list[int]:
+    """The bytes of each buffer collective `op` writes, from its result type `type_text`. An
+    asynchronous start (`started`, `all-gather-start`) of any op but all-reduce returns
+    (operands, outputs[, contexts]): its outputs are the second item."""
+    if started and op != "all-reduce":
+        type_text = _tuple_items(type_text)[1]
+    return shapes_bytes(type_text)
+
+
 def _iota(spec: str) -> np.ndarray:
     """`[2,2]T(1,0)`-style device order (dims, then an optional transpose), flattened."""
     m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec.strip())
@@ -179,15 +204,9 @@ def parse_collectives(hlo: str, mesh_shape: Mapping[str, int],
             if not m:
                 continue
             kind = m.group(2)
+            size = sum(_written_bytes(kind, bool(m.group(3)), m.group(1)))
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
                 kind = "reduce-scatter"
-            sizes = shapes_bytes(m.group(1))
-            if m.group(3) and kind == "all-gather":  # (operands, outputs): the gathered one
-                size = max(sizes)
-            elif m.group(3) and kind == "collective-permute":  # (operand, output, contexts)
-                size = sizes[0]
-            else:
-                size = sum(sizes)
             groups = replica_groups(line)
             if groups == [[]]:  # no groups written: every device takes part
                 groups = [list(range(math.prod(mesh_shape.values())))]
