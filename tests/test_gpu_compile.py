@@ -101,6 +101,7 @@ def test_fsdp_within_nodes_and_data_across_them_collect_over_their_own_axes():
     assert ("all-reduce", ("data",), True) in by_axes, by_axes
 
 
+@pytest.mark.slow  # 20 s of compiling; tests/test_plan.py reads each asynchronous form fast
 def test_gpu_collectives_move_the_bytes_the_analytic_model_counts():
     """A GPU starts its collectives asynchronously (`all-to-all-start` returns its operands with
     its outputs): read right, tiny_moe's all-to-alls over expert=4 move exactly the dispatch
