@@ -8,7 +8,9 @@ over the mesh's shape tells which axes vary inside a group. Three spellings occu
 `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}` (the compiler's own axes, optionally with
 `device_ids=(<iota>)`). A collective inside a while loop (the scan over layers, over microbatches)
 runs once per iteration: counts are multiplied by the loops' trip counts (the compiler's
-`known_trip_count`, else the bound in the scan's `i < N` condition). On TPU a
+`known_trip_count`, else the bound in the scan's `i < N` condition). An asynchronous start (a
+GPU's `all-to-all-start`, `reduce-scatter-start`) returns its operands beside its outputs: only
+the outputs count. On TPU a
 reduce-scatter is a fusion that calls an `all-reduce-scatter` computation; its all-reduce is
 counted as the reduce-scatter it is.
 """
@@ -85,8 +87,9 @@ def _written_bytes(op: str, started: bool, type_text: str) -> list[int]:
     """The bytes of each buffer collective `op` writes, from its result type `type_text`. An
     asynchronous start (`started`, `all-gather-start`) of any op but all-reduce returns
     (operands, outputs[, contexts]): its outputs are the second item."""
-    if started and op != "all-reduce":
-        type_text = _tuple_items(type_text)[1]
+    items = _tuple_items(type_text)
+    if started and op != "all-reduce" and len(items) > 1:
+        type_text = items[1]
     return shapes_bytes(type_text)
 
 
