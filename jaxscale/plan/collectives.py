@@ -10,9 +10,8 @@ over the mesh's shape tells which axes vary inside a group. Three spellings occu
 runs once per iteration: counts are multiplied by the loops' trip counts (the compiler's
 `known_trip_count`, else the bound in the scan's `i < N` condition). An asynchronous start (a
 GPU's `all-to-all-start`, `reduce-scatter-start`) returns its operands beside its outputs: only
-the outputs count. On TPU a
-reduce-scatter is a fusion that calls an `all-reduce-scatter` computation; its all-reduce is
-counted as the reduce-scatter it is.
+the outputs count. On TPU a reduce-scatter is a fusion that calls an `all-reduce-scatter`
+computation; its all-reduce is counted as the reduce-scatter it is.
 """
 
 from __future__ import annotations
