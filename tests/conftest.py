@@ -11,3 +11,15 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402 - after the flags, which must be set before JAX is imported
+
+
+@pytest.fixture
+def no_gpu_compiler(monkeypatch):
+    """As on a host without JAX's CUDA plugin: GPU targets are planned from the estimates alone
+    (compiling a large model for GPUs takes minutes)."""
+    from jaxscale.runtime import cuda_plugin
+
+    monkeypatch.setattr(cuda_plugin, "installed", lambda: False)

@@ -43,7 +43,8 @@ def test_the_peer_is_the_configs_model_and_optimizer():
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_maps_to_activation_checkpointing(remat):
-    assert benchmark_module("peer_torch").build_model(_config(remat), "cpu").is_gradient_checkpointing
+    model = benchmark_module("peer_torch").build_model(_config(remat), "cpu")
+    assert model.is_gradient_checkpointing
 
 
 def test_the_peer_trains_and_reports_its_last_window(capsys):

@@ -246,14 +246,12 @@ def test_a_small_memory_budget_forces_sharded_parameters_that_compile_within_it(
         assert 0.75 <= ratio <= 1.25, (row.candidate, ratio)
 
 
-def test_without_the_gpu_compiler_gpu_targets_are_planned_from_estimates(monkeypatch):
+@pytest.mark.usefixtures("no_gpu_compiler")
+def test_without_the_gpu_compiler_gpu_targets_are_planned_from_estimates():
     """Llama 3 8B on two 8-GPU H100 nodes, on a host without JAX's CUDA plugin: no compiler, so
     the plan is the estimates', and its header says how to get the compiler; Adam state for 8B
     parameters (96 GiB) cannot be replicated in 80 GiB."""
     from jaxscale.plan.report import header
-    from jaxscale.runtime import cuda_plugin
-
-    monkeypatch.setattr(cuda_plugin, "installed", lambda: False)
     config = load_config_file("configs/llama3_8b.py")
     plan = make_plan(config, parse_target("h100:2x8"), top=2)
     assert not plan.target.compiles and plan.target.granules == 2
@@ -638,15 +636,13 @@ def test_a_bigger_bubble_ranks_slower_with_everything_else_equal():
     assert times["1f1b M=16"].total > times["gpipe M=16"].total
 
 
-def test_pipelines_across_the_network_are_ranked_where_hsdp_does_not_fit(monkeypatch):
+@pytest.mark.usefixtures("no_gpu_compiler")
+def test_pipelines_across_the_network_are_ranked_where_hsdp_does_not_fit():
     """Llama 3 8B (32 x 2048 tokens) on two 8-GPU nodes with 16 GiB each: HSDP (fsdp=8 inside a
     node, dcn.data=2) keeps the whole state in each node, 16 bytes x 8.03B / 8 = 16 GB per GPU,
     which does not fit; stages across the network hold half the layers each and send only
     activations over it. The estimates' ranking (without the GPU compiler; compiled GPU plans
     are tests/test_gpu_compile.py's)."""
-    from jaxscale.runtime import cuda_plugin
-
-    monkeypatch.setattr(cuda_plugin, "installed", lambda: False)
     config = load_config_file("configs/llama3_8b.py")
     config.train.update(batch_size=32, seq_len=2048)
     target = parse_target("h100:2x8")
@@ -779,14 +775,12 @@ def test_expert_all_to_alls_and_context_gathers_are_read_from_the_hlo_as_counted
 
 
 @pytest.mark.slow
-def test_mixtral_on_four_h100_nodes_splits_its_experts_where_fsdp_alone_does_not_fit(monkeypatch):
+@pytest.mark.usefixtures("no_gpu_compiler")
+def test_mixtral_on_four_h100_nodes_splits_its_experts_where_fsdp_alone_does_not_fit():
     """Mixtral 8x7B on 32 H100s (estimates only, as without the GPU compiler: its compiled plan
     takes minutes): FSDP alone gathers every expert's weights in each layer and keeps the MoE
     layers' dispatch buffers beside them; the expert axis keeps each device's experts whole and
     sends the tokens to them instead."""
-    from jaxscale.runtime import cuda_plugin
-
-    monkeypatch.setattr(cuda_plugin, "installed", lambda: False)
     config = load_config_file("configs/mixtral_8x7b.py")
     plan = make_plan(config, parse_target("h100:4x8"), top=3)
     assert plan.verdict(next(r for r in plan.rows if r.role == "FSDP only")).startswith("too big")

@@ -87,13 +87,11 @@ def test_the_fast_and_lean_steps_train_alike_on_a_sharded_mesh():
                  params_fast, params_lean)
 
 
-def test_the_planner_searches_every_choice_and_prefers_the_fast_one_on_a_gpu(monkeypatch):
+@pytest.mark.usefixtures("no_gpu_compiler")
+def test_the_planner_searches_every_choice_and_prefers_the_fast_one_on_a_gpu():
     """On GPUs each layout comes with both settings, the fast one first in preference; the
     estimates alone (no GPU compiler) choose it on the tie, and its flags say so. A TPU slice's
     candidates carry the lean settings only, so its plan is what it was."""
-    from jaxscale.runtime import cuda_plugin
-
-    monkeypatch.setattr(cuda_plugin, "installed", lambda: False)  # the estimates' choice
     config = small_config()
     gpu = candidates(config, 8, 1, "gpu")
     assert {(c.step, c.step_preference) for c in gpu} == {(FAST, 0), (LEAN, 1)}
