@@ -19,18 +19,14 @@ layout needs a Hopper GPU or newer.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from jaxscale.parallel.attention import attend  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def packed_segment_ids(rng, batch: int, length: int, max_segments: int) -> np.ndarray:
@@ -56,17 +52,6 @@ def relative_error(got, want) -> float:
     pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
     return max(float(jnp.linalg.norm((a.astype(jnp.float32) - b).ravel())
                      / jnp.linalg.norm(b.ravel())) for a, b in pairs)
-
-
-def timed(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -106,7 +91,7 @@ def main() -> int:
                   file=sys.stderr)
             return 1
         memory = fn.lower(*args).compile().memory_analysis()
-        seconds[name] = timed(fn, args, a.repeats)
+        seconds[name] = median_seconds(fn, args, a.repeats)
         print(f"{name:<21} {error:>10.2e} {seconds[name] * 1e3:>11.2f} "
               f"{memory.temp_size_in_bytes / 2**20:>9.1f}")
     print(f"ratio: {seconds['cudnn, mask'] / seconds['xla']:.4f}")

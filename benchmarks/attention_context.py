@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention import packed_segment_ids, relative_error, timed  # noqa: E402
+from attention import packed_segment_ids, relative_error  # noqa: E402
 from jaxscale.config import default_config  # noqa: E402
 from jaxscale.parallel.attention import _context, attend  # noqa: E402
 from jaxscale.parallel.context import load_balanced_order  # noqa: E402
 from jaxscale.parallel.mesh import build_mesh  # noqa: E402
 from jaxscale.parallel.sharding import rules_from_config, use_rules  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def document_positions(segment_ids: np.ndarray) -> np.ndarray:
@@ -88,7 +87,7 @@ def main() -> int:
             fn = grads(kernel)
             error = relative_error(fn(q_o, k_o, v_o)[1], reference)
             temp = fn.lower(q_o, k_o, v_o).compile().memory_analysis().temp_size_in_bytes
-            seconds[kernel] = timed(fn, (q_o, k_o, v_o), a.repeats)
+            seconds[kernel] = median_seconds(fn, (q_o, k_o, v_o), a.repeats)
             print(f"_context {kernel:<5}: gradients rel. error {error:.2e}, "
                   f"{seconds[kernel] * 1e3:.2f} ms, temporaries {temp / 2**20:.0f} MiB")
     print(f"ratio: {seconds['cudnn'] / seconds['xla']:.4f}")

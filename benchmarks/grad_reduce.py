@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -39,7 +38,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.data import make_input  # noqa: E402

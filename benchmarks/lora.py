@@ -23,7 +23,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; nothing
 
 import jax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.checks import checked_mesh  # noqa: E402
 from jaxscale.cli import parse_train_flags  # noqa: E402

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
@@ -34,7 +32,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402
@@ -42,7 +39,8 @@ from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
 from jaxscale.models.spec import model_spec  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
-from tests.helpers import random_batch  # noqa: E402
+from jaxscale.plan.measure import random_batch  # noqa: E402
+from timing import seconds_per_step  # noqa: E402
 
 DROPLESS = ["--config.model.moe.capacity_factor=0"]
 SIDES = {  # name -> (config file, mesh, overrides)
@@ -81,14 +79,6 @@ def build(config, workdir: str):
     return [compiled, state, batch, memory]
 
 
-def timed(step, state, batch, steps: int):
-    begin = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    return state, (time.perf_counter() - begin) / steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
@@ -108,7 +98,7 @@ def main() -> None:
         best = dict.fromkeys(sides, float("inf"))
         for _ in range(args.rounds):
             for name, side in sides.items():
-                side[1], seconds = timed(side[0], side[1], side[2], args.steps)
+                side[1], seconds = seconds_per_step(side[0], side[1], side[2], args.steps)
                 best[name] = min(best[name], seconds)
     print("CPU, 8 simulated devices, per device:")
     for name, (_, _, _, memory) in sides.items():

@@ -24,7 +24,6 @@ first includes compilation). Prints, last, `tokens_per_sec: X`; `benchmarks/acce
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -32,7 +31,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # JAX computes the learning rates here, on the host: it must not take the GPU the peer trains on
 # (JAX's allocator reserves 75% of it when it starts there).
 os.environ["JAX_PLATFORMS"] = "cpu"

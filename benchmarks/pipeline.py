@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
@@ -33,12 +32,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.parallel.pipeline import Pipeline  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
-from tests.helpers import random_batch  # noqa: E402
+from jaxscale.plan.measure import random_batch  # noqa: E402
 
 MIB = 2 ** 20
 # 8 layers of d_model 128 on 32 sequences of 256 tokens: activations, not weights, fill memory.

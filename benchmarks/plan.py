@@ -38,7 +38,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU targets are compiled for; n
 
 import jax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.cli import Option, fail, load_config_file  # noqa: E402
 from jaxscale.config import MESH_AXES  # noqa: E402

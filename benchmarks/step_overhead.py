@@ -12,8 +12,6 @@ Prints both step times, time-to-first-step, and `ratio: X` (jaxscale / bare) las
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 
@@ -23,7 +21,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxscale.config import default_config  # noqa: E402
 from jaxscale.models.spec import create_model  # noqa: E402

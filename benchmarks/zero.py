@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
@@ -32,7 +30,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.plan.collectives import parse_collectives  # noqa: E402
@@ -41,7 +38,8 @@ from jaxscale.runtime.chips import GIB  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
 from jaxscale.models.spec import model_spec  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
-from tests.helpers import random_batch  # noqa: E402
+from jaxscale.plan.measure import random_batch  # noqa: E402
+from timing import seconds_per_step  # noqa: E402
 
 LAYOUTS = {"params": "replicated (params)", "data": "ZeRO-1 (data)"}
 TPU = ["--config=configs/llama_1b.py", "--config.mesh.data=4", "--config.mesh.fsdp=1",
@@ -88,14 +86,6 @@ def cpu_side(layout: str, overrides: list[str], workdir: str):
             f"{memory.line()}; {gradient_collectives(compiled, config)}"]
 
 
-def timed(step, state, batch, steps: int):
-    begin = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    return state, (time.perf_counter() - begin) / steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per side (CPU)")
@@ -114,7 +104,7 @@ def main() -> None:
         best = dict.fromkeys(sides, float("inf"))
         for _ in range(args.rounds):
             for layout, side in sides.items():
-                side[1], seconds = timed(side[0], side[1], side[2], args.steps)
+                side[1], seconds = seconds_per_step(side[0], side[1], side[2], args.steps)
                 best[layout] = min(best[layout], seconds)
     for layout, name in LAYOUTS.items():
         print(f"{name:>20}: {sides[layout][4]}; step {best[layout] * 1e3:.1f} ms")

@@ -17,9 +17,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def benchmark_module(name: str):
-    """benchmarks/NAME.py imported as a module (the benchmarks are scripts, not a package)."""
+    """benchmarks/NAME.py imported as a module. The benchmarks are scripts, not a package: run as
+    `python benchmarks/NAME.py`, their folder is first on sys.path and they import their shared
+    helpers (benchmarks/timing.py) as top-level modules, so it is put there here too."""
     import importlib.util
 
+    if os.path.join(REPO, "benchmarks") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks",
                                                                       f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
