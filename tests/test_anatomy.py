@@ -109,6 +109,44 @@ def test_the_guard_sees_a_cycle_and_an_upward_import(tmp_path):
         "jaxscale.config (foundation) imports jaxscale.parallel.mesh (models and parallelism)"]
 
 
+# The calls that exchange host values between processes. Processes agree in one module
+# (jaxscale/runtime/agreement.py): elsewhere these are agreements that nobody can review together.
+CROSS_PROCESS_CALLS = ("process_allgather", "broadcast_one_to_all", "sync_global_devices")
+# Where a gather moves data, not an answer: an exported weight's shards onto every host.
+GATHERS_OF_DATA = {"jaxscale.hf.weights"}
+
+
+def cross_process_calls(package: pathlib.Path = PACKAGE) -> list[str]:
+    """`module: call` for each call of CROSS_PROCESS_CALLS outside runtime/agreement.py."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        module = module_name(path, package)
+        if module in ("jaxscale.runtime.agreement", *GATHERS_OF_DATA):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = (node.func.attr if isinstance(node, ast.Call) and isinstance(node.func,
+                                                                                ast.Attribute)
+                    else node.func.id if isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name) else None)
+            if name in CROSS_PROCESS_CALLS:
+                found.append(f"{module}:{node.lineno}: {name}")
+    return found
+
+
+def test_processes_agree_only_through_runtime_agreement():
+    assert not cross_process_calls(), "\n".join(cross_process_calls())
+
+
+def test_the_agreement_guard_sees_a_gather_elsewhere(tmp_path):
+    package = tmp_path / "jaxscale"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "data.py").write_text(
+        "from jax.experimental import multihost_utils\n"
+        "def f(x):\n    return multihost_utils.process_allgather(x)\n")
+    assert cross_process_calls(package) == ["jaxscale.data:3: process_allgather"]
+
+
 # They read the model (its families, its abstract form, its parameters on a mesh) from models/,
 # not from training/, which builds the train step on it; the checkpoint saves any train state.
 MODEL_READERS = ("jaxscale.hf", "jaxscale.checkpoint", "jaxscale.inference", "jaxscale.export_hf")

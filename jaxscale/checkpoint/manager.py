@@ -42,14 +42,13 @@ import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint.barrier import failure_behind
 from jaxscale.checkpoint.reading import (ParamsOnly, Restored, State, finalized_steps,
                                          holds_every_shard, path_kind, process_layout,
                                          restore_once)
 from jaxscale.checkpoint.tier import SaveOutcome, Tier
-from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, agree_on_gravest, agreed,
+from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, agreed,
                                          raise_unless_ok, retrying, save_error,
                                          save_failure_kind)
 from jaxscale.errors import JaxscaleError, TransientError
@@ -57,6 +56,7 @@ from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import ModelSpec, create_model
+from jaxscale.runtime.agreement import gathered, gravest, process_0_decides
 from jaxscale.runtime.storage import reason, storage_error
 from jaxscale.runtime.workdir import check_writable
 
@@ -160,10 +160,10 @@ class Checkpoints:
         local_clock = self._local_on and o.local_every_minutes
         if log_step and (o.every_minutes or local_clock):
             now = time.monotonic()
-            by_clock = _process_0_decides(
+            by_clock = process_0_decides(np.array([
                 bool(o.every_minutes) and now - self._last_save[PERSISTENT] >= 60 * o.every_minutes,
-                bool(local_clock) and now - self._last_save[LOCAL] >= 60 * o.local_every_minutes)
-            persistent, local = persistent or by_clock[0], local or by_clock[1]
+                bool(local_clock) and now - self._last_save[LOCAL] >= 60 * o.local_every_minutes]))
+            persistent, local = persistent or bool(by_clock[0]), local or bool(by_clock[1])
         return PERSISTENT if persistent else LOCAL if local else None
 
     def save(self, step: int, state: State, data_state: dict, meta: dict, *,
@@ -207,7 +207,7 @@ class Checkpoints:
             local.save(step, state, data_state, meta)
         except (TransientError, JaxscaleError) as e:  # this host's disk: the run goes on
             problem = str(e)
-        failed, problem = agree_on_gravest(bool(problem), problem)
+        failed, problem = gravest(bool(problem), problem)
         if failed:
             self._local_off(problem)
         return self._local_on
@@ -218,7 +218,7 @@ class Checkpoints:
         if local.is_open:
             return True
         holds = holds_every_shard(state)
-        unfit, problem = agree_on_gravest(not holds, "" if holds else (
+        unfit, problem = gravest(not holds, "" if holds else (
             "it holds shards of one replica and others of another, which Orbax's process-local "
             "writer does not save whole"))
         if unfit:
@@ -405,17 +405,14 @@ def restore_order(local: Sequence[int], persistent: Sequence[int]) -> list[tuple
                   key=lambda candidate: (-candidate[0], candidate[1] != LOCAL))
 
 
-def steps_everyone_holds(mine: Sequence[int], gather: Callable[[np.ndarray], np.ndarray] | None
-                         = None) -> tuple[list[int], list[int]]:
+def steps_everyone_holds(mine: Sequence[int],
+                         gather: Callable[[np.ndarray], np.ndarray] = gathered) -> tuple[list[int], list[int]]:
     """(the steps every process holds, of the newest _GATHERED_STEPS of each; those of this
     process's that another lacks), oldest first. `gather` stacks every process's row (a test's
     stand-in for the allgather)."""
     newest = sorted(mine)[-_GATHERED_STEPS:]
     row = np.full(_GATHERED_STEPS, -1, np.int32)
     row[:len(newest)] = newest
-    if gather is None:
-        gather = (lambda r: r[None]) if jax.process_count() == 1 else (
-            multihost_utils.process_allgather)
     rows = np.asarray(gather(row)).reshape(-1, _GATHERED_STEPS)
     everyone = set.intersection(*(set(r[r >= 0].tolist()) for r in rows))
     return sorted(everyone), sorted(set(newest) - everyone)
@@ -519,9 +516,3 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     if saved_steps(given):
         return given, None
     raise JaxscaleError(f"checkpoint.restore_from={path!r} holds no jaxscale checkpoint; {hint}")
-
-
-def _process_0_decides(*answers: bool) -> tuple[bool, ...]:
-    if jax.process_count() == 1:
-        return answers
-    return tuple(bool(a) for a in multihost_utils.broadcast_one_to_all(np.array(answers)))

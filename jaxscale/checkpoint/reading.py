@@ -38,12 +38,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
 from jaxscale.errors import ConfigError
 from jaxscale.models.fp8 import fresh_meta
 from jaxscale.models.lora import ADAPTER_SUFFIX
+from jaxscale.runtime.agreement import everyone
 
 FP8_ITEM = "fp8"  # the item of TrainState.fp8, when the run has one
 # A train state as the checkpoint sees it (jaxscale/training/state.py `TrainState`, whose module
@@ -374,7 +374,7 @@ def finalized_steps(directory: epath.Path) -> Outcome:
     found = agreed(lambda: path_kind(directory) is not None)
     if found.verdict is not Verdict.OK:
         return found._replace(value=[])
-    seen = _everyones(found.value)
+    seen = everyone(found.value)
     if not seen.any():
         return found._replace(value=[])
     if not seen.all():
@@ -383,13 +383,6 @@ def finalized_steps(directory: epath.Path) -> Outcome:
                                             "do not")
     with contextlib.ExitStack() as stack:
         return agreed(lambda: list(stack.enter_context(_reader(directory)).all_steps()))
-
-
-def _everyones(answer: bool) -> np.ndarray:
-    """Every process's `answer`, in process order."""
-    if jax.process_count() == 1:
-        return np.array([answer])
-    return np.asarray(multihost_utils.process_allgather(np.bool_(answer))).reshape(-1)
 
 
 def own_steps(directory: epath.Path) -> list[int]:

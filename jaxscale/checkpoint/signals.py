@@ -24,10 +24,10 @@ import signal
 import sys
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE
+from jaxscale.runtime.agreement import everyone
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,7 @@ class StopSignals:
             if multihost_utils.reached_preemption_sync_point(step):
                 # Every process is here: agree on why, so all exit alike (130 if anyone saw a
                 # Ctrl-C, else 42).
-                ctrl_c = multihost_utils.process_allgather(np.bool_(self._stop is Interrupted))
-                return Interrupted if np.any(ctrl_c) else Preempted
+                return Interrupted if everyone(self._stop is Interrupted).any() else Preempted
         except RuntimeError:  # the preemption service is off; warned about on entry
             pass
         return None

@@ -32,10 +32,11 @@ from jaxscale.checkpoint.barrier import SaveBarrier, failure_behind
 from jaxscale.checkpoint.reading import (State, finalized_steps, handler_registry,
                                          items_to_save, own_steps, process_local_options,
                                          restore_once)
-from jaxscale.checkpoint.verdict import (Outcome, SaveFailure, Verdict, agree_on_gravest, agreed,
+from jaxscale.checkpoint.verdict import (Outcome, SaveFailure, Verdict, agreed,
                                          raise_unless_ok, retrying, save_failure,
                                          save_failure_kind)
 from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.runtime.agreement import gravest
 from jaxscale.runtime.storage import reason, storage_error
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class Tier:
             own = failure_behind(error)
             failure, problem = ((SaveFailure.ABORTED, "stopped because another process's save "
                                  "failed") if own is None else save_failure_kind(own))
-        failure, problem = agree_on_gravest(failure, problem)
+        failure, problem = gravest(failure, problem)
         if failure == SaveFailure.NONE:
             self.note_finished_save()
         self._begun, self._unsettled = None, False

@@ -28,8 +28,8 @@ and a KeyError raised while handling an OSError is a bug, not a storage failure.
 
 Every process reaches the same verdict on each try (the gravest any process reached) before any
 acts on it. The same sorting of causes tells a save that failed on storage from one that found
-no space left, one the storage refused and a bug (`save_failure_kind`); `agree_on_gravest` makes
-the gravest outcome of a save every process's.
+no space left, one the storage refused and a bug (`save_failure_kind`); the gravest outcome of a
+save is made every process's by `jaxscale.runtime.agreement.gravest`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ import time
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.runtime.agreement import gravest
 from jaxscale.runtime.storage import access_denied, grant_or, no_space
 
 logger = logging.getLogger(__name__)
@@ -214,11 +213,6 @@ def save_error(kind: SaveFailure, what: str, words: str) -> JaxscaleError | Tran
 
 # -- agreeing, retrying ----------------------------------------------------------------------
 
-# Room for one process's problem in the gather that agrees on a verdict (a usage error's whole
-# message, hint included).
-_PROBLEM_BYTES = 1024
-
-
 def agreed(attempt: Callable[[], Any]) -> Outcome:
     """Runs `attempt` (every process together) and agrees on how it went: the gravest verdict any
     process reached is everyone's, with the words of the first process that reached it. A usage
@@ -243,24 +237,8 @@ def agreed(attempt: Callable[[], Any]) -> Outcome:
 
 
 def _agree(verdict: Verdict, problem: str) -> tuple[Verdict, str]:
-    gravest, problem = agree_on_gravest(verdict, problem)
-    return Verdict(gravest), problem
-
-
-def agree_on_gravest(code: int, problem: str) -> tuple[int, str]:
-    """(the gravest `code` any process holds, "process <first with it>: <its problem>"; "" when
-    the gravest is 0), the same on every process (one allgather)."""
-    if jax.process_count() == 1:
-        return code, problem
-    mine = np.zeros(1 + _PROBLEM_BYTES, np.uint8)
-    mine[0] = code
-    words = problem.encode()[:_PROBLEM_BYTES]
-    mine[1:1 + len(words)] = np.frombuffer(words, np.uint8)
-    everyone = np.asarray(multihost_utils.process_allgather(mine))
-    gravest = int(everyone[:, 0].max())
-    first = int(np.argmax(everyone[:, 0] == gravest))
-    words = everyone[first, 1:].tobytes().rstrip(b"\0").decode(errors="replace")
-    return gravest, (f"process {first}: {words}" if gravest else "")
+    code, problem = gravest(verdict, problem)
+    return Verdict(code), problem
 
 
 def retrying(attempt: Callable[[], Outcome], what: str) -> Outcome:

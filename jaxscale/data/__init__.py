@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxscale.data.chat import ChatEncoder
 from jaxscale.data.packing import AUTO, METHODS
@@ -32,6 +31,7 @@ from jaxscale.data.sources import SkippedRecords, check_splits, source_specs
 from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.parallel.context import length_shards, load_balanced
+from jaxscale.runtime.agreement import gathered, gathered_bytes
 
 __all__ = ["Input", "check_splits", "make_input"]
 
@@ -72,10 +72,7 @@ class Input:
 
     def skipped_records(self) -> int:
         """Malformed records skipped so far, summed over every process (each must call it)."""
-        if jax.process_count() == 1:
-            return self._skipped.count
-        counts = multihost_utils.process_allgather(np.int64(self._skipped.count))
-        return int(np.sum(counts))
+        return int(gathered(np.int64(self._skipped.count)).sum())
 
     def get_state(self) -> dict[str, Any]:
         """The position of every row stream, on every process.
@@ -123,14 +120,9 @@ def _from_all_processes(streams: dict[str, Any]) -> dict[str, Any]:
     """The union of every process's {row: stream state}: each process holds only its own."""
     if jax.process_count() == 1:
         return streams
-    mine = np.frombuffer(json.dumps(streams).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int64(mine.size)))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:mine.size] = mine
-    everyone = np.asarray(multihost_utils.process_allgather(padded))
     union = {}
-    for encoded, size in zip(everyone, sizes):
-        union.update(json.loads(encoded[:size].tobytes()))
+    for encoded in gathered_bytes(json.dumps(streams).encode()):
+        union.update(json.loads(encoded))
     return union
 
 

@@ -18,9 +18,9 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxscale.observe.metrics import throughput
+from jaxscale.runtime.agreement import gathered
 from jaxscale.runtime.storage import writing
 from jaxscale.runtime.workdir import WORKDIR_FIX
 
@@ -174,7 +174,7 @@ def compare_hosts(summary: dict[str, float], straggler_ratio: float
     if jax.process_count() == 1 or "step_time" not in summary:
         return {}, None
     mine = np.array([summary["step_time"], summary["data_wait_fraction"], summary["host_time"]])
-    step_time, data_wait, host_time = np.asarray(multihost_utils.process_allgather(mine)).T
+    step_time, data_wait, host_time = gathered(mine).T
     slowest = int(np.argmax(host_time))
     median_step, median_host = float(np.median(step_time)), float(np.median(host_time))
     metrics = {"step_time_max_host_s": float(step_time.max()), "slowest_host": slowest,

@@ -24,6 +24,7 @@ import ml_collections
 import numpy as np
 
 from jaxscale.checks import checked_mesh
+from jaxscale.runtime.agreement import process_0_decides
 from jaxscale.training.program import TrainProgram
 from jaxscale.training.step import BATCH_KEYS
 
@@ -67,7 +68,4 @@ def seconds_per_step(config: ml_collections.ConfigDict, devices,
 
 def agreed(seconds: list[float]) -> list[float]:
     """Process 0's timings on every process, so that all choose the same layout."""
-    if jax.process_count() == 1:
-        return seconds
-    from jax.experimental import multihost_utils
-    return [float(s) for s in multihost_utils.broadcast_one_to_all(np.asarray(seconds))]
+    return [float(s) for s in process_0_decides(np.asarray(seconds))]

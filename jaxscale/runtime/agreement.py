@@ -1,7 +1,20 @@
-"""One verdict for every process of a run: a block of start-up checks whose failure on some
-processes (one host's disk, data or memory) stops all of them with the same error, after one
-allgather, instead of leaving the others to wait in the next collective until the heartbeat
-timeout (`agreed_checks`)."""
+"""Where the processes of a run agree: every exchange of host values between them is here.
+
+A multi-process run goes wrong when processes act on different answers: one saves a step the
+others skip, one restores what another cannot read, one stops while the others wait in the next
+collective until the heartbeat timeout. Each answer that must be the same everywhere is made the
+same here, by one collective every process calls at the same point of its program:
+
+* `gathered(row)`: every process's small array, in process order (the primitive the rest use);
+* `gathered_bytes(message)`: every process's bytes (JSON, words), of any size or cut to a budget;
+* `everyone(answer)`: every process's yes or no;
+* `gravest(code, problem)`: the gravest code any process holds, with the words of the first;
+* `process_0_decides(values)`: process 0's values on every process (a clock read on one host);
+* `agreed_checks()`: a block of start-up checks whose failure on any process stops all.
+
+Nothing here runs a collective in a single-process run. The gathers go through
+`multihost_utils`, which moves host values over the devices' own collectives (gloo on CPUs).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +26,66 @@ from jax.experimental import multihost_utils
 
 from jaxscale.errors import TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, JaxscaleError, TransientError
 
-# Room for a failing start-up check's message in the agreement; a longer one is cut.
-_AGREED_MESSAGE_BYTES = 4096
+# Room for one process's words in an agreement (a failing check, a save's problem); longer ones
+# are cut. The gather moves this many bytes from every process, whatever the words' length.
+MESSAGE_BYTES = 4096
+
+
+def gathered(row: np.ndarray) -> np.ndarray:
+    """Every process's `row` (a small array of the same shape and dtype on each), stacked along a
+    new first axis in process order."""
+    row = np.asarray(row)
+    if jax.process_count() == 1:
+        return row[None]
+    return np.asarray(multihost_utils.process_allgather(row)).reshape(-1, *row.shape)
+
+
+def gathered_bytes(message: bytes, budget: int | None = None) -> list[bytes]:
+    """Every process's `message`, in process order. With a `budget`, each is cut to that many
+    bytes and one gather moves them; without, any size, in two gathers (the sizes, then the
+    messages padded to the largest)."""
+    if budget is not None:
+        message = message[:budget]
+        size = budget
+    else:
+        size = int(gathered(np.int64(len(message))).max())
+    padded = np.zeros(size + 8, np.uint8)  # 8 bytes of length before the message
+    padded[:8] = np.frombuffer(np.int64(len(message)).tobytes(), np.uint8)
+    padded[8:8 + len(message)] = np.frombuffer(message, np.uint8)
+    rows = gathered(padded)
+    return [row[8:8 + int(row[:8].view(np.int64)[0])].tobytes() for row in rows]
+
+
+def everyone(answer: bool) -> np.ndarray:
+    """Every process's `answer`, a bool array in process order."""
+    return gathered(np.bool_(answer)).reshape(-1)
+
+
+def gravest(code: int, problem: str) -> tuple[int, str]:
+    """(the gravest (largest) `code` any process holds, "process <first with it>: <its
+    problem>", or "" when the gravest is 0), the same on every process."""
+    if jax.process_count() == 1:
+        return code, problem
+    answers = _coded_messages(code, problem)
+    worst = max(c for c, _ in answers)
+    first = next(process for process, (c, _) in enumerate(answers) if c == worst)
+    return worst, (f"process {first}: {answers[first][1]}" if worst else "")
+
+
+def _coded_messages(code: int, words: str) -> list[tuple[int, str]]:
+    """Every process's (code, words), the words cut to MESSAGE_BYTES, in one gather."""
+    rows = gathered_bytes(np.int64(code).tobytes() + words.encode()[:MESSAGE_BYTES],
+                          8 + MESSAGE_BYTES)
+    return [(int(np.frombuffer(row[:8], np.int64)[0]), row[8:].decode(errors="replace"))
+            for row in rows]
+
+
+def process_0_decides(values: np.ndarray) -> np.ndarray:
+    """Process 0's `values` (a small array, the same shape on each process) on every process:
+    for answers one host's clock or measurement gives, which every process must act on alike."""
+    if jax.process_count() == 1:
+        return np.asarray(values)
+    return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(values)))
 
 
 @contextlib.contextmanager
@@ -22,7 +93,7 @@ def agreed_checks():
     """Runs a block of start-up checks, then makes its verdict every process's: when a check fails
     on some processes (one host's disk, data or memory), all of them raise the error of the first
     (lowest id) of those, of its kind (JaxscaleError: exit 2, TransientError: exit 75), after one
-    allgather. Without it the others would go on into the next collective and wait there until
+    agreement. Without it the others would go on into the next collective and wait there until
     the heartbeat timeout. The block must hold no collective: a process whose check failed skips
     the rest of it."""
     failure = None
@@ -42,16 +113,11 @@ def _first_failure(failure: JaxscaleError | TransientError | None) -> Exception 
     that process's id when not every process failed); None when all passed."""
     kind = (0 if failure is None else
             TRANSIENT_EXIT_CODE if isinstance(failure, TransientError) else USAGE_EXIT_CODE)
-    message = str(failure or "").encode()[:_AGREED_MESSAGE_BYTES]
-    mine = np.zeros(3 + _AGREED_MESSAGE_BYTES, np.uint8)  # kind, message length (2 bytes), message
-    mine[:3] = kind, len(message) // 256, len(message) % 256
-    mine[3:3 + len(message)] = np.frombuffer(message, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(mine))  # in process order
-    failed = [process for process, row in enumerate(rows) if row[0]]
+    answers = _coded_messages(kind, str(failure or ""))
+    failed = [process for process, (code, _) in enumerate(answers) if code]
     if not failed:
         return None
-    row = rows[failed[0]]
-    text = row[3:3 + 256 * int(row[1]) + int(row[2])].tobytes().decode(errors="replace")
-    if len(failed) < len(rows):
-        text = f"process {failed[0]} of {len(rows)}: {text}"
-    return (TransientError if row[0] == TRANSIENT_EXIT_CODE else JaxscaleError)(text)
+    code, text = answers[failed[0]]
+    if len(failed) < len(answers):
+        text = f"process {failed[0]} of {len(answers)}: {text}"
+    return (TransientError if code == TRANSIENT_EXIT_CODE else JaxscaleError)(text)
