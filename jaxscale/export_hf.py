@@ -56,7 +56,7 @@ def make_parser() -> ArgumentParser:
 def checkpoint_step(directory: str, step: int | None) -> int:
     """The step to export: `step`, or the newest in `directory`; JaxscaleError naming the ones
     there when it is missing."""
-    from jaxscale.checkpoint.manager import saved_steps  # imports JAX: only once flags parsed
+    from jaxscale.checkpoint.restore_from import saved_steps  # imports JAX: only once flags parsed
 
     steps = saved_steps(directory)
     if not steps:
@@ -87,8 +87,8 @@ def check_adapters_only(config, workdir: str) -> None:
 def export(workdir: str, out: str, step: int | None, dtype: str,
            adapters_only: bool = False) -> str:
     """Writes the folder; returns a line saying what was written."""
-    from jaxscale.checkpoint.manager import (checkpoint_dir, lora_base,  # JAX from here on
-                                             restore_params)
+    from jaxscale.checkpoint.manager import checkpoint_dir  # JAX from here on
+    from jaxscale.checkpoint.restore_from import lora_base, restore_params
     from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
     from jaxscale.hf import save_model
     from jaxscale.hf.config import is_hf_folder

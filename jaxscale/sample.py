@@ -57,7 +57,8 @@ def make_parser() -> ArgumentParser:
 def run_config(workdir: str):
     """The run's config (config.json over the defaults) and the checkpoint folder holding at least
     one step; ConfigError naming what is missing."""
-    from jaxscale.checkpoint.manager import checkpoint_dir, saved_steps
+    from jaxscale.checkpoint.manager import checkpoint_dir
+    from jaxscale.checkpoint.restore_from import saved_steps
     from jaxscale.runtime.workdir import read_config
 
     config = read_config(workdir)

@@ -551,7 +551,7 @@ def test_a_usage_error_on_one_process_is_a_jaxscale_error_on_every_process(
         monkeypatch, tmp_path):
     """checkpoint.restore_from names a folder host 0 has and host 1 lacks: both raise one
     JaxscaleError in host 1's words (exit 2), neither a RuntimeError (a bug's exit 1)."""
-    from jaxscale.checkpoint.manager import _locate
+    from jaxscale.checkpoint.restore_from import _locate
 
     here, nowhere = tmp_path / "run", str(tmp_path / "nowhere")
     (here / "checkpoints" / "1" / "params").mkdir(parents=True)
