@@ -39,7 +39,7 @@ import numpy as np
 from jaxscale.checkpoint import PERSISTENT, Checkpoints, Restored, lora_base, restore_from
 from jaxscale.checkpoint.signals import Preempted, RunStopped, StopSignals
 from jaxscale.checks import checked_mesh
-from jaxscale.data import Input, check_splits, make_input
+from jaxscale.data import HeldOut, Input, check_splits, make_input
 from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import TrainingSamples
 from jaxscale.observe import metrics as metrics_lib
@@ -316,23 +316,6 @@ class Trainer:
             total, tokens = total + batch_loss, tokens + batch_tokens
         loss = float(total / max(float(tokens), 1.0))
         return {"loss": loss, "perplexity": float(np.exp(loss))}
-
-
-class HeldOut:
-    """The eval split, opened once per run: every eval reads the same first batches, without
-    listing the files or loading the tokenizer again."""
-
-    def __init__(self, config: ml_collections.ConfigDict, sharding: jax.sharding.Sharding):
-        self._input = make_input(config, "eval", sharding)
-        self._start = self._input.get_state()
-
-    def first_batches(self, count: int):
-        self._input.set_state(self._start)
-        for _ in range(count):
-            yield next(self._input)
-
-    def close(self) -> None:
-        self._input.close()
 
 
 class StepsInFlight:

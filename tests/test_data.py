@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import default_config
-from jaxscale.data import make_input, packing, pipeline, sources
+from jaxscale.data import make_input, packing, row_streams, sources
 from jaxscale.data.tokenizers import ByteTokenizer
 from jaxscale.errors import JaxscaleError
 from tests.helpers import model_attention_mask
@@ -280,14 +280,14 @@ def test_row_stream_shares_are_disjoint_and_cover_all_documents(streams):
     # Documents are identified by their position in the one epoch every stream lists; an odd
     # count checks the uneven split too.
     documents = grain.MapDataset.range(1001)
-    shares = [list(pipeline.stream_share(documents, stream, streams))
+    shares = [list(row_streams.stream_share(documents, stream, streams))
               for stream in range(streams)]
     assert sorted(i for share in shares for i in share) == list(range(1001))
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
 def test_with_fewer_documents_than_streams_each_stream_reads_all_from_its_own_start():
-    shares = [list(pipeline.stream_share(grain.MapDataset.range(3), stream, 8))
+    shares = [list(row_streams.stream_share(grain.MapDataset.range(3), stream, 8))
               for stream in range(8)]
     assert shares[:4] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
 
@@ -300,7 +300,7 @@ def test_this_process_holds_every_row_of_a_one_process_mesh(batch_sharding):
 
 def process_rows(batch_size, process_count):
     """The rows each of `process_count` processes holds: contiguous blocks, as on the trainer's
-    meshes (`jaxscale.data.pipeline.local_rows` reads them from the sharding)."""
+    meshes (`jaxscale.data.row_streams.local_rows` reads them from the sharding)."""
     share = batch_size // process_count
     return [range(p * share, (p + 1) * share) for p in range(process_count)]
 
@@ -311,7 +311,7 @@ def global_batches(config, process_count, n, states=None):
     `Input.get_state` gathers."""
     per_process, union = [], {}
     for rows in process_rows(config.train.batch_size, process_count):
-        it = iter(pipeline.local_batches(config, "train", rows, sources.SkippedRecords()))
+        it = iter(row_streams.local_batches(config, "train", rows, sources.SkippedRecords()))
         if states is not None:
             it.set_state({str(row): states[str(row)] for row in rows})
         per_process.append([next(it) for _ in range(n)])
@@ -345,7 +345,7 @@ def test_a_state_saved_under_some_process_count_resumes_under_another(method):
 
 
 def test_every_eval_reads_the_same_held_out_batches_as_a_fresh_input(batch_sharding):
-    from jaxscale.trainer import HeldOut
+    from jaxscale.data import HeldOut
 
     config = small_config()
     fresh = take(config, "eval", batch_sharding, 3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.data import chat, check_data, formats, make_input, pipeline, sources
+from jaxscale.data import chat, check_data, formats, make_input, row_streams, sources
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import config_with, one_line_error, resumable_cli_losses
@@ -181,7 +181,7 @@ def test_batch_loss_mask_is_one_exactly_where_the_target_is_learned(tmp_path):
     for record in records:
         body, learned = expected_learned(record)
         by_body[body] = learned
-    batches = pipeline.local_batches(config, "train", range(8), sources.SkippedRecords())
+    batches = row_streams.local_batches(config, "train", range(8), sources.SkippedRecords())
     iterator = iter(batches)
     seen = 0
     for _ in range(4):
@@ -208,7 +208,7 @@ def test_a_chat_source_mixed_with_text_learns_every_text_token(tmp_path):
                             for _ in range(50)))
     config = chat_config(write_chat(tmp_path / "c.jsonl", byte_records(30)))
     config.data.sources += (dict(format="jsonl", path=str(text), eval_fraction=0.01),)
-    batch = next(iter(pipeline.local_batches(config, "train", range(8),
+    batch = next(iter(row_streams.local_batches(config, "train", range(8),
                                              sources.SkippedRecords())))
     plain = BYTE.encode("plain text document")
     found = 0

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checks import validate
 from jaxscale.config import default_config
-from jaxscale.data import make_input, pipeline, prepare, sources, token_files
+from jaxscale.data import make_input, prepare, row_streams, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import TEXTS, config_with, model_attention_mask, one_line_error
@@ -108,7 +108,7 @@ def test_row_stream_shares_of_a_source_hold_each_document_once(tmp_path, streams
                                          ByteTokenizer(), config)
     seen = [ByteTokenizer().decode(d)
             for stream in range(streams)
-            for d in pipeline.stream_share(documents, stream, streams)]
+            for d in row_streams.stream_share(documents, stream, streams)]
     assert sorted(seen) == sorted(decoded(config, "train"))
 
 
@@ -118,13 +118,13 @@ def test_mixture_follows_the_weights(tmp_path):
     b.write_text("".join(json.dumps({"text": f"b{i}"}) + "\n" for i in range(70)))
     config = config_with(dict(format="jsonl", path=str(a), weight=3),
                          dict(format="jsonl", path=str(b), weight=1))
-    mixed = pipeline.mixture(config, "train", 0, ByteTokenizer())
+    mixed = row_streams.mixture(config, "train", 0, ByteTokenizer())
     # Framed pairs: the first input is BOS, the second the source's letter.
     letters = [chr(mixed[i]["inputs"][1] - 3) for i in range(400)]
     share = letters.count("a") / len(letters)
     assert abs(share - 0.75) < 0.05
     # Deterministic for a seed: the same mixture again.
-    again = pipeline.mixture(config, "train", 0, ByteTokenizer())
+    again = row_streams.mixture(config, "train", 0, ByteTokenizer())
     assert letters == [chr(again[i]["inputs"][1] - 3) for i in range(400)]
 
 
@@ -268,7 +268,7 @@ def test_sentencepiece_tokenizer(tmp_path, sentencepiece_model):
     assert tokenizer.decode(ids) == TEXTS[5]
     config.model.vocab_size = 40
     validate(config, 8)
-    rows = next(iter(pipeline.local_batches(config, "train", range(8), sources.SkippedRecords())))
+    rows = next(iter(row_streams.local_batches(config, "train", range(8), sources.SkippedRecords())))
     assert rows["inputs"].max() < 40 and (rows["inputs"] == 1).any()
 
 
