@@ -23,7 +23,7 @@ from tests.test_launch_gke import GPU_ARGS, render
 from tests.test_supervise import start_times, supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SBATCH = os.path.join(REPO, "launch", "slurm", "jaxscale.sbatch")
+SBATCH = os.path.join(REPO, "deploy", "slurm", "jaxscale.sbatch")
 
 
 # --- jaxscale.supervise -------------------------------------------------------------------------

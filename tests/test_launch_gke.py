@@ -32,7 +32,7 @@ GPU_ARGS = ["--config=configs/tiny.py", "--nodes=2", "--gpus_per_node=8", "--ima
 TPU_ARGS = ["--config=configs/tiny.py", "--tpu_accelerator=tpu-v5p-slice", "--tpu_topology=2x2x2",
             "--slices=2", "--image=img:1", "--pvc=shared", "--name=tiny",
             "--config.mesh.dcn.data=2"]
-DOCKERFILE = os.path.join(REPO, "launch", "Dockerfile")
+DOCKERFILE = os.path.join(REPO, "deploy", "Dockerfile")
 RESULTS = os.path.join(REPO, "benchmarks", "RESULTS.md")
 
 
@@ -256,7 +256,7 @@ def test_pods_detect_the_gke_mode_and_agree_on_the_coordinator(gpu_jobset):
 
 
 def test_kueue_setup_defines_the_default_queue_and_priority_classes():
-    with open(os.path.join(REPO, "launch", "gke", "kueue.yaml")) as f:
+    with open(os.path.join(REPO, "deploy", "gke", "kueue.yaml")) as f:
         docs = list(yaml.safe_load_all(f))
     by_kind = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert {("LocalQueue", "jaxscale"), ("ClusterQueue", "jaxscale"),

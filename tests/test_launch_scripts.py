@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TPU = os.path.join(REPO, "launch", "tpu", "tpu.sh")
-SBATCH = os.path.join(REPO, "launch", "slurm", "jaxscale.sbatch")
+TPU = os.path.join(REPO, "deploy", "tpu", "tpu.sh")
+SBATCH = os.path.join(REPO, "deploy", "slurm", "jaxscale.sbatch")
 ACCELERATOR = os.path.join(REPO, "benchmarks", "accelerator.sh")
 SCRIPTS = [TPU, SBATCH, ACCELERATOR, os.path.join(REPO, "benchmarks", "gpu_session.sh")]
 

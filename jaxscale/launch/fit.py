@@ -3,8 +3,8 @@
     python -m jaxscale.launch.fit --devices=16 --granules=2 -- --config=configs/tiny.py \\
         --config.mesh.dcn.data=2
 
-Prints `ok: ...` and exits 0, or prints `error: ...` and exits 2. Used by launch/tpu/tpu.sh and
-launch/slurm/jaxscale.sbatch; the Python launchers run the same check themselves. With
+Prints `ok: ...` and exits 0, or prints `error: ...` and exits 2. Used by deploy/tpu/tpu.sh and
+deploy/slurm/jaxscale.sbatch; the Python launchers run the same check themselves. With
 `--gpu=h100` (h200, a100; the granules are nodes of such GPUs) the train step is also compiled
 for them, on this host without a GPU (the `jaxscale[gpu-compile]` extra), and a step that needs
 more than JAX's allocator will have on each GPU is refused the same way.

@@ -53,7 +53,7 @@ CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"
 WORKDIR_MOUNT = "/workdir"
 LOCAL_CHECKPOINTS_MOUNT = "/local-checkpoints"
-# The uid and gid the pods run as: launch/Dockerfile's USER (tests check that the two agree).
+# The uid and gid the pods run as: deploy/Dockerfile's USER (tests check that the two agree).
 RUN_AS = 1000
 # GKE's accelerator labels (--gpu_type) of the GPUs the train step can be compiled for, and their
 # names in GPU targets (jaxscale/plan/targets.py).

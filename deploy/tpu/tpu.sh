@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train jaxscale on a Cloud TPU VM slice (or several: multi-slice), through queued resources.
 #
-#   launch/tpu/tpu.sh up --name=run1 --zone=us-east5-a --accelerator_type=v5p-16 [--slices=2] \
+#   deploy/tpu/tpu.sh up --name=run1 --zone=us-east5-a --accelerator_type=v5p-16 [--slices=2] \
 #       [--spot] [--dry_run] -- --config=configs/tiny.py --workdir=runs/run1 \
 #       --config.checkpoint.dir=gs://BUCKET/run1
 #
