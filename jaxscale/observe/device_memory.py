@@ -42,9 +42,9 @@ class StepMemory:
     def total(self) -> int:
         """Bytes the step needs on a device: its inputs, its outputs that do not reuse an input's
         buffer, and its working memory (MaxText's `train_compile` sums the same; code excluded).
-        On a TPU this overstates: its temporaries count more than the step's heap in HBM
-        (llama3_8b on v5p-64: 5.78 GiB, where the buffers in HBM add up to 4.29 and `peak` is
-        4.28; the excess is about the donated arguments' size)."""
+        On a TPU this overstates: its temporaries count more than the step's heap in HBM, by
+        about the donated arguments' size (`peak` is the heap; benchmarks/RESULTS.md compares
+        them for llama3_8b on v5p-64)."""
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
     def line(self) -> str:

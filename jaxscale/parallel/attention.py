@@ -290,8 +290,8 @@ def _residuals_made_at_once(kernel, *args):
     Splash's forward writes each query's log-sum-exp into a [heads, length, 128] float32 buffer
     (a TPU vreg's lanes) and keeps lane 0 for the backward; XLA fuses that slice into the
     backward's first reader, so the whole buffer lives from the forward to the backward: under
-    remat `full`, across the feed-forward's backward (llama3_8b on v5p-64: 64 MiB at the peak,
-    and a relaid copy of it)."""
+    remat `full`, across the feed-forward's backward (with a relaid copy of it), at the step's
+    peak."""
     return kernel(*args)
 
 

@@ -43,8 +43,8 @@ def param_specs(logical: Any, shapes: Any, like: Any, rules: Rules,
     factors' gradients reduce-scattered instead of all-reduced, no all-to-all). `tensor` splits
     the computation: the activations are split over it on heads or mlp, which the factor either
     splits already or lacks (A of q [embed, rank]); spread over another dimension, its matmuls
-    gather within the tensor group per layer and pass (the same step with fsdp=2 x tensor=2:
-    1.4 GiB more all-gathered over tensor per step, for 0.01 GiB less state per chip).
+    gather within the tensor group per layer and pass: far more bytes all-gathered for a sliver
+    less state per chip (benchmarks/lora.py with fsdp=2 x tensor=2; benchmarks/RESULTS.md).
     `pipeline` is on `layers`, which the factor has already."""
     data_axes = rules.get("batch", ())
 

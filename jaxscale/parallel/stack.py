@@ -8,8 +8,8 @@ it, so compile time does not grow with depth.
 `unroll` is `lax.scan`'s: k layers per turn of the loop, 0 all of them and no loop. Unrolled,
 XLA sees each layer's slice of the stack as a constant slice and builds the stacked gradients and
 saved activations by concatenation, where the loop writes them a layer at a time
-(dynamic-update-slices: 21 ms of llama_1b's 190 ms step on one H200); compile time grows with
-depth. The values are the same either way.
+(dynamic-update-slices, a tenth of llama_1b's step on one H200: benchmarks/RESULTS.md); compile
+time grows with depth. The values are the same either way.
 
 The second computes the same values and gradients (bit for bit) with less memory when the
 layer function saves nothing for its backward pass (`jax.checkpoint` with `nothing_saveable`).
@@ -18,8 +18,8 @@ the stack is only read back a layer at a time in reverse, so once layer l's grad
 weights are never read again. Plain autodiff of the scan instead keeps the stack (alive to the
 end of the backward pass) and stacks the gradients in a second buffer of the same size. For
 weights cast to the compute dtype before the loop (`weights_cast_for_use`), XLA then reuses the
-cast copy's buffer for the gradient: a bfloat16 copy of llama3_8b's layers is 13 GiB
-(benchmarks/memory.py on v5p-64: 4.07 -> 3.76 GiB per chip; tests/test_stack.py).
+cast copy's buffer for the gradient, a whole bfloat16 copy of the layers (benchmarks/memory.py's
+figure in benchmarks/RESULTS.md; tests/test_stack.py).
 """
 
 from __future__ import annotations

@@ -276,9 +276,9 @@ def _compute_weights(spec: ModelSpec, param_specs, rules: Rules, mesh_shape: Map
     the compiler prefetches the next unit's while the current one runs. The output head is not
     gathered: the loss contracts it in slices. With MoE layers and a compute dtype narrower than
     the parameters (`converted`), every layer's local experts: XLA:CPU holds that much more for
-    MoE models in bfloat16 (18 MiB for configs/tiny_moe.py with data=8 and remat full, 2.4 MiB
-    with expert=8) and nothing more in float32; read as their converted copies, hoisted out of
-    the loop over layers."""
+    MoE models in bfloat16 and nothing more in float32 (seen in configs/tiny_moe.py's compiled
+    step, on data and expert meshes); read as their converted copies, hoisted out of the loop
+    over layers."""
     blocks, abstract = param_specs["blocks"], spec.abstract_params["blocks"]
     gathered = 0
     embed_axes = tuple(rules.get("embed", ()))

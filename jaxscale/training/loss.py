@@ -179,8 +179,7 @@ def _chunked_backward(logits_fn, head_axes, size, tiles, residuals, upstream):
     feature_grads = jnp.swapaxes(feature_grads, 0, 1).reshape(features.shape)
     # The head's gradient is cast to the head's dtype before the features' gradient goes on
     # (the barrier ties the two): left alone, XLA casts it where the optimizer reads it, after
-    # the layers' backward pass, holding the float32 accumulator through it (llama3_8b on
-    # v5p-64: 63 MiB at the peak).
+    # the layers' backward pass, holding the float32 accumulator through it, at the peak.
     return (*jax.lax.optimization_barrier(((head_grad * upstream).astype(head.dtype),
                                            (feature_grads * upstream).astype(features.dtype))),
             None, None)

@@ -8,10 +8,9 @@ step (over PCIe on GPUs). Their shardings are the moments' usual ones with
 `memory_kind="pinned_host"`, and the train step's outputs land there again through its
 out_shardings. The optimizer's update (`jaxscale.training.optim.streamed_update`) holds one
 layer's moments of the stacked layers' weights at a time, and two of the other parameters',
-instead of all of them. From the compiled programs (benchmarks/offload.py, one TPU v5p chip):
-`llama3_8b` at 8192 tokens needs 69 GiB instead of 106 with the whole state moved in at once;
-its peak is now the backward pass, with the compute-dtype copies of the weights and the stacked
-gradients; `llama_1b` with float32 moments 15.2 GiB instead of 27.7.
+instead of all of them, so that the step's peak is the backward pass (the compute-dtype copies of
+the weights and the stacked gradients), not the update: benchmarks/offload.py compiles both for a
+TPU v5p chip, and benchmarks/RESULTS.md has its figures.
 """
 
 from __future__ import annotations

@@ -193,15 +193,15 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     operand allows, which for a step's moments (arguments in host memory) is before the backward
     pass (measured: benchmarks/offload.py). Each `updates` leaf is widened to its parameter's dtype
     here, a slice at a time: given the float32 gradient of a stack instead, XLA would make the
-    whole of it before the loop (7 GiB for one of llama3_8b's). Each loop's gradient waits, by an
+    whole of it before the loop (gigabytes for one of llama3_8b's). Each loop's gradient waits, by an
     optimization barrier, for the loop before it to end.
 
     The parameters in one slice (the final norm's scale; with a split first dimension, the
     embedding and the head) are updated whole, `IN_FLIGHT` at a time: an optimization barrier
     asks that a parameter's moments leave the host only once those of the parameter `IN_FLIGHT`
     places before it are back there. The TPU compiler does not always keep to it: it moved
-    llama3_8b's embedding moments (2 GiB) in during the backward pass before the embedding went
-    in slices (benchmarks/RESULTS.md)."""
+    llama3_8b's embedding moments in during the backward pass before the embedding went in
+    slices (benchmarks/RESULTS.md, "Optimizer state offloaded")."""
     leaves, treedef = jax.tree.flatten(updates)
     index = jax.tree.unflatten(treedef, range(len(leaves)))
     counts = [1] * len(leaves) if slices is None else jax.tree.leaves(slices)
@@ -281,8 +281,8 @@ def _in_slices(update_slice, update: jax.Array, moments: list[jax.Array], param:
 
     # Host memory is read and written by dynamic (update) slices, which XLA turns into copies
     # between host and device; an index (a gather) or `.at[].set` (a scatter) of an array in host
-    # memory runs on the host's processor instead (measured: llama3_8b's step on one H200 took
-    # 6.7 s). The update is elementwise, so a layer keeps its leading dimension of 1.
+    # memory runs on the host's processor instead, seconds a step (benchmarks/RESULTS.md). The
+    # update is elementwise, so a layer keeps its leading dimension of 1.
     def take(x: jax.Array, k) -> jax.Array:
         return jax.lax.dynamic_slice_in_dim(x, k * rows, rows)
 

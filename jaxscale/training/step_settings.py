@@ -7,11 +7,11 @@
 
 None of them changes the step's values beyond the order of a sum, nor the train state's layout
 (checkpoints move freely between them): they trade speed for memory, and which side of the trade
-pays differs by device. On one H200, llama_1b at 4 x 2048 ran 189 ms a step with a loop over the
-layers and its loss in slices and tiles, 162 ms unrolled with whole logits (issue 44): the loop
+pays differs by device: on a GPU the unrolled step with whole logits is the faster (the loop
 writes each layer's gradients and saved activations into stacks, the slices and tiles remake the
-logits in pieces. On a TPU v5p the same slices and tiles take llama3_8b's step from 7.6 to 5.9 GiB
-per chip (benchmarks/memory.py), and a loop keeps compile time flat in depth.
+logits in pieces); on a TPU v5p the slices and tiles are what fits llama3_8b's step in less memory
+per chip, and a loop keeps compile time flat in depth (benchmarks/RESULTS.md, issue 44's H200
+figures and benchmarks/memory.py's).
 
 -1, each key's default, leaves the key to the device: `choices` lists what a device tries, in its
 order of preference; a key the config sets is kept as set in every choice. A GPU tries the fast
