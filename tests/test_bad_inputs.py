@@ -279,6 +279,9 @@ CASES = [
     train("a config file importing a missing module names the module", "--config=imports.py",
           files={"imports.py": "import jaxscale_no_such_module\n" + config_file()},
           names=["imports.py", "jaxscale_no_such_module"]),
+    train("a config file whose get_config exits names the file and the status",
+          "--config=exits.py", files={"exits.py": config_file("import sys", "sys.exit(3)")},
+          names=["exits.py", f"line {FIRST_LINE + 1}", "status 3"]),
     train("an unknown key set in a config file is named", "--config=newkey.py",
           files={"newkey.py": config_file("c.train.stepz = 3")}, names=["stepz"]),
     # --- data sources and tokenizers ------------------------------------------------------------
