@@ -97,6 +97,12 @@ NOT_A_TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "Nonsense"}}'
 
 
 @dataclasses.dataclass(frozen=True)
+class Link:
+    """A symbolic link to `target` (relative to the link's folder), in a case's `files`."""
+    target: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     id: str
     module: str
@@ -104,7 +110,8 @@ class Case:
     # What the error line must name, outside the case's folder: the bad value (and its key); a
     # substring or a compiled regex.
     names: tuple
-    files: dict = dataclasses.field(default_factory=dict)  # name -> text, bytes, or None: a folder
+    # name -> text, bytes, None (a folder) or a Link
+    files: dict = dataclasses.field(default_factory=dict)
     workdirs: tuple[str, ...] = ()  # run once with {workdir} each of these
     cli: bool = False  # a real subprocess instead of main() in this process
 
@@ -337,6 +344,10 @@ CASES = [
           "--config.metrics.mlflow_tracking_uri=file://{tmp}/notes.txt/mlruns", files=NOTES,
           names=["notes.txt", "mlflow_tracking_uri"]),
     # --- checkpoints ----------------------------------------------------------------------------
+    train("a dangling symlink for the local tier's folder is refused",
+          "--config.checkpoint.local_dir=ramdisk", "--config.checkpoint.local_every_steps=1",
+          files={"ramdisk": Link("unmounted")},
+          names=["checkpoint.local_dir", "/ramdisk' is a symbolic link to 'unmounted'"]),
     train("restoring from a folder without a checkpoint is refused",
           "--config.checkpoint.restore_from=notckpt", files={"notckpt/readme.txt": "hello\n"},
           names=["notckpt"], workdirs=FRESH),
@@ -685,18 +696,22 @@ def run_cli(module_name: str, args: list[str], cwd: str) -> tuple[int, str, str]
 # --- what a folder holds -----------------------------------------------------------------------
 
 def listing(root: str) -> dict[str, tuple]:
-    """{relative path: ('folder',) or ('file', size, sha256)} of everything under `root`."""
+    """{relative path: ('folder',), ('link', target) or ('file', size, sha256)} of everything
+    under `root` (links are not followed)."""
     found = {}
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = [d for d in subfolders if d != "__pycache__"]  # Python's, not the run's
-        for name in subfolders:
-            found[os.path.relpath(os.path.join(folder, name), root)] = ("folder",)
-        for name in files:
+        for name in subfolders + files:
             path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                data = f.read()
-            found[os.path.relpath(path, root)] = ("file", len(data),
-                                                  hashlib.sha256(data).hexdigest())
+            if os.path.islink(path):  # a dangling one can be neither read nor walked
+                found[os.path.relpath(path, root)] = ("link", os.readlink(path))
+            elif name in subfolders:
+                found[os.path.relpath(path, root)] = ("folder",)
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+                found[os.path.relpath(path, root)] = ("file", len(data),
+                                                      hashlib.sha256(data).hexdigest())
     return found
 
 
@@ -715,6 +730,9 @@ def make_files(root: str, files: dict) -> None:
             os.makedirs(path, exist_ok=True)
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(content, Link):
+            os.symlink(content.target, path)
+            continue
         with open(path, "wb") as f:
             f.write(content if isinstance(content, bytes) else content.encode())
 

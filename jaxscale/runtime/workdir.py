@@ -39,8 +39,13 @@ def check_writable(path: str, what: str, fix: str) -> None:
     file made and removed in the nearest folder that exists (permissions alone do not tell, e.g.
     for root or read-only mounts)."""
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        # A link to nothing (an unmounted disk, a removed folder): creating the folder would fail
+        # on it, and its parent being writable says nothing.
+        raise ConfigError(f"{what} {path!r} cannot be written: {existing!r} is a symbolic link "
+                          f"to {os.readlink(existing)!r}, which does not exist; {fix}")
     if not os.path.isdir(existing):
         raise ConfigError(f"{what} {path!r} cannot be written: {existing!r} is a file, not a "
                           f"folder; {fix}")
