@@ -249,10 +249,15 @@ class Trainer:
         and the checkpoints may be saved."""
         if self.is_primary:
             open_workdir(self.workdir, self.config.to_json_best_effort(indent=2))
-            if start.own is None and (earlier := set_aside_earlier_start(self.workdir)):
+            earlier = set_aside_earlier_start(self.workdir) if start.own is None else None
+            set_aside = f" (the earlier files are in {earlier})" if earlier else ""
+            if checkpoints.unused_local:
+                begins = (f"starting from {start.restored.path}" if start.restored
+                          else "starting from step 0")
+                self.say(f"{checkpoints.unused_local}; {begins}{set_aside}")
+            elif earlier:
                 self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint to "
-                         f"resume from; starting from step 0 (the earlier files are in "
-                         f"{earlier})")
+                         f"resume from; starting from step 0{set_aside}")
         run_log.open_file(self.workdir, jax.process_index())  # what libraries log
         cache.open()
         checkpoints.open_for_saving()
