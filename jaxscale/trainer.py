@@ -48,7 +48,7 @@ from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capac
                                             memory_metrics)
 from jaxscale.observe.profiling import ProfileWindow
 from jaxscale.observe.trackers import check_tracker_access
-from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
+from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts, read_run_record
 from jaxscale.runtime.agreement import agreed_checks
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
 from jaxscale.runtime.compilation_cache import (CACHE_FIX, CompilationCache,
@@ -167,6 +167,8 @@ class Trainer:
         folder; None: no cache)."""
         if self.is_primary:  # the one process that writes metrics
             check_tracker_access(self.config, self.workdir)
+            # Read again by the RunClock once the run writes; a bad one is refused before that.
+            read_run_record(self.workdir)
         checkpoints = stack.enter_context(Checkpoints(self.config, self.workdir))
         checkpoints.check_writable()
         cache_dir = compilation_cache_dir(self.config, self.workdir)

@@ -19,7 +19,7 @@ import time
 import ml_collections
 
 from jaxscale.config import default_config
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, json_object
 from jaxscale.runtime.storage import reason, storage_error, writing
 
 METRICS_FILE = "metrics.jsonl"
@@ -78,6 +78,10 @@ def open_workdir(workdir: str, config_json: str) -> None:
             f.write(config_json)
 
 
+_CONFIG_FIX = ("it is the run's config as jaxscale.train wrote it: restore it, or start the run "
+               "again")
+
+
 def read_config(workdir: str) -> ml_collections.ConfigDict:
     """The config the run in `workdir` last started with, over today's defaults (a key added
     since keeps its default); ConfigError when there is no such run."""
@@ -89,8 +93,8 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
     except ValueError as e:
-        raise ConfigError(f"{path} is not JSON ({e}); it is the run's config as jaxscale.train "
-                          "wrote it: restore it, or start the run again") from None
+        raise ConfigError(f"{path} is not JSON ({e}); {_CONFIG_FIX}") from None
+    json_object(saved, path, _CONFIG_FIX, ConfigError)
     config = default_config()
     config.update(saved)
     return config
