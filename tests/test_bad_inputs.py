@@ -348,6 +348,9 @@ CASES = [
           names=["docs.json", "JSON array, not an object"], workdirs=FRESH),
     train("a run.json that is a JSON array is named", files={"existing/run.json": "[]\n"},
           names=["run.json", "JSON array, not an object"], workdirs=EXISTING),
+    train("a metrics.jsonl line that is a JSON array is named", "--config.train.steps=2",
+          files={"existing/metrics.jsonl": "[1]\n"},
+          names=["metrics.jsonl line 1", "JSON array, not an object"], workdirs=EXISTING),
     # (A checkpoint's JSON of another shape is damage: tests/test_faults_checkpoint.py.)
     train("a Hugging Face config.json that is a JSON array is named", HF_CONFIG, SYNTHETIC,
           files={**HF_TIED, "model/config.json": "[]\n"},

@@ -107,11 +107,13 @@ def logged_metrics(workdir: str) -> list[dict]:
         return []
     lines = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
-                lines.append(json.loads(line))
+                value = json.loads(line)
             except json.JSONDecodeError:  # a line torn by a killed process, or a blank one
                 continue
+            lines.append(json_object(value, f"{path} line {number}", "the run writes an object "
+                                     "a line: remove that line"))
     return lines
 
 
