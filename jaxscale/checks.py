@@ -24,6 +24,7 @@ from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.models import family
 from jaxscale.models.fp8 import check_fp8
 from jaxscale.models.lora import check_lora
+from jaxscale.models.rope import check_head_dim
 from jaxscale.observe.profiling import check_window
 from jaxscale.observe.trackers import check_trackers
 from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
@@ -45,6 +46,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_slices: in
     `num_slices` DCN-connected granules; returns the mesh's (ici, dcn) axis sizes."""
     check_settings(config)
     family(config.model.name)  # ConfigError for a model.name that names no family
+    check_head_dim(config.model.head_dim)
     # Then each component its own section, from the samples and the data down to the mesh's axes.
     check_samples(config)
     check_data(config)

@@ -129,6 +129,8 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     except SyntaxError as e:
         raise ConfigError(f"config file {path!r} line {e.lineno}: syntax error ({e.msg}); fix "
                           "the Python in that line") from None
+    except SystemExit as e:  # sys.exit() in the file would end the run silently, with its status
+        raise ConfigError(_exited(path, e)) from None
     except Exception as e:  # noqa: BLE001 - whatever the file raises is the user's to fix
         raise ConfigError(_raised_in(path, e, "failed to load")) from None
     get_config = getattr(module, "get_config", None)
@@ -139,6 +141,8 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         config = get_config() if arg is None else get_config(arg)
     except JaxscaleError as e:  # the file's own check of its argument, already worded
         raise ConfigError(f"config file {spec!r}: {e}") from None
+    except SystemExit as e:
+        raise ConfigError(_exited(path, e)) from None
     except Exception as e:  # noqa: BLE001 - e.g. a str assigned to an int key
         raise ConfigError(_raised_in(path, e, "get_config() failed")) from None
     if not isinstance(config, ml_collections.ConfigDict):
@@ -148,17 +152,32 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     return config
 
 
-def _raised_in(path: str, error: Exception, what: str) -> str:
-    """'config file X line N: <what> (TypeError: ...)' with the deepest line of `path` in the
-    traceback, so the user sees where in their file it went wrong."""
+def _line_in(path: str, error: BaseException) -> str:
+    """' line N', the deepest line of `path` in the error's traceback, so the user sees where in
+    their file it went wrong; '' when the file is not in it."""
     line = None
     for frame in traceback.extract_tb(error.__traceback__):
         if os.path.abspath(frame.filename) == os.path.abspath(path):
             line = frame.lineno
-    where = f" line {line}" if line else ""
-    return (f"config file {path!r}{where}: {what} ({type(error).__name__}: "
+    return f" line {line}" if line else ""
+
+
+def _raised_in(path: str, error: Exception, what: str) -> str:
+    """'config file X line N: <what> (TypeError: ...)'."""
+    return (f"config file {path!r}{_line_in(path, error)}: {what} ({type(error).__name__}: "
             f"{_one_line(_message(error))}); fix that line, e.g. give each key a value of its "
             "default's type (see jaxscale/config.py:default_config())")
+
+
+def _exited(path: str, error: SystemExit) -> str:
+    """'config file X line N exited with status S ...', for a file that called sys.exit()."""
+    # sys.exit's argument as Python's exit status: None is 0, a message is 1 (printed).
+    code = error.code
+    status = (f"status {code or 0}" if code is None or isinstance(code, int)
+              else f"status 1: {_one_line(str(code))}")
+    return (f"config file {path!r}{_line_in(path, error)} exited (sys.exit) with {status}; a "
+            "config file returns its config: raise an exception that says what is wrong "
+            "instead, or remove the exit")
 
 
 def _message(error: Exception) -> str:

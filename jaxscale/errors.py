@@ -16,6 +16,7 @@ docs/launch.md). The CLI prints a user error or a transient failure as one
 """
 
 import signal
+from typing import Any, Callable
 
 USAGE_EXIT_CODE = 2
 TRANSIENT_EXIT_CODE = 75
@@ -33,6 +34,24 @@ class TransientError(Exception):
     """The infrastructure failed for now (storage, the coordinator, a peer): nothing the user must
     change, nothing damaged; the process exits 75 to be retried with backoff. Not a JaxscaleError:
     a launcher must never treat it as the user's mistake."""
+
+# What JSON calls the values json.loads returns, for messages that name what a file holds.
+_JSON_NAMES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def json_object(value: Any, what: str, fix: str = "",
+                error: Callable[[str], Exception] = JaxscaleError) -> dict:
+    """`value`, the JSON read from `what` (a file, a line of one), when it is an object; else
+    `error` of the one line "<what> is a JSON array, not an object; <fix>" (no fix: the error's
+    catcher words it, e.g. for a damaged checkpoint). Every JSON the program reads expects an
+    object, and a list or a number in its place would fail later on, far from the file, with a
+    traceback."""
+    if isinstance(value, dict):
+        return value
+    problem = f"{what} is a JSON {_JSON_NAMES[type(value)]}, not an object"
+    raise error(f"{problem}; {fix}" if fix else problem)
+
 
 # A run that stopped on purpose to be restarted (preemption, SIGTERM): it saved a checkpoint and
 # launchers (supervise, Slurm requeue, JobSet restart policy) should start it again.

@@ -48,7 +48,7 @@ from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capac
                                             memory_metrics)
 from jaxscale.observe.profiling import ProfileWindow
 from jaxscale.observe.trackers import check_tracker_access
-from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts
+from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts, read_run_record
 from jaxscale.runtime.agreement import agreed_checks
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
 from jaxscale.runtime.compilation_cache import (CACHE_FIX, CompilationCache,
@@ -167,6 +167,8 @@ class Trainer:
         folder; None: no cache)."""
         if self.is_primary:  # the one process that writes metrics
             check_tracker_access(self.config, self.workdir)
+            # Read again by the RunClock once the run writes; a bad one is refused before that.
+            read_run_record(self.workdir)
         checkpoints = stack.enter_context(Checkpoints(self.config, self.workdir))
         checkpoints.check_writable()
         cache_dir = compilation_cache_dir(self.config, self.workdir)
@@ -249,10 +251,15 @@ class Trainer:
         and the checkpoints may be saved."""
         if self.is_primary:
             open_workdir(self.workdir, self.config.to_json_best_effort(indent=2))
-            if start.own is None and (earlier := set_aside_earlier_start(self.workdir)):
+            earlier = set_aside_earlier_start(self.workdir) if start.own is None else None
+            set_aside = f" (the earlier files are in {earlier})" if earlier else ""
+            if checkpoints.unused_local:
+                begins = (f"starting from {start.restored.path}" if start.restored
+                          else "starting from step 0")
+                self.say(f"{checkpoints.unused_local}; {begins}{set_aside}")
+            elif earlier:
                 self.say(f"{self.workdir} has metrics of an earlier start but no checkpoint to "
-                         f"resume from; starting from step 0 (the earlier files are in "
-                         f"{earlier})")
+                         f"resume from; starting from step 0{set_aside}")
         run_log.open_file(self.workdir, jax.process_index())  # what libraries log
         cache.open()
         checkpoints.open_for_saving()

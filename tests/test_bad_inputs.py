@@ -97,6 +97,12 @@ NOT_A_TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "Nonsense"}}'
 
 
 @dataclasses.dataclass(frozen=True)
+class Link:
+    """A symbolic link to `target` (relative to the link's folder), in a case's `files`."""
+    target: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     id: str
     module: str
@@ -104,7 +110,8 @@ class Case:
     # What the error line must name, outside the case's folder: the bad value (and its key); a
     # substring or a compiled regex.
     names: tuple
-    files: dict = dataclasses.field(default_factory=dict)  # name -> text, bytes, or None: a folder
+    # name -> text, bytes, None (a folder) or a Link
+    files: dict = dataclasses.field(default_factory=dict)
     workdirs: tuple[str, ...] = ()  # run once with {workdir} each of these
     cli: bool = False  # a real subprocess instead of main() in this process
 
@@ -151,7 +158,7 @@ CASES = [
           names=["mesh.dcn", "1"]),
     train("ZeRO-1 that cannot split a parameter is refused",
           "--config.sharding.optimizer_state=data", "--config.model.d_model=36",
-          "--config.model.head_dim=9", "--config.model.mlp_dim=72", names=["data=8", "[2, 36, "]),
+          "--config.model.head_dim=18", "--config.model.mlp_dim=72", names=["data=8", "[2, 36, "]),
     train("an unknown optimizer-state layout is named", "--config.sharding.optimizer_state=zero9",
           names=["zero9"]),
     train("a straggler ratio of at most 1 is refused", "--config.train.straggler_ratio=1.0",
@@ -227,6 +234,8 @@ CASES = [
     train("an unknown model name is named", "--config.model.name=gpt", names=["gpt"]),
     train("kv heads that do not divide the heads are refused", "--config.model.n_kv_heads=3",
           names=["n_kv_heads=3"]),
+    train("an odd head_dim is refused (RoPE rotates pairs)", "--config.model.d_model=60",
+          "--config.model.head_dim=15", names=["model.head_dim=15", "even"]),
     train("microbatches that do not divide the batch are refused",
           "--config.train.microbatches=3", names=["microbatches=3"]),
     train("zero steps are refused", "--config.train.steps=0", names=["train.steps=0"]),
@@ -277,6 +286,9 @@ CASES = [
     train("a config file importing a missing module names the module", "--config=imports.py",
           files={"imports.py": "import jaxscale_no_such_module\n" + config_file()},
           names=["imports.py", "jaxscale_no_such_module"]),
+    train("a config file whose get_config exits names the file and the status",
+          "--config=exits.py", files={"exits.py": config_file("import sys", "sys.exit(3)")},
+          names=["exits.py", f"line {FIRST_LINE + 1}", "status 3"]),
     train("an unknown key set in a config file is named", "--config=newkey.py",
           files={"newkey.py": config_file("c.train.stepz = 3")}, names=["stepz"]),
     # --- data sources and tokenizers ------------------------------------------------------------
@@ -326,12 +338,42 @@ CASES = [
                                       "eval_path='eval.jsonl')", more=("c.train.eval_every = 2",)),
                  "docs.jsonl": GOOD_JSONL, "eval.jsonl": ""},
           names=["eval.jsonl"]),
+    # --- JSON files of another shape than the object the program reads ------------------------
+    train("a tokenizer.json that is a JSON array is named",
+          "--config.data.tokenizer=tok/tokenizer.json", files={"tok/tokenizer.json": "[]\n"},
+          names=["tok/tokenizer.json", "JSON array, not an object"], workdirs=FRESH),
+    train("a token file's description that is a JSON array is named", "--config=c.py",
+          files={"c.py": sources_file("dict(format='tokens', path='docs.bin')"),
+                 "docs.bin": b"\0" * 64, "docs.json": "[1, 2]\n"},
+          names=["docs.json", "JSON array, not an object"], workdirs=FRESH),
+    train("a run.json that is a JSON array is named", files={"existing/run.json": "[]\n"},
+          names=["run.json", "JSON array, not an object"], workdirs=EXISTING),
+    train("a metrics.jsonl line that is a JSON array is named", "--config.train.steps=2",
+          files={"existing/metrics.jsonl": "[1]\n"},
+          names=["metrics.jsonl line 1", "JSON array, not an object"], workdirs=EXISTING),
+    # (A checkpoint's JSON of another shape is damage: tests/test_faults_checkpoint.py.)
+    train("a Hugging Face config.json that is a JSON array is named", HF_CONFIG, SYNTHETIC,
+          files={**HF_TIED, "model/config.json": "[]\n"},
+          names=["model/config.json", "JSON array, not an object"], workdirs=FRESH),
+    train("a Hugging Face tokenizer.json that is a JSON string is named", HF_CONFIG, SYNTHETIC,
+          files={**HF_TIED, "model/tokenizer.json": '"tokens"\n'},
+          names=["model/tokenizer.json", "JSON string, not an object"], workdirs=FRESH),
+    launcher(SAMPLE, "sample names a workdir whose config.json is a JSON array",
+             "--workdir=started", "--prompt=def", files={"started/config.json": "[]\n"},
+             names=["started/config.json", "JSON array, not an object"]),
+    launcher(PREPARE, "prepare names a manifest that is a JSON number", "--config={cfg}",
+             "--out=tokens", files={"tokens/prepare.json": "7\n"},
+             names=["tokens/prepare.json", "JSON number, not an object"]),
     # --- trackers -------------------------------------------------------------------------------
     train("an MLflow tracking URI under a regular file is named",
           "--config.metrics.trackers=('jsonl','mlflow')",
           "--config.metrics.mlflow_tracking_uri=file://{tmp}/notes.txt/mlruns", files=NOTES,
           names=["notes.txt", "mlflow_tracking_uri"]),
     # --- checkpoints ----------------------------------------------------------------------------
+    train("a dangling symlink for the local tier's folder is refused",
+          "--config.checkpoint.local_dir=ramdisk", "--config.checkpoint.local_every_steps=1",
+          files={"ramdisk": Link("unmounted")},
+          names=["checkpoint.local_dir", "/ramdisk' is a symbolic link to 'unmounted'"]),
     train("restoring from a folder without a checkpoint is refused",
           "--config.checkpoint.restore_from=notckpt", files={"notckpt/readme.txt": "hello\n"},
           names=["notckpt"], workdirs=FRESH),
@@ -407,7 +449,7 @@ CASES = [
              names=["mesh.dcn", "2"]),
     launcher(FIT, "launch.fit finds ZeRO-1 that cannot split a parameter", "--devices=8", "--",
              "--config={cfg}", "--config.sharding.optimizer_state=data",
-             "--config.model.d_model=36", "--config.model.head_dim=9",
+             "--config.model.d_model=36", "--config.model.head_dim=18",
              "--config.model.mlp_dim=72", names=["optimizer_state", "data=8"]),
     # --- jaxscale.launch.gke --------------------------------------------------------------------
     launcher(GKE, "launch.gke needs --image", "--config={cfg}", "--bucket=bucket", "--nodes=1",
@@ -680,18 +722,22 @@ def run_cli(module_name: str, args: list[str], cwd: str) -> tuple[int, str, str]
 # --- what a folder holds -----------------------------------------------------------------------
 
 def listing(root: str) -> dict[str, tuple]:
-    """{relative path: ('folder',) or ('file', size, sha256)} of everything under `root`."""
+    """{relative path: ('folder',), ('link', target) or ('file', size, sha256)} of everything
+    under `root` (links are not followed)."""
     found = {}
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = [d for d in subfolders if d != "__pycache__"]  # Python's, not the run's
-        for name in subfolders:
-            found[os.path.relpath(os.path.join(folder, name), root)] = ("folder",)
-        for name in files:
+        for name in subfolders + files:
             path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                data = f.read()
-            found[os.path.relpath(path, root)] = ("file", len(data),
-                                                  hashlib.sha256(data).hexdigest())
+            if os.path.islink(path):  # a dangling one can be neither read nor walked
+                found[os.path.relpath(path, root)] = ("link", os.readlink(path))
+            elif name in subfolders:
+                found[os.path.relpath(path, root)] = ("folder",)
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+                found[os.path.relpath(path, root)] = ("file", len(data),
+                                                      hashlib.sha256(data).hexdigest())
     return found
 
 
@@ -710,6 +756,9 @@ def make_files(root: str, files: dict) -> None:
             os.makedirs(path, exist_ok=True)
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(content, Link):
+            os.symlink(content.target, path)
+            continue
         with open(path, "wb") as f:
             f.write(content if isinstance(content, bytes) else content.encode())
 

@@ -104,6 +104,26 @@ def test_a_restart_resumes_from_the_newest_tier_exactly(straight, tmp_path, caps
     assert f"restored {workdir}/checkpoints/6 " in capsys.readouterr().out
 
 
+def test_local_checkpoints_of_another_layout_are_named_where_a_start_cannot_use_them(
+        tmp_path, capsys):
+    workdir = tmp_path / "run"
+    run(workdir, 3)  # persistent 3, local 1 2 (on fsdp=2)
+    ((layout, steps),) = local_steps(workdir).items()
+    assert steps == [1, 2]
+    # The earlier start was killed before its persistent save; this one runs on data=2, where
+    # each process holds other shards than the fsdp=2 folder has.
+    shutil.rmtree(workdir / "checkpoints")
+    capsys.readouterr()
+    config = config_for(3, workdir)
+    config.mesh.update(fsdp=1, data=2)
+    mesh_trainer(config, workdir).run()
+    out = capsys.readouterr().out
+    assert "no checkpoint to resume from" not in out
+    assert (f"local checkpoint {workdir}/local/process_0/{layout}/2 is not used: another layout "
+            "of the state (mesh, sharding or process count) saved it") in out
+    assert "starting from step 0 (the earlier files are in " in out
+
+
 def test_a_full_local_disk_keeps_training_saves_remotely_and_warns_once(
         tmp_path, monkeypatch, caplog):
     """(Its losses equal an uninterrupted run's with several processes:

@@ -136,6 +136,15 @@ def test_the_template_is_the_tokenizer_folders_else_the_built_in_one(tmp_path):
         chat.BUILTIN_TEMPLATE
 
 
+def test_a_tokenizer_config_of_another_json_shape_is_one_config_error(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text('["chat_template"]\n')
+    spec = dict(name="data.sources[0]", template="")
+    message = one_line_error(ConfigError, lambda: chat.template_text(
+        spec, str(tmp_path / "tokenizer.json")))
+    assert "tokenizer_config.json' (beside data.tokenizer) is a JSON array, not an object; " \
+        "fix it, or set data.sources[0].template" in message
+
+
 def byte_records(n):
     """`n` records, conversations and prompt/completion pairs mixed, each with unique text."""
     records = []

@@ -40,7 +40,7 @@ GOOD_LINES = [json.dumps({"text": t}) for t in TEXTS]
     (b"not json {", "is not JSON"),
     (b"\x89PNG\r\n\x1a\n\x00\x00binary", "is not JSON"),
     (b'{"version": "1.0"}', "cannot be loaded as a Hugging Face tokenizer"),
-    (b"[1, 2, 3]", "cannot be loaded as a Hugging Face tokenizer"),
+    (b"[1, 2, 3]", "is a JSON array, not an object"),
 ], ids=["invalid_json", "binary", "json_object_rejected", "json_list_rejected"])
 def test_a_garbage_tokenizer_json_is_a_config_error_naming_the_file(tmp_path, content, reason):
     pytest.importorskip("tokenizers")
@@ -91,7 +91,7 @@ def test_a_jsonl_file_of_malformed_lines_is_not_a_text_field_error(tmp_path):
 def test_jsonl_lines_that_are_not_objects_say_so(tmp_path):
     spec = write_jsonl(tmp_path / "t.jsonl", ['["a", "list"]'] * 3)
     message = one_line_error(JaxscaleError, lambda: documents_of(config_with(spec)))
-    assert "t.jsonl line 1 is a JSON list, not an object" in message
+    assert "t.jsonl line 1 is a JSON array, not an object" in message
     assert "text_field" not in message
 
 

@@ -221,6 +221,19 @@ def test_every_checkpoint_damaged_is_one_error_line_exit_2_and_renames_none(work
     assert snapshot(workdir / "checkpoints") == before
 
 
+def test_a_data_state_of_another_json_shape_is_damage_that_names_the_shape(workdir):
+    for step in ("2", "4"):  # an array where the data iterator's state (an object) belongs
+        (workdir / "checkpoints" / step / "data" / "iterator.json").write_text("[]\n")
+    before = snapshot(workdir / "checkpoints")
+
+    error = one_error_line(*train(flags(workdir, STEPS)))  # exit 2, one line, no traceback
+
+    assert (f"every checkpoint in {workdir}/checkpoints is damaged (4: data/iterator.json is a "
+            "JSON array, not an object; 2: data/iterator.json is a JSON array, not an object); "
+            "none was renamed") in error
+    assert snapshot(workdir / "checkpoints") == before
+
+
 def test_restore_from_another_run_is_transient_when_unavailable_and_renames_no_damage(
         workdir, tmp_path, monkeypatch):
     trainer = mesh_trainer(config_for(STEPS), str(tmp_path / "new"))

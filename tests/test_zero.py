@@ -134,7 +134,7 @@ def test_zero1_state_restores_into_the_other_layout(tmp_path):
 
 def test_zero1_that_cannot_split_a_parameter_is_one_config_error():
     config = small_config(data=8)
-    config.model.update(d_model=36, head_dim=9, mlp_dim=72)  # norm scales [2, 36]: 8 divides none
+    config.model.update(d_model=36, head_dim=18, mlp_dim=72)  # norm scales [2, 36]: 8 divides none
     config.sharding.optimizer_state = "data"
     with pytest.raises(ConfigError) as error:
         validate(config, 8)  # what the trainer and launch.fit check before anything starts

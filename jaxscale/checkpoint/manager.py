@@ -43,7 +43,8 @@ import numpy as np
 from etils import epath
 
 from jaxscale.checkpoint.barrier import failure_behind
-from jaxscale.checkpoint.reading import (Restored, State, holds_every_shard, process_layout)
+from jaxscale.checkpoint.reading import (Restored, State, holds_every_shard, own_steps,
+                                         process_layout)
 from jaxscale.checkpoint.tier import SaveOutcome, Tier
 from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, raise_unless_ok, save_error,
                                          save_failure_kind)
@@ -94,6 +95,8 @@ class Checkpoints:
                             f"process_{jax.process_index()}") if o.enabled and o.local_dir else None
         self._local: Tier | None = None
         self._local_on = self._local_root is not None
+        # Set by `restore_newest`: why a newer local checkpoint of another layout is not used.
+        self.unused_local: str | None = None
         self._last_save = {PERSISTENT: time.monotonic(), LOCAL: time.monotonic()}
         self._owed: str | None = None  # the tier of a due save postponed from a non-finite step
         self._failed_in_a_row = 0  # persistent saves that failed since the last that did not
@@ -384,7 +387,29 @@ class Checkpoints:
         if local is not None:
             local.remove([step for step in incomplete if step > since],
                          "another process lacks its part, so no start can restore it")
+            self.unused_local = self._newer_in_another_layout(since)
         return restored
+
+    def _newer_in_another_layout(self, since: int) -> str | None:
+        """Why the newest local checkpoint after step `since` in this process's folder of another
+        layout is not used (a start on another mesh, sharding or process count saved it); None
+        when there is none. Kept, not removed: a start in that layout again resumes from it."""
+        newest = None
+        try:
+            for folder in self._local_root.iterdir():
+                if folder == self._local.directory or not folder.is_dir():
+                    continue
+                steps = [step for step in own_steps(folder) if step > since]
+                if steps and (newest is None or max(steps) > newest[1]):
+                    newest = folder, max(steps)
+        except OSError:  # no folder yet, or one that cannot be listed: nothing to say of it
+            return None
+        if newest is None:
+            return None
+        folder, step = newest
+        return (f"local checkpoint {folder / str(step)} is not used: another layout of the state "
+                "(mesh, sharding or process count) saved it, and a local checkpoint restores "
+                "only into the layout that saved it")
 
 
 

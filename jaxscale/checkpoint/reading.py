@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, json_object
 from jaxscale.models.fp8 import fresh_meta
 from jaxscale.models.lora import ADAPTER_SUFFIX
 from jaxscale.runtime.agreement import everyone
@@ -130,7 +130,7 @@ def _inspect(path: epath.Path, params_only: bool) -> None:
     error reading them propagates as it is: it proves nothing. The arrays' bytes are checked by
     the reader itself, which needs them anyway (see `verdict.py`)."""
     record = _json_file(path, _COMMIT_RECORD)
-    if not isinstance(record, dict) or record.get("commit_timestamp_nsecs") is None:
+    if record.get("commit_timestamp_nsecs") is None:
         raise Damage(f"{_COMMIT_RECORD} records no commit: its save never finished")
     metadata = {"params": ["_METADATA"], "meta": ["metadata"], "train": ["_METADATA"],
                 "data": [_DataStateHandler.FILENAME, _DataStateHandler.EARLIER_FILENAME]}
@@ -142,14 +142,16 @@ def _inspect(path: epath.Path, params_only: bool) -> None:
         _json_file(path, present[0])
 
 
-def _json_file(path: epath.Path, name: str) -> Any:
-    """The JSON in checkpoint `path`'s file `name`; Damage when it is missing or not JSON."""
+def _json_file(path: epath.Path, name: str) -> dict:
+    """The JSON object in checkpoint `path`'s file `name` (every JSON file a save writes holds
+    one); Damage when it is missing, not JSON or another JSON value."""
     try:
-        return json.loads((path / name).read_bytes())
+        value = json.loads((path / name).read_bytes())
     except FileNotFoundError:  # from open(): its real errno, unlike exists()
         raise Damage(f"{name} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise Damage(f"{name} is not JSON ({e})") from None
+    return json_object(value, name, error=Damage)
 
 
 def _restore_args(abstract_state: State, params_only: bool, with_fp8: bool,

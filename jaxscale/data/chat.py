@@ -55,7 +55,7 @@ import numpy as np
 
 from jaxscale.data.formats import MalformedRecord
 from jaxscale.data.packing import TrainedTokens
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, json_object
 
 BUILTIN = "builtin"
 BUILTIN_TEMPLATE = ("{% for message in messages %}<|{{ message.role }}|>\n"
@@ -114,13 +114,15 @@ def template_text(spec: dict, tokenizer: str) -> tuple[str, dict[str, str], str]
     config_path = os.path.join(folder, "tokenizer_config.json")
     tokenizer_config = {}
     if os.path.isfile(config_path):
+        fix = f"fix it, or set {where} to a Jinja file or {BUILTIN!r}"
         try:
             with open(config_path, encoding="utf-8") as f:
                 tokenizer_config = json.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{config_path!r} (beside data.tokenizer) cannot be read as JSON "
-                              f"({e}); fix it, or set {where} to a Jinja file or "
-                              f"{BUILTIN!r}") from None
+                              f"({e}); {fix}") from None
+        json_object(tokenizer_config, f"{config_path!r} (beside data.tokenizer)", fix,
+                    ConfigError)
     special = {}
     for key in _SPECIAL_TOKENS:
         token = tokenizer_config.get(key)

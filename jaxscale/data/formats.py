@@ -13,6 +13,7 @@ lazily in whichever process reads, so they pickle cheaply to grain workers.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxscale.errors import ConfigError, JaxscaleError, TransientError
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError, json_object
 from jaxscale.runtime.storage import reason, storage_error
 
 _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
@@ -259,10 +260,8 @@ class JsonLines(Lines):
             value = json.loads(self.line(file, record))
         except ValueError as e:
             raise MalformedRecord(f"{where} is not JSON ({e})", "json") from e
-        if not isinstance(value, dict):
-            raise MalformedRecord(f"{where} is a JSON {type(value).__name__}, not an object "
-                                  f"with {holding}", "shape")
-        return value
+        return json_object(value, where, f"each line holds an object with {holding}",
+                           functools.partial(MalformedRecord, kind="shape"))
 
     def read(self, file: int, record: int) -> str:
         where = self.where(file, record)

@@ -16,7 +16,7 @@ import time
 
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
 from jaxscale.kinds import whole
-from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.errors import JaxscaleError, TransientError, json_object
 from jaxscale.observe.progress import StatusLine
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
@@ -158,12 +158,13 @@ def _check_out(out: str, manifest: dict) -> None:
                 f"...) but no {MANIFEST} saying what they were made from; give a new folder, or "
                 "delete those files to write new ones there")
         return
+    fix = f"give a new folder, or delete its {MANIFEST} and source* files"
     try:
         with open(manifest_path) as f:
             before = json.load(f)
     except (OSError, ValueError) as e:
-        raise JaxscaleError(f"--out={out!r} has an unreadable {MANIFEST} ({e}); give a new "
-                            f"folder, or delete its {MANIFEST} and source* files") from None
+        raise JaxscaleError(f"--out={out!r} has an unreadable {MANIFEST} ({e}); {fix}") from None
+    json_object(before, manifest_path, fix)
     if before == manifest:
         print(f"{out}: overwriting the token files prepared before from the same sources and "
               "tokenizer", file=sys.stderr)

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxscale.data.formats import (MalformedRecord, RecordReader, open_for_reading, read_at,
                                    read_failed)
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, json_object
 
 FORMAT = "jaxscale-tokens-v1"
 
@@ -51,17 +51,20 @@ def _stem(path: str) -> str:
     return path[:-len(".bin")]
 
 
+_FIX = "write it with `python -m jaxscale.data.prepare`"
+
+
 def read_metadata(path: str) -> dict:
     stem = _stem(path)
     try:
         with open(stem + ".json") as f:
             meta = json.load(f)
     except (FileNotFoundError, ValueError) as e:
-        raise JaxscaleError(f"token file {path!r} has no readable {stem}.json ({e}); write it "
-                            "with `python -m jaxscale.data.prepare`") from None
+        raise JaxscaleError(f"token file {path!r} has no readable {stem}.json ({e}); {_FIX}") \
+            from None
     except OSError as e:
         raise read_failed(e, stem + ".json") from e
-    if meta.get("format") != FORMAT:
+    if json_object(meta, f"{stem}.json", _FIX).get("format") != FORMAT:
         raise JaxscaleError(f"{stem}.json is not a {FORMAT} description; rewrite the files with "
                             "`python -m jaxscale.data.prepare`")
     return meta

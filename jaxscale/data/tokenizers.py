@@ -12,7 +12,7 @@ import os
 import ml_collections
 import numpy as np
 
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, json_object
 
 
 class ByteTokenizer:
@@ -175,16 +175,17 @@ def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tok
 
 
 def _check_json(path: str, name: str) -> None:
-    """A clear message for a tokenizer.json that is not JSON at all (tokenizers' own message
+    """A clear message for a tokenizer.json that is not a JSON object (tokenizers' own message
     reads like a Rust parser's)."""
     import json  # noqa: PLC0415
 
+    fix = "give a tokenizer.json as tokenizers' Tokenizer.save writes it, or use 'byte'"
     try:
         with open(path, encoding="utf-8") as f:
-            json.load(f)
+            value = json.load(f)
     except ValueError as e:  # also UnicodeDecodeError: a binary file
-        raise ConfigError(f"data.tokenizer={name!r} is not JSON ({e}); give a tokenizer.json "
-                          f"as tokenizers' Tokenizer.save writes it, or use 'byte'") from None
+        raise ConfigError(f"data.tokenizer={name!r} is not JSON ({e}); {fix}") from None
+    json_object(value, f"data.tokenizer={name!r}", fix, ConfigError)
 
 
 def encode_prompt(tokenizer, config: ml_collections.ConfigDict, text: str) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.models import FAMILIES, Family
 
 CONFIG_FILE = "config.json"
@@ -21,6 +21,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _FOLDER_HINT = ("point at a local Hugging Face model folder: config.json and model.safetensors "
                 "(or model.safetensors.index.json and its shards), as save_pretrained writes")
+_TOKENIZER_FIX = "give the tokenizer.json that came with the model"
 
 
 def is_hf_folder(path: str) -> bool:
@@ -43,6 +44,7 @@ def read_config(path: str) -> tuple[dict[str, Any], Family]:
             hf = json.load(f)
     except ValueError as e:
         raise JaxscaleError(f"{file} is not JSON ({e}); {_FOLDER_HINT}") from None
+    json_object(hf, file, _FOLDER_HINT)
     model_type = hf.get("model_type")
     family = next((f for f in FAMILIES.values() if f.hf_model_type == model_type), None)
     architectures = hf.get("architectures") or [family and family.hf_architecture]
@@ -154,8 +156,8 @@ def _token(tokenizer: str, token_id: int | list[int] | None) -> str | None:
         with open(tokenizer, encoding="utf-8") as f:
             spec = json.load(f)
     except ValueError as e:
-        raise JaxscaleError(f"{tokenizer} is not JSON ({e}); give the tokenizer.json that came "
-                            "with the model") from None
+        raise JaxscaleError(f"{tokenizer} is not JSON ({e}); {_TOKENIZER_FIX}") from None
+    json_object(spec, tokenizer, _TOKENIZER_FIX)
     for added in spec.get("added_tokens", []):
         if added.get("id") == token_id:
             return added["content"]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.runtime.storage import reason, storage_error
 
 DTYPES = {
@@ -86,8 +86,7 @@ def _read_json(path: str) -> tuple[dict, int, int]:
     # than the parser recurses, which no real header is.
     except (ValueError, RecursionError) as e:
         raise _damaged(path, f"its header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise _damaged(path, f"its header is a JSON {type(header).__name__}, not an object")
+    json_object(header, f"{path}: its header", _FIX)
     metadata = header.get("__metadata__", {})
     if not (isinstance(metadata, dict)
             and all(isinstance(v, str) for v in metadata.values())):

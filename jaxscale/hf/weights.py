@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.hf import safetensors
 from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
 from jaxscale.models.hf_layout import HfTensor
@@ -40,6 +40,9 @@ def layout(cfg: LlamaConfig) -> list[HfTensor]:
 
 # -- loading ---------------------------------------------------------------------------------
 
+_INDEX_FIX = "it needs a weight_map object of {tensor name: file name}; re-download it"
+
+
 def read_weight_map(index_file: str) -> dict[str, str]:
     """The index's {tensor name: file name}; JaxscaleError when it is not an index whose file
     names stay inside its folder.
@@ -57,11 +60,10 @@ def read_weight_map(index_file: str) -> dict[str, str]:
     except (ValueError, RecursionError) as e:
         raise JaxscaleError(f"{index_file} is not a safetensors index (not JSON: {e}); "
                             "re-download it") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    weight_map = json_object(index, index_file, _INDEX_FIX).get("weight_map")
     if not (isinstance(weight_map, dict) and weight_map
             and all(isinstance(file, str) for file in weight_map.values())):
-        raise JaxscaleError(f"{index_file} is not a safetensors index: it needs a weight_map "
-                            "object of {tensor name: file name}; re-download it")
+        raise JaxscaleError(f"{index_file} is not a safetensors index: {_INDEX_FIX}")
     for name, file in weight_map.items():
         normal = os.path.normpath(file)
         if os.path.isabs(file) or normal == os.pardir or normal.startswith(os.pardir + os.sep):

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale.errors import ConfigError
+
 _DIGIT_BITS = 8  # each table covers one byte of the position
 _DIGITS = 3  # positions below 2^24 (float32 and every real context length are below that)
 
@@ -32,6 +34,15 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_seq_len: int
+
+
+def check_head_dim(head_dim: int) -> None:
+    """ConfigError for a `model.head_dim` RoPE cannot rotate: it turns a head's dimensions in
+    pairs (the first half with the second), so an odd one leaves a dimension without a partner."""
+    if head_dim % 2:
+        raise ConfigError(f"model.head_dim={head_dim} is odd; RoPE rotates a head's dimensions in "
+                          f"pairs, so it must be even: use {head_dim - 1} or {head_dim + 1} "
+                          "(most models use 64 or 128)")
 
 
 def inv_frequencies(head_dim: int, theta: float,

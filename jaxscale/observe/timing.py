@@ -19,12 +19,31 @@ import time
 import jax
 import numpy as np
 
+from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.observe.metrics import throughput
 from jaxscale.runtime.agreement import gathered
 from jaxscale.runtime.storage import writing
 from jaxscale.runtime.workdir import WORKDIR_FIX
 
 RUN_RECORD = "run.json"
+_RECORD_FIX = ("it holds the run's first start time and start count as jaxscale.train writes "
+               "them: restore it, or delete it to count the run's time from this start")
+
+
+def read_run_record(workdir: str) -> dict | None:
+    """What `<workdir>/run.json` holds, None without one; JaxscaleError when it is not the JSON
+    object jaxscale.train writes."""
+    path = os.path.join(workdir, RUN_RECORD)
+    with writing(path, WORKDIR_FIX):  # a read that fails is classified as a write is
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            data = f.read()
+    try:
+        record = json.loads(data)
+    except ValueError as e:  # also UnicodeDecodeError
+        raise JaxscaleError(f"{path} is not JSON ({e}); {_RECORD_FIX}") from None
+    return json_object(record, path, _RECORD_FIX)
 
 
 class RunClock:
@@ -35,11 +54,8 @@ class RunClock:
         if not enabled:
             return
         path = os.path.join(workdir, RUN_RECORD)
-        record = {"started_at": self.started_at, "starts": 0}
+        record = read_run_record(workdir) or {"started_at": self.started_at, "starts": 0}
         with writing(path, WORKDIR_FIX):
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    record = json.load(f)
             record["starts"] += 1
             # Written whole then renamed: a crash mid-write must not lose the run's start time.
             with open(path + ".tmp", "w", encoding="utf-8") as f:

@@ -19,7 +19,7 @@ import time
 import ml_collections
 
 from jaxscale.config import default_config
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, json_object
 from jaxscale.runtime.storage import reason, storage_error, writing
 
 METRICS_FILE = "metrics.jsonl"
@@ -39,8 +39,13 @@ def check_writable(path: str, what: str, fix: str) -> None:
     file made and removed in the nearest folder that exists (permissions alone do not tell, e.g.
     for root or read-only mounts)."""
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        # A link to nothing (an unmounted disk, a removed folder): creating the folder would fail
+        # on it, and its parent being writable says nothing.
+        raise ConfigError(f"{what} {path!r} cannot be written: {existing!r} is a symbolic link "
+                          f"to {os.readlink(existing)!r}, which does not exist; {fix}")
     if not os.path.isdir(existing):
         raise ConfigError(f"{what} {path!r} cannot be written: {existing!r} is a file, not a "
                           f"folder; {fix}")
@@ -73,6 +78,10 @@ def open_workdir(workdir: str, config_json: str) -> None:
             f.write(config_json)
 
 
+_CONFIG_FIX = ("it is the run's config as jaxscale.train wrote it: restore it, or start the run "
+               "again")
+
+
 def read_config(workdir: str) -> ml_collections.ConfigDict:
     """The config the run in `workdir` last started with, over today's defaults (a key added
     since keeps its default); ConfigError when there is no such run."""
@@ -84,8 +93,8 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
     except ValueError as e:
-        raise ConfigError(f"{path} is not JSON ({e}); it is the run's config as jaxscale.train "
-                          "wrote it: restore it, or start the run again") from None
+        raise ConfigError(f"{path} is not JSON ({e}); {_CONFIG_FIX}") from None
+    json_object(saved, path, _CONFIG_FIX, ConfigError)
     config = default_config()
     config.update(saved)
     return config
@@ -98,11 +107,13 @@ def logged_metrics(workdir: str) -> list[dict]:
         return []
     lines = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
-                lines.append(json.loads(line))
+                value = json.loads(line)
             except json.JSONDecodeError:  # a line torn by a killed process, or a blank one
                 continue
+            lines.append(json_object(value, f"{path} line {number}", "the run writes an object "
+                                     "a line: remove that line"))
     return lines
 
 
