@@ -231,6 +231,26 @@ def test_an_unknown_wandb_mode_is_a_config_error():
         trackers.check_trackers(tracker_config("jsonl", wandb_mode="cloud"))
 
 
+@pytest.mark.parametrize("name, variable, value, words", [
+    ("wandb", "WANDB_MODE", "cloud", "Input should be 'online', 'offline'"),
+    ("wandb", "WANDB_HTTP_TIMEOUT", "soon", "a valid number"),
+    ("mlflow", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "many", "Failed to convert 'many'"),
+])
+def test_a_tracker_variable_its_library_refuses_is_a_config_error_at_start_up(
+        offline, monkeypatch, name, variable, value, words):
+    """The tracker libraries read their own environment variables; one they refuse (W&B's raised
+    a 46-line traceback from wandb.init, after the workdir was written) is refused by the start-up
+    checks, whatever metrics.wandb_mode says."""
+    pytest.importorskip(name)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as error:
+        validate(tracker_config("jsonl", name), num_devices=8)
+    message = str(error.value)
+    assert message.startswith(f"the environment variable {variable}={value!r}, which {name} "
+                              "reads, is refused by it (") and "\n" not in message
+    assert words in message and message.endswith(f"; fix or unset {variable}")
+
+
 def test_a_missing_package_stops_the_cli_before_anything_is_written(tmp_path):
     """The real start-up order: the error comes from the checks, so the workdir stays empty."""
     workdir = tmp_path / "run"

@@ -14,7 +14,8 @@ W&B and MLflow also record the config, flattened to dotted keys (`train.steps`).
 A workdir has one tracker run id (<workdir>/tracker_run_id): a restarted run continues the same
 W&B run (the id is its run id) and the same MLflow run (found by its `jaxscale_run_id` tag).
 W&B and MLflow are imported only when chosen; `check_trackers` imports them at start-up, so a
-missing package is a one-line error before anything is written. `check_tracker_access`, also
+missing package, or an environment variable of theirs that they refuse (WANDB_MODE=cloud), is a
+one-line error before anything is written. `check_tracker_access`, also
 before anything is written, makes sure each chosen tracker can be opened: an MLflow file store's
 folder can be written, an MLflow server and W&B's answer within `TRACKER_TIMEOUT_S` (else exit 75),
 and online W&B has a key (else exit 2).
@@ -30,7 +31,7 @@ import secrets
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import ml_collections
 import numpy as np
@@ -96,6 +97,40 @@ def check_trackers(config: ml_collections.ConfigDict) -> None:
             why = "is not installed" if e.name == name else f"failed to import ({e})"
             raise ConfigError(f"metrics.trackers includes {name!r} but the {name} package {why}; "
                               f"pip install 'jaxscale[{name}]'") from None
+        _check_environment(name)
+
+
+def _check_environment(name: str) -> None:
+    """ConfigError for an environment variable of the tracker library `name` that the library
+    itself refuses: it reads them when the run opens it, after the workdir is written. Each is
+    parsed by the library's own code, so the accepted values are always the installed
+    version's."""
+    if name == "wandb":
+        from pydantic import ValidationError  # W&B's settings are a pydantic model
+        import wandb
+
+        for variable, value in sorted(os.environ.items()):
+            if variable.startswith("WANDB_"):
+                try:  # one variable at a time, on fresh settings: the error names the one refused
+                    wandb.Settings().update_from_env_vars({variable: value})
+                except ValidationError as e:
+                    _refused(variable, value, name, e.errors()[0]["msg"])
+    else:
+        from mlflow import environment_variables
+
+        for variable, value in sorted(os.environ.items()):
+            declared = getattr(environment_variables, variable, None)
+            # MLflow's declared variables; each parses its own value on get().
+            if isinstance(declared, environment_variables._EnvironmentVariable):
+                try:
+                    declared.get()
+                except ValueError as e:
+                    _refused(variable, value, name, str(e))
+
+
+def _refused(variable: str, value: str, name: str, why: str) -> NoReturn:
+    raise ConfigError(f"the environment variable {variable}={value!r}, which {name} reads, is "
+                      f"refused by it ({' '.join(why.split())[:300]}); fix or unset {variable}")
 
 
 def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> None:
