@@ -241,6 +241,19 @@ def test_a_tracking_server_that_does_not_answer_fails_in_seconds_with_75(
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("uri", ["htp://127.0.0.1:5000", "mlfow://tracking"])
+def test_an_mlflow_uri_whose_scheme_mlflow_does_not_know_is_exit_2(tmp_path, uri):
+    """No server could ever answer it: the user's to fix, not a transient failure retried."""
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConfigError) as error:
+        trackers.check_tracker_access(mlflow_config(uri), str(tmp_path / "run"))
+    message = one_line(error)
+    assert message.startswith(f"the MLflow tracking URI {uri!r} is not one MLflow can open (")
+    assert message.endswith("; set metrics.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a "
+                            "tracking server's http(s)://HOST:PORT, a folder, or file://PATH")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("where", ["under a regular file", "on a read-only disk"])
 def test_an_mlflow_file_store_that_cannot_be_written_is_exit_2_before_anything_is_written(
         tmp_path, monkeypatch, where):

@@ -166,13 +166,20 @@ def _within(seconds: float, what: str, probe) -> None:
 
 
 def _mlflow_answers(uri: str) -> None:
-    """Asks the tracking server for one experiment: ConfigError when it refuses this user,
-    TransientError when it cannot be reached or fails."""
+    """Asks the tracking server for one experiment: ConfigError when MLflow cannot open `uri` or
+    the server refuses this user, TransientError when it cannot be reached or fails."""
     from mlflow.exceptions import MlflowException  # an optional dependency: chosen only
     from mlflow.tracking import MlflowClient
 
+    try:  # no request yet: a URI MLflow refuses here is one no server could ever answer
+        client = MlflowClient(uri)
+    except MlflowException as e:
+        raise ConfigError(f"the MLflow tracking URI {uri!r} is not one MLflow can open "
+                          f"({' '.join(str(e).split())[:300]}); set metrics.mlflow_tracking_uri "
+                          "(or MLFLOW_TRACKING_URI) to a tracking server's http(s)://HOST:PORT, "
+                          "a folder, or file://PATH") from None
     try:
-        MlflowClient(uri).search_experiments(max_results=1)
+        client.search_experiments(max_results=1)
     except MlflowException as e:
         words = " ".join(str(e).split())[:300]
         if e.error_code in _MLFLOW_REFUSALS:
