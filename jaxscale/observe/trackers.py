@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import secrets
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -106,8 +107,8 @@ def _check_environment(name: str) -> None:
     parsed by the library's own code, so the accepted values are always the installed
     version's."""
     if name == "wandb":
-        from pydantic import ValidationError  # W&B's settings are a pydantic model
         import wandb
+        from pydantic import ValidationError  # W&B's settings are a pydantic model
 
         for variable, value in sorted(os.environ.items()):
             if variable.startswith("WANDB_"):
@@ -155,14 +156,24 @@ def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> Non
 
 def _within(seconds: float, what: str, probe) -> None:
     """Runs `probe()` on a thread of its own; TransientError when it has not returned after
-    `seconds` (the thread is left to finish on its own: the run is stopping)."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracker-probe")
+    `seconds`. A daemon thread, left to finish on its own: the run is stopping, and a pool's
+    worker would be joined at exit, holding the process for as long as the server does not
+    answer."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            probe()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+            outcome.set_exception(e)
+        else:
+            outcome.set_result(None)
+
+    threading.Thread(target=run, name="tracker-probe", daemon=True).start()
     try:
-        pool.submit(probe).result(timeout=seconds)
+        outcome.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
         raise TransientError(f"{what} did not answer within {seconds:g} s") from None
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _mlflow_answers(uri: str) -> None:
