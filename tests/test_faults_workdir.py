@@ -248,6 +248,25 @@ def test_a_tracking_server_that_does_not_answer_fails_in_seconds_with_75(
     assert not workdir.exists()
 
 
+def test_a_wandb_server_that_does_not_answer_is_exit_75_not_a_refused_key(
+        tmp_path, offline, monkeypatch, silent_server):  # noqa: F811 - the fixture
+    """W&B reports a server that did not answer within WANDB_HTTP_TIMEOUT (10 s unless set) as
+    an AuthenticationError, the error of a refused key; the check waits its own 30 s (here 3)
+    for an answer, and no answer is transient."""
+    pytest.importorskip("wandb")
+    monkeypatch.setattr(trackers, "TRACKER_TIMEOUT_S", 3.0)
+    monkeypatch.setenv("WANDB_BASE_URL", silent_server)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_HTTP_TIMEOUT", "1")  # W&B gives up first, as 10 s before 30
+    config = small_config()
+    config.metrics.update(trackers=("jsonl", "wandb"), wandb_mode="online")
+    with pytest.raises(TransientError) as error:
+        trackers.check_tracker_access(config, str(tmp_path / "run"))
+    assert one_line(error) == "W&B's server did not answer within 3 s"
+    assert os.environ["WANDB_HTTP_TIMEOUT"] == "1"  # the user's own, for the run
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("uri", ["htp://127.0.0.1:5000", "mlfow://tracking"])
 def test_an_mlflow_uri_whose_scheme_mlflow_does_not_know_is_exit_2(tmp_path, uri):
     """No server could ever answer it: the user's to fix, not a transient failure retried."""

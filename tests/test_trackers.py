@@ -26,7 +26,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     """W&B's caches and settings in `tmp_path` and no W&B or MLflow settings from the
-    environment; restored afterwards, without the MLFLOW_ALLOW_FILE_STORE the trackers set."""
+    environment; restored afterwards, without the MLFLOW_ALLOW_FILE_STORE the trackers set, and
+    without the settings and login W&B keeps for the whole process (read from the environment
+    once, they would carry one test's server and key into the next)."""
     # Set first, so that monkeypatch records it and removes it again after the test.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
     for name in list(os.environ):
@@ -35,6 +37,9 @@ def offline(tmp_path, monkeypatch):
     for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    if sys.modules.get("wandb"):  # imported, and not hidden by a test of a missing package
+        sys.modules["wandb"].teardown()
 
 
 def tracker_config(*names, **metrics):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import json
+import math
 import os
 import secrets
 import threading
@@ -151,7 +152,23 @@ def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> Non
             _within(TRACKER_TIMEOUT_S, f"the MLflow tracking server {uri}",
                     lambda: _mlflow_answers(uri))
     if "wandb" in names and _wandb_mode(config) == "online":
-        _within(TRACKER_TIMEOUT_S, "W&B's server", _wandb_logged_in)
+        import wandb  # an optional dependency: imported only when chosen
+
+        # W&B reads the environment into its settings once, here: the run gets the user's
+        # settings, not the wait set below.
+        wandb.setup()
+        # W&B waits WANDB_HTTP_TIMEOUT s (10 unless set) for its server to check a key, and
+        # reports no answer as a refused key; made to wait longer than the check does, what comes
+        # back in time is the server's own answer.
+        users = os.environ.get("WANDB_HTTP_TIMEOUT")
+        os.environ["WANDB_HTTP_TIMEOUT"] = str(math.ceil(TRACKER_TIMEOUT_S) + 1)
+        try:
+            _within(TRACKER_TIMEOUT_S, "W&B's server", _wandb_logged_in)
+        finally:
+            if users is None:
+                del os.environ["WANDB_HTTP_TIMEOUT"]
+            else:
+                os.environ["WANDB_HTTP_TIMEOUT"] = users
 
 
 def _within(seconds: float, what: str, probe) -> None:
