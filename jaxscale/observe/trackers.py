@@ -15,10 +15,10 @@ A workdir has one tracker run id (<workdir>/tracker_run_id): a restarted run con
 W&B run (the id is its run id) and the same MLflow run (found by its `jaxscale_run_id` tag).
 W&B and MLflow are imported only when chosen; `check_trackers` imports them at start-up, so a
 missing package, or an environment variable of theirs that they refuse (WANDB_MODE=cloud), is a
-one-line error before anything is written. `check_tracker_access`, also
-before anything is written, makes sure each chosen tracker can be opened: an MLflow file store's
-folder can be written, an MLflow server and W&B's answer within `TRACKER_TIMEOUT_S` (else exit 75),
-and online W&B has a key (else exit 2).
+one-line error before anything is written. `check_tracker_access`, also before anything is
+written, makes sure each chosen tracker can be opened: an MLflow file store's folder can be
+written, an MLflow URI has a scheme MLflow knows (else exit 2), an MLflow server and W&B's answer
+within `TRACKER_TIMEOUT_S` (else exit 75), and online W&B has a key (else exit 2).
 """
 
 from __future__ import annotations
