@@ -11,6 +11,8 @@ import errno
 import io
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,7 +26,7 @@ from jaxscale.runtime.workdir import open_workdir, set_aside_earlier_start
 from tests.helpers import mesh_trainer, small_config
 from tests.test_bad_inputs import run_in_process
 from tests.test_faults_checkpoint import merged_losses, snapshot
-from tests.test_trackers import offline  # noqa: F401 - a fixture
+from tests.test_trackers import REPO, offline  # noqa: F401 - a fixture
 
 
 class _FailingFile:
@@ -217,9 +219,11 @@ def mlflow_config(uri):
 
 
 def test_a_tracking_server_that_does_not_answer_fails_in_seconds_with_75(
-        tmp_path, monkeypatch, silent_server, capfd):
+        tmp_path, monkeypatch, silent_server):
     """MLflow's own retries take 253 s; the start-up check waits TRACKER_TIMEOUT_S (here 1 s),
-    then the run stops, exit 75, having written nothing."""
+    then the run stops, exit 75, having written nothing. A real process: the check's thread,
+    still waiting on the server, is not joined at exit (which held the process for MLflow's
+    retries after the error line)."""
     pytest.importorskip("mlflow")
     monkeypatch.setattr(trackers, "TRACKER_TIMEOUT_S", 1.0)
     workdir = tmp_path / "run"
@@ -230,15 +234,50 @@ def test_a_tracking_server_that_does_not_answer_fails_in_seconds_with_75(
     assert one_line(error) == (f"the MLflow tracking server {silent_server} did not answer "
                                "within 1 s")
 
-    status, out, err = run_in_process("jaxscale.train", [
-        "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=2",
-        "--config.metrics.trackers=('jsonl','mlflow')",
-        f"--config.metrics.mlflow_tracking_uri={silent_server}"], capfd)
-    assert status == 75, err
-    assert err.strip().splitlines() == [
+    code = ("import sys; from jaxscale.observe import trackers; trackers.TRACKER_TIMEOUT_S = 1.0; "
+            "from jaxscale.train import main; main(sys.argv)")
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--config=configs/tiny.py", f"--workdir={workdir}",
+         "--config.metrics.trackers=('jsonl','mlflow')",
+         f"--config.metrics.mlflow_tracking_uri={silent_server}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
         f"error: the MLflow tracking server {silent_server} did not answer within 1 s "
         "(transient: exit 75, retry with backoff)"]
     assert not workdir.exists()
+
+
+def test_a_wandb_server_that_does_not_answer_is_exit_75_not_a_refused_key(
+        tmp_path, offline, monkeypatch, silent_server):  # noqa: F811 - the fixture
+    """W&B reports a server that did not answer within WANDB_HTTP_TIMEOUT (10 s unless set) as
+    an AuthenticationError, the error of a refused key; the check waits its own 30 s (here 3)
+    for an answer, and no answer is transient."""
+    pytest.importorskip("wandb")
+    monkeypatch.setattr(trackers, "TRACKER_TIMEOUT_S", 3.0)
+    monkeypatch.setenv("WANDB_BASE_URL", silent_server)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_HTTP_TIMEOUT", "1")  # W&B gives up first, as 10 s before 30
+    config = small_config()
+    config.metrics.update(trackers=("jsonl", "wandb"), wandb_mode="online")
+    with pytest.raises(TransientError) as error:
+        trackers.check_tracker_access(config, str(tmp_path / "run"))
+    assert one_line(error) == "W&B's server did not answer within 3 s"
+    assert os.environ["WANDB_HTTP_TIMEOUT"] == "1"  # the user's own, for the run
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("uri", ["htp://127.0.0.1:5000", "mlfow://tracking"])
+def test_an_mlflow_uri_whose_scheme_mlflow_does_not_know_is_exit_2(tmp_path, uri):
+    """No server could ever answer it: the user's to fix, not a transient failure retried."""
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConfigError) as error:
+        trackers.check_tracker_access(mlflow_config(uri), str(tmp_path / "run"))
+    message = one_line(error)
+    assert message.startswith(f"the MLflow tracking URI {uri!r} is not one MLflow can open (")
+    assert message.endswith("; set metrics.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a "
+                            "tracking server's http(s)://HOST:PORT, a folder, or file://PATH")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("where", ["under a regular file", "on a read-only disk"])

@@ -285,6 +285,13 @@ def test_kueue_setup_defines_the_default_queue_and_priority_classes():
     ([*GPU_ARGS, "--cpu=0"], "argument --cpu: 0 must be >= 1"),
     ([*GPU_ARGS, "--node_local_dir=ssd/jaxscale"], "--node_local_dir='ssd/jaxscale' must be an "
                                                    "absolute path"),
+    # Pods that could never be scheduled: no node pool has such a label, or such a node.
+    ([*GPU_ARGS, "--gpu_type=nvidia-h100"], "--gpu_type='nvidia-h100' is not a GKE GPU "
+                                            "accelerator; use one of "),
+    ([*GPU_ARGS, "--gpus_per_node=9"], "--gpus_per_node=9: a nvidia-h100-80gb node has at most "
+                                       "8 GPUs"),
+    ([*GPU_ARGS, "--gpu_type=nvidia-tesla-t4", "--gpus_per_node=8"],
+     "--gpus_per_node=8: a nvidia-tesla-t4 node has at most 4 GPUs"),
 ])
 def test_bad_input_is_one_error_line_and_no_manifest(args, message):
     result = subprocess.run([*RENDER, *args], cwd=REPO, capture_output=True, text=True,

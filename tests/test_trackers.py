@@ -26,7 +26,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     """W&B's caches and settings in `tmp_path` and no W&B or MLflow settings from the
-    environment; restored afterwards, without the MLFLOW_ALLOW_FILE_STORE the trackers set."""
+    environment; restored afterwards, without the MLFLOW_ALLOW_FILE_STORE the trackers set, and
+    without the settings and login W&B keeps for the whole process (read from the environment
+    once, they would carry one test's server and key into the next)."""
     # Set first, so that monkeypatch records it and removes it again after the test.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
     for name in list(os.environ):
@@ -35,6 +37,9 @@ def offline(tmp_path, monkeypatch):
     for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    if sys.modules.get("wandb"):  # imported, and not hidden by a test of a missing package
+        sys.modules["wandb"].teardown()
 
 
 def tracker_config(*names, **metrics):
@@ -229,6 +234,26 @@ def test_an_unknown_wandb_mode_is_a_config_error():
     with pytest.raises(ConfigError, match=r"metrics.wandb_mode='cloud' is unknown; use one of "
                                           r"\('', 'online', 'offline'\)"):
         trackers.check_trackers(tracker_config("jsonl", wandb_mode="cloud"))
+
+
+@pytest.mark.parametrize("name, variable, value, words", [
+    ("wandb", "WANDB_MODE", "cloud", "Input should be 'online', 'offline'"),
+    ("wandb", "WANDB_HTTP_TIMEOUT", "soon", "a valid number"),
+    ("mlflow", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "many", "Failed to convert 'many'"),
+])
+def test_a_tracker_variable_its_library_refuses_is_a_config_error_at_start_up(
+        offline, monkeypatch, name, variable, value, words):
+    """The tracker libraries read their own environment variables; one they refuse (W&B's raised
+    a 46-line traceback from wandb.init, after the workdir was written) is refused by the start-up
+    checks, whatever metrics.wandb_mode says."""
+    pytest.importorskip(name)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as error:
+        validate(tracker_config("jsonl", name), num_devices=8)
+    message = str(error.value)
+    assert message.startswith(f"the environment variable {variable}={value!r}, which {name} "
+                              "reads, is refused by it (") and "\n" not in message
+    assert words in message and message.endswith(f"; fix or unset {variable}")
 
 
 def test_a_missing_package_stops_the_cli_before_anything_is_written(tmp_path):

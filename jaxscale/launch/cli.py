@@ -90,9 +90,15 @@ def check_compiled_fit(config, target_spec: str) -> None:
     JAX's allocator will have on each GPU: XLA_PYTHON_CLIENT_MEM_FRACTION (this environment's,
     else JAX's default 0.75) of its memory, or `performance.device_memory_gib` when the config
     sets it, which the run's own start-up check uses too. Without JAX's CUDA plugin, says in one
-    line that it did not compile, and returns."""
+    line that it did not compile, and returns. Nodes of more GPUs than the GPU's nodes have are
+    refused either way: no cluster has them."""
+    from jaxscale.plan.targets import parse_target, target_devices
     from jaxscale.runtime import cuda_plugin
 
+    try:
+        target = parse_target(target_spec)
+    except JaxscaleError as e:
+        fail(str(e))
     if not cuda_plugin.installed():
         print(f"note: the train step was not compiled for {target_spec}: no GPU compiler here; "
               f"{cuda_plugin.INSTALL_HINT}", file=sys.stderr)
@@ -102,10 +108,8 @@ def check_compiled_fit(config, target_spec: str) -> None:
     jax.config.update("jax_platforms", "cpu")  # compiled for the GPUs described, run nowhere
     from jaxscale.observe.device_memory import check_fits
     from jaxscale.plan.compiled import compile_train_step
-    from jaxscale.plan.targets import parse_target, target_devices
     from jaxscale.runtime.chips import GIB
 
-    target = parse_target(target_spec)
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEMORY_FRACTION))
     gib = config.performance.device_memory_gib
     capacity = ((int(gib * GIB), f"performance.device_memory_gib={gib:g}") if gib else

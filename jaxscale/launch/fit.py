@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxscale.cli import ArgumentParser
+from jaxscale.cli import ArgumentParser, fail
 from jaxscale.launch.cli import check_train_args, parse_launcher_args, positive
 from jaxscale.runtime.chips import GPU_CHIPS
 
@@ -38,6 +38,10 @@ def make_parser() -> ArgumentParser:
 
 def main(argv: list[str]) -> None:
     args, train_args = parse_launcher_args(make_parser(), argv, "jaxscale.train")
+    if args.devices % args.granules:
+        fail(f"--devices={args.devices} do not split evenly over --granules={args.granules}: "
+             "every host or slice has as many devices; pass a --devices that --granules "
+             "divides")
     check_train_args(train_args, args.devices, args.granules, args.gpu)
     print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
 

@@ -8,8 +8,9 @@
 
 The output is JSON, which is YAML too. One pod per node (GPU) or TPU host, each running
 `python -m jaxscale.train`; `--config.KEY=VALUE` overrides are passed through. The config is
-checked against the cluster shape (devices, hosts, slices) before anything is printed, and on GPU
-node pools whose GPU jaxscale describes (`GKE_GPUS`) its train step is compiled for them here,
+checked against the cluster shape (devices, hosts, slices; a GPU type and node size GKE has,
+`GKE_GPUS`) before anything is printed, and on GPU node pools whose GPU jaxscale describes its
+train step is compiled for them here,
 without a GPU (the `jaxscale[gpu-compile]` extra; --no_compile skips it), and refused when it
 needs more memory than JAX's allocator will have on each GPU.
 
@@ -55,10 +56,18 @@ WORKDIR_MOUNT = "/workdir"
 LOCAL_CHECKPOINTS_MOUNT = "/local-checkpoints"
 # The uid and gid the pods run as: deploy/Dockerfile's USER (tests check that the two agree).
 RUN_AS = 1000
-# GKE's accelerator labels (--gpu_type) of the GPUs the train step can be compiled for, and their
-# names in GPU targets (jaxscale/plan/targets.py).
-GKE_GPUS = {"nvidia-h100-80gb": "h100", "nvidia-h100-mega-80gb": "h100",
-            "nvidia-h200-141gb": "h200", "nvidia-a100-80gb": "a100"}
+# GKE's GPU accelerator labels (--gpu_type: a node pool's cloud.google.com/gke-accelerator), each
+# with the most GPUs a node of its machine types has (A4X, A4, A3 Ultra, A3 Mega, A3 High, A2
+# Ultra, A2, G2, N1) and the GPU's name in GPU targets (jaxscale/plan/targets.py) where the train
+# step can be compiled for it. A pod that asks for another label, or for more GPUs, is never
+# scheduled.
+GKE_GPUS = {
+    "nvidia-gb200": (4, ""), "nvidia-b200": (8, ""), "nvidia-h200-141gb": (8, "h200"),
+    "nvidia-h100-mega-80gb": (8, "h100"), "nvidia-h100-80gb": (8, "h100"),
+    "nvidia-a100-80gb": (8, "a100"), "nvidia-tesla-a100": (16, ""), "nvidia-l4": (8, ""),
+    "nvidia-tesla-t4": (4, ""), "nvidia-tesla-v100": (8, ""), "nvidia-tesla-p100": (4, ""),
+    "nvidia-tesla-p4": (4, ""),
+}
 # Requests per GPU or TPU chip where --cpu and --memory_gib are not given: less than the smallest
 # host of each kind leaves after Kubernetes' reservations and its daemons (8 GPUs: g2-standard-96
 # and a2-highgpu-8g have 96 vCPUs and 384 GB or more; 4 TPU chips: a v5e host has 112 vCPUs and
@@ -90,8 +99,8 @@ def make_parser() -> ArgumentParser:
     parser.add_argument("--gpus_per_node", type=positive, default=8,
                         help="GPUs each GPU node has and each pod requests (default 8).")
     parser.add_argument("--gpu_type", default="nvidia-h100-80gb",
-                        help="Node selector cloud.google.com/gke-accelerator (default "
-                             "nvidia-h100-80gb, A3).")
+                        help="Node selector cloud.google.com/gke-accelerator, one of GKE's "
+                             "GPU labels (default nvidia-h100-80gb, A3).")
     parser.add_argument("--no_compile", action="store_true",
                         help="Do not compile the train step for the GPUs before rendering "
                              "(default: compile it where JAX's CUDA plugin is installed).")
@@ -182,6 +191,15 @@ def check_args(args) -> None:
             fail("pass --nodes=N (GPU nodes), or --tpu_accelerator and --tpu_topology for TPUs")
         if args.slices != 1:
             fail("--slices is for TPUs; GPU nodes are counted with --nodes")
+        if args.gpu_type not in GKE_GPUS:
+            fail(f"--gpu_type={args.gpu_type!r} is not a GKE GPU accelerator; use one of "
+                 f"{', '.join(GKE_GPUS)} (the node pool's cloud.google.com/gke-accelerator "
+                 "label): no node would match")
+        most = GKE_GPUS[args.gpu_type][0]
+        if args.gpus_per_node > most:
+            fail(f"--gpus_per_node={args.gpus_per_node}: a {args.gpu_type} node has at most "
+                 f"{most} GPUs, so no node could take the pod; pass --gpus_per_node of 1 to "
+                 f"{most}")
 
 
 class Shape:
@@ -367,7 +385,7 @@ def main(argv: list[str]) -> None:
         fail(f"--shm_gib={args.shm_gib} must be less than the pod's memory request "
              f"({shape.memory_gib} GiB): /dev/shm is memory the pod uses; pass a smaller "
              "--shm_gib or a larger --memory_gib")
-    gpu = "" if args.tpu_accelerator or args.no_compile else GKE_GPUS.get(args.gpu_type, "")
+    gpu = "" if args.tpu_accelerator or args.no_compile else GKE_GPUS[args.gpu_type][1]
     check_train_args([f"--config={args.config}", *training_overrides(args, overrides)],
                      shape.devices, shape.granules, gpu)
     json.dump(render(args, shape, overrides), sys.stdout, indent=2)

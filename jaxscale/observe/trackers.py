@@ -14,10 +14,11 @@ W&B and MLflow also record the config, flattened to dotted keys (`train.steps`).
 A workdir has one tracker run id (<workdir>/tracker_run_id): a restarted run continues the same
 W&B run (the id is its run id) and the same MLflow run (found by its `jaxscale_run_id` tag).
 W&B and MLflow are imported only when chosen; `check_trackers` imports them at start-up, so a
-missing package is a one-line error before anything is written. `check_tracker_access`, also
-before anything is written, makes sure each chosen tracker can be opened: an MLflow file store's
-folder can be written, an MLflow server and W&B's answer within `TRACKER_TIMEOUT_S` (else exit 75),
-and online W&B has a key (else exit 2).
+missing package, or an environment variable of theirs that they refuse (WANDB_MODE=cloud), is a
+one-line error before anything is written. `check_tracker_access`, also before anything is
+written, makes sure each chosen tracker can be opened: an MLflow file store's folder can be
+written, an MLflow URI has a scheme MLflow knows (else exit 2), an MLflow server and W&B's answer
+within `TRACKER_TIMEOUT_S` (else exit 75), and online W&B has a key (else exit 2).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import json
+import math
 import os
 import secrets
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import ml_collections
 import numpy as np
@@ -96,6 +99,40 @@ def check_trackers(config: ml_collections.ConfigDict) -> None:
             why = "is not installed" if e.name == name else f"failed to import ({e})"
             raise ConfigError(f"metrics.trackers includes {name!r} but the {name} package {why}; "
                               f"pip install 'jaxscale[{name}]'") from None
+        _check_environment(name)
+
+
+def _check_environment(name: str) -> None:
+    """ConfigError for an environment variable of the tracker library `name` that the library
+    itself refuses: it reads them when the run opens it, after the workdir is written. Each is
+    parsed by the library's own code, so the accepted values are always the installed
+    version's."""
+    if name == "wandb":
+        import wandb
+        from pydantic import ValidationError  # W&B's settings are a pydantic model
+
+        for variable, value in sorted(os.environ.items()):
+            if variable.startswith("WANDB_"):
+                try:  # one variable at a time, on fresh settings: the error names the one refused
+                    wandb.Settings().update_from_env_vars({variable: value})
+                except ValidationError as e:
+                    _refused(variable, value, name, e.errors()[0]["msg"])
+    else:
+        from mlflow import environment_variables
+
+        for variable, value in sorted(os.environ.items()):
+            declared = getattr(environment_variables, variable, None)
+            # MLflow's declared variables; each parses its own value on get().
+            if isinstance(declared, environment_variables._EnvironmentVariable):
+                try:
+                    declared.get()
+                except ValueError as e:
+                    _refused(variable, value, name, str(e))
+
+
+def _refused(variable: str, value: str, name: str, why: str) -> NoReturn:
+    raise ConfigError(f"the environment variable {variable}={value!r}, which {name} reads, is "
+                      f"refused by it ({' '.join(why.split())[:300]}); fix or unset {variable}")
 
 
 def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -115,29 +152,62 @@ def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> Non
             _within(TRACKER_TIMEOUT_S, f"the MLflow tracking server {uri}",
                     lambda: _mlflow_answers(uri))
     if "wandb" in names and _wandb_mode(config) == "online":
-        _within(TRACKER_TIMEOUT_S, "W&B's server", _wandb_logged_in)
+        import wandb  # an optional dependency: imported only when chosen
+
+        # W&B reads the environment into its settings once, here: the run gets the user's
+        # settings, not the wait set below.
+        wandb.setup()
+        # W&B waits WANDB_HTTP_TIMEOUT s (10 unless set) for its server to check a key, and
+        # reports no answer as a refused key; made to wait longer than the check does, what comes
+        # back in time is the server's own answer.
+        users = os.environ.get("WANDB_HTTP_TIMEOUT")
+        os.environ["WANDB_HTTP_TIMEOUT"] = str(math.ceil(TRACKER_TIMEOUT_S) + 1)
+        try:
+            _within(TRACKER_TIMEOUT_S, "W&B's server", _wandb_logged_in)
+        finally:
+            if users is None:
+                del os.environ["WANDB_HTTP_TIMEOUT"]
+            else:
+                os.environ["WANDB_HTTP_TIMEOUT"] = users
 
 
 def _within(seconds: float, what: str, probe) -> None:
     """Runs `probe()` on a thread of its own; TransientError when it has not returned after
-    `seconds` (the thread is left to finish on its own: the run is stopping)."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracker-probe")
+    `seconds`. A daemon thread, left to finish on its own: the run is stopping, and a pool's
+    worker would be joined at exit, holding the process for as long as the server does not
+    answer."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            probe()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+            outcome.set_exception(e)
+        else:
+            outcome.set_result(None)
+
+    threading.Thread(target=run, name="tracker-probe", daemon=True).start()
     try:
-        pool.submit(probe).result(timeout=seconds)
+        outcome.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
         raise TransientError(f"{what} did not answer within {seconds:g} s") from None
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _mlflow_answers(uri: str) -> None:
-    """Asks the tracking server for one experiment: ConfigError when it refuses this user,
-    TransientError when it cannot be reached or fails."""
+    """Asks the tracking server for one experiment: ConfigError when MLflow cannot open `uri` or
+    the server refuses this user, TransientError when it cannot be reached or fails."""
     from mlflow.exceptions import MlflowException  # an optional dependency: chosen only
     from mlflow.tracking import MlflowClient
 
+    try:  # no request yet: a URI MLflow refuses here is one no server could ever answer
+        client = MlflowClient(uri)
+    except MlflowException as e:
+        raise ConfigError(f"the MLflow tracking URI {uri!r} is not one MLflow can open "
+                          f"({' '.join(str(e).split())[:300]}); set metrics.mlflow_tracking_uri "
+                          "(or MLFLOW_TRACKING_URI) to a tracking server's http(s)://HOST:PORT, "
+                          "a folder, or file://PATH") from None
     try:
-        MlflowClient(uri).search_experiments(max_results=1)
+        client.search_experiments(max_results=1)
     except MlflowException as e:
         words = " ".join(str(e).split())[:300]
         if e.error_code in _MLFLOW_REFUSALS:
