@@ -9,10 +9,9 @@
 The output is JSON, which is YAML too. One pod per node (GPU) or TPU host, each running
 `python -m jaxscale.train`; `--config.KEY=VALUE` overrides are passed through. The config is
 checked against the cluster shape (devices, hosts, slices; a GPU type and node size GKE has,
-`GKE_GPUS`) before anything is printed, and on GPU node pools whose GPU jaxscale describes its
-train step is compiled for them here,
-without a GPU (the `jaxscale[gpu-compile]` extra; --no_compile skips it), and refused when it
-needs more memory than JAX's allocator will have on each GPU.
+`GKE_GPUS`) before anything is printed. On node pools of a GPU jaxscale describes, the train step
+is compiled for them here, without a GPU (the `jaxscale[gpu-compile]` extra; --no_compile skips
+it), and refused when it needs more memory than JAX's allocator will have on each GPU.
 
 How the manifest maps jaxscale's contract onto Kubernetes:
 - Gang scheduling: the Kueue queue label makes Kueue admit the JobSet's pods together or not at all;
