@@ -528,7 +528,9 @@ def test_without_the_gpu_compiler_the_cli_says_it_compiles_nothing_and_tells_row
     """h100:1 rows that differ only in their step settings (the layer loop, the logits' slices)
     were printed as identical lines; a small --hbm_gib was printed as 0.0."""
     from jaxscale.plan.__main__ import main
-    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # main sets it, for JAX to read
+    # main sets both for the JAX it starts; monkeypatch takes them back from this process after.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     main(["plan", "--config=configs/tiny.py", "--target=h100:1", "--top=8"])
     out, err = capsys.readouterr()
     assert "compiling" not in err and "from the estimates alone" in err
