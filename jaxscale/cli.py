@@ -75,6 +75,12 @@ class Option:
     metavar: str = "VALUE"
     kind: Number | None = None
 
+    @property
+    def usage(self) -> str:
+        """The flag as --help shows it: a switch bare (`--json`), else `--NAME=METAVAR`."""
+        return f"--{self.name}" if isinstance(self.default, bool) else \
+            f"--{self.name}={self.metavar}"
+
 
 def number_flag(kind: Number):
     """An argparse `type`: the flag's text as a number of `kind` (jaxscale.config.Number), or
@@ -218,12 +224,12 @@ def _without_config_path(argv: list[str]) -> list[str]:
 
 def print_help(prog: str, about: str, options: list[Option], config_help: str) -> None:
     lines = [f"usage: {prog} [--config=FILE] "
-             + " ".join(f"[--{o.name}={o.metavar}]" for o in options)
+             + " ".join(f"[{o.usage}]" for o in options)
              + " [--config.KEY=VALUE ...]", "", about.strip(), "", "flags:",
              f"  --config=FILE  {config_help} (default: {os.path.relpath(DEFAULT_CONFIG)})"]
     for o in options:
         default = f" (default: {o.default})" if o.default not in (None, "") else ""
-        lines.append(f"  --{o.name}={o.metavar}  {o.help}{default}")
+        lines.append(f"  {o.usage}  {o.help}{default}")
     lines.append("  --config.KEY=VALUE  override one key of the config, e.g. "
                  "--config.train.steps=100 or --config.mesh.fsdp=4; every key and its default is "
                  "in jaxscale/config.py:default_config() (README: Config keys)")
@@ -235,8 +241,7 @@ DEFAULT_WORKDIR = os.path.join("runs", "default")
 TRAIN_OPTIONS = [Option("workdir", DEFAULT_WORKDIR, "folder for metrics, TensorBoard files and "
                         "checkpoints; a workdir with checkpoints resumes from the newest", "DIR"),
                  Option("verbose", False, "show what libraries log (Orbax, JAX, absl, their "
-                        "tracebacks) on the terminal too; it always goes to <workdir>/train.log",
-                        "BOOL")]
+                        "tracebacks) on the terminal too; it always goes to <workdir>/train.log")]
 
 
 def parse_train_command(argv: list[str], about: str = "") -> tuple[ml_collections.ConfigDict,
@@ -289,7 +294,7 @@ def parse_config_flags(argv: list[str], *, prog: str, about: str, options: list[
              "types are those of jaxscale/config.py:default_config()")
     if len(rest) > 1:
         fail(f"unexpected arguments {rest[1:]}; flags look like --config.KEY=VALUE"
-             + "".join(f" --{o.name}={o.metavar}" for o in options))
+             + "".join(f" {o.usage}" for o in options))
     values = {name: holder.value for name, holder in holders.items()}
     for o in options:
         problem = o.kind and o.kind.problem(values[o.name])

@@ -24,6 +24,7 @@ import pytest
 from etils import epath
 
 from jaxscale.checkpoint import Checkpoints, restore_from, verdict
+from jaxscale.checkpoint.manager import FAILED_SAVES_IN_A_ROW
 from jaxscale.errors import TRANSIENT_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.local import free_port, process_env
 from jaxscale.training.state import TrainState
@@ -459,6 +460,15 @@ def test_failed_saves_are_tried_again_and_the_third_in_a_row_stops_the_run(
         checkpoints.save(7, tiny_state(7), {"position": 7}, {"step": 7})
     checkpoints.close()
     assert sorted(name for name in os.listdir(checkpoints_dir) if name.isdigit()) == ["1", "3"]
+
+
+def test_the_readme_says_what_failed_saves_and_a_full_disk_do():
+    """As the test above and docs/checkpointing.md: README said a full disk exits 75."""
+    assert FAILED_SAVES_IN_A_ROW == 3
+    readme = " ".join((Path(REPO) / "README.md").read_text(encoding="utf-8").split())
+    assert ("three failed saves in a row stop the run with one `error:` line, exit 75, or exit 2 "
+            "when the disk is full") in readme
+    assert "EIO, a full disk) or a tracking server" not in readme
 
 
 # Big enough that writing a checkpoint takes a while, so the kill lands in the middle of one.

@@ -11,8 +11,10 @@ build on Python 3.11 only).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -252,3 +254,21 @@ def test_fine_tune_from_hf_folder_then_export(tmp_path, capsys):
     original, _ = hf.load_model(TIED)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params_of(original), params_of(exported))
+
+
+def test_the_docs_load_an_export_with_the_class_its_config_names():
+    """transformers' LlamaForCausalLM loads a Qwen3 folder with a warning only, dropping q_norm
+    and k_norm: the docs load an export with AutoModelForCausalLM, which reads config.json's
+    architecture. Pasted output (a fence with no language) is exempt: export_hf names the
+    family's own class."""
+    wrong = []
+    for doc in [os.path.join(REPO, "README.md"), *glob.glob(os.path.join(REPO, "docs", "*.md"))]:
+        fence = None  # the open fence's language ("" for pasted output), None outside
+        with open(doc, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip().startswith("```"):
+                    fence = line.strip()[3:] if fence is None else None
+                elif fence != "" and re.search(r"\b(?!Auto)\w+ForCausalLM\.from_pretrained", line):
+                    wrong.append(f"{os.path.relpath(doc, REPO)}:{number}: {line.strip()}")
+    assert not wrong, "\n".join(wrong)
+

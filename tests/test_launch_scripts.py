@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -29,6 +30,65 @@ def test_shellcheck(script):
     assert shutil.which("shellcheck"), "shellcheck is missing: pip install -e '.[test]'"
     result = subprocess.run(["shellcheck", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+# A stand-in for sbatch: the job's environment as Slurm would set it from the command's options
+# and the script's #SBATCH lines (the command's win), then the script, run here as the batch step.
+SBATCH_STANDIN = """\
+import os, re, sys
+args = sys.argv[1:]
+at = next(i for i, arg in enumerate(args) if not arg.startswith("-"))
+with open(args[at]) as f:
+    options = re.findall(r"^#SBATCH (--[a-z-]+)=?(\\S*)", f.read(), re.M)
+options += [tuple(arg.split("=", 1)) if "=" in arg else (arg, "") for arg in args[:at]]
+o = dict(options)
+nodes, per_node = int(o["--nodes"]), int(o.get("--ntasks-per-node", 1))
+os.environ.update(SLURM_JOB_ID="1", SLURM_JOB_NUM_NODES=str(nodes),
+                  SLURM_GPUS_ON_NODE=o["--gpus-per-node"], SLURM_NTASKS=str(nodes * per_node))
+os.execv(args[at], args[at:])
+"""
+
+
+def documented_sbatch_commands() -> list[str]:
+    """Every sbatch command the docs' code blocks and the script's header show, continuation
+    lines joined; with launch.md's one process per GPU (`--ntasks-per-node=8`) as well."""
+    texts = []
+    for doc in glob.glob(os.path.join(REPO, "docs", "*.md")) + [os.path.join(REPO, "README.md")]:
+        with open(doc, encoding="utf-8") as f:
+            texts += re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    with open(SBATCH) as f:
+        texts.append("\n".join(line[1:].strip() for line in f if line.startswith("#  ")))
+    lines = "\n".join(texts).replace("\\\n", " ").splitlines()
+    commands = [" ".join(line.split()) for line in lines if line.strip().startswith("sbatch ")]
+    commands = list(dict.fromkeys(commands))
+    return commands + [c.replace("sbatch ", "sbatch --ntasks-per-node=8 ", 1) for c in commands
+                       if "configs/tiny.py" in c]
+
+
+def test_the_documented_sbatch_commands_are_found():
+    found = documented_sbatch_commands()
+    assert any("configs/llama3_8b.py" in c for c in found)  # docs/parallelism.md
+    assert any("--ntasks-per-node=8" in c for c in found) and len(found) >= 3
+
+
+@pytest.mark.parametrize("command", documented_sbatch_commands())
+def test_a_documented_sbatch_command_passes_the_scripts_check_and_starts_the_run(command,
+                                                                                 tmp_path):
+    """With stand-ins for sbatch and srun (which logs the command it would start on every task):
+    `--nodes=4` with tiny asked for 32 GPUs, which tiny's batch of 16 does not split over."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!{sys.executable}\n{SBATCH_STANDIN}")
+    (bin_dir / "srun").write_text(f'#!/usr/bin/env bash\necho "$*" > {tmp_path / "srun"}\n')
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    python_dir = os.path.dirname(sys.executable)  # the script's config check runs for real
+    env = dict(os.environ, PATH=f"{bin_dir}:{python_dir}:{os.environ['PATH']}")
+    result = subprocess.run(command, shell=True, cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    flags = command.split("jaxscale.sbatch ", 1)[1]
+    assert (tmp_path / "srun").read_text().endswith(f" python -m jaxscale.train {flags}\n")
 
 
 def tpu(*args):

@@ -4,6 +4,8 @@ fsdp x tensor and pipeline meshes; checkpoints hold the adapters and resume exac
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -13,11 +15,13 @@ import numpy as np
 import pytest
 
 from jaxscale.checks import checked_mesh
+from jaxscale.cli import parse_train_command
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
 from jaxscale.training.program import TrainProgram
 from jaxscale.models.spec import model_spec
 from jaxscale.training.step import Objective, Weights
+from jaxscale.training.step_settings import choices
 from tests.helpers import REPO, mesh_devices, mesh_trainer, random_batch, small_config
 
 
@@ -241,3 +245,52 @@ def test_lora_counts_the_frozen_weights_backward_as_four_flops():
     full = cfg.flops_per_token(1_000_000, 16)
     assert cfg.flops_per_token(1_000_000, 16, trained_params=1_000) == pytest.approx(
         full - 2 * (1_000_000 - cfg.padded_vocab_size * cfg.d_model - 1_000))
+
+
+def finetuning_lora_run() -> tuple[list[str], list[str]]:
+    """docs/finetuning.md's LoRA run of the tiny model: its command's arguments (after
+    `python -m jaxscale.train`) and the lines pasted after it, up to the first `...`."""
+    with open(os.path.join(REPO, "docs", "finetuning.md"), encoding="utf-8") as f:
+        page = f.read()
+    start = page.index("$ python -m jaxscale.train --config=configs/tiny_chat.py")
+    block = page[start:page.index("\n...\n", start)].replace("\\\n", " ")
+    command, *output = block.splitlines()
+    return shlex.split(command)[4:], output
+
+
+def test_the_finetuning_pages_lora_run_starts_with_the_lines_the_trainer_prints():
+    """The lines that are the same on any machine: the parameters (the base's and the
+    adapters') and the step settings; the LoRA line without the read time it no longer has."""
+    args, output = finetuning_lora_run()
+    config, _ = parse_train_command(["train", *args])
+    assert output[0].startswith(f"jaxscale: {model_spec(config).num_params / 1e6:.2f}M "
+                                "parameters, mesh ")
+    assert output[1] == f"train step: {choices(config, 'cpu')[0].label()}"
+    assert re.fullmatch(r"LoRA: the frozen base is /\S+/runs/tiny_base", output[3]), output[3]
+
+
+@pytest.mark.slow  # compiles and trains the LoRA step for 10 steps
+def test_the_finetuning_pages_lora_command_prints_its_lines(tmp_path):
+    """The page's command as written, in a folder holding what it reads (configs/, a base
+    exported from an init, 64 chats), cut to 10 steps with no eval or samples."""
+    from jaxscale import hf
+    from jaxscale.models.spec import create_model, model_config
+
+    args, output = finetuning_lora_run()
+    args = [arg.replace("$PWD", str(tmp_path)) for arg in args]  # as the shell expands it
+    os.symlink(os.path.join(REPO, "configs"), tmp_path / "configs")
+    config, _ = parse_train_command(["train", *args])
+    config.model.lora.rank = 0  # the base: the tiny model alone
+    hf.save_model(create_model(model_config(config), 0), model_config(config),
+                  str(tmp_path / "runs" / "tiny_base"), "float32")
+    subprocess.run([sys.executable, "-m", "jaxscale.data.stdlib_chat", "--pairs=64",
+                    "--out=runs/stdlib_chat.jsonl"], cwd=tmp_path, check=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", *args, "--config.train.steps=10",
+         "--config.train.eval_every=0", "--config.train.sample_every=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=1200,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one CPU, as the page
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[:2] == output[:2]
+    assert lines[3] == re.sub(r"/\S+/runs/", f"{tmp_path}/runs/", output[3])

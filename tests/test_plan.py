@@ -484,6 +484,8 @@ def test_a_documented_plan_command_runs_and_chooses(command):
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "Traceback" not in output, output[-3000:]
+    # No line of XLA's C++ log (`W1128 13:17:54.09 ... spmd_partitioner.cc:656] ...`).
+    assert not re.search(r"^[IWE]\d{4} ", result.stderr, re.M), result.stderr[-3000:]
     if "--json" in command:
         plan = json.loads(result.stdout)
         assert plan["chosen"]["verdict"] == "chosen"
@@ -509,6 +511,38 @@ def test_cli_prints_json_and_the_flags_it_prints_are_accepted():
                                    prog="x", about="", options=[])
     assert config.mesh.fsdp == chosen["mesh"]["fsdp"]
     assert config.model.remat == chosen["remat"]
+
+
+def test_help_says_where_gpu_targets_compile_and_lists_every_flag():
+    result = _plan_cli("--help")
+    assert result.returncode == 0
+    assert "no GPU compiler without a GPU" not in result.stdout  # the extra compiles anywhere
+    assert "pip install 'jaxscale[gpu-compile]'" in result.stdout
+    flags = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  --")}
+    assert {"--target=TARGET", "--top=K", "--hbm_gib=GIB", "--json"} <= flags
+
+
+@pytest.mark.usefixtures("no_gpu_compiler")
+def test_without_the_gpu_compiler_the_cli_says_it_compiles_nothing_and_tells_rows_apart(
+        monkeypatch, capsys):
+    """h100:1 rows that differ only in their step settings (the layer loop, the logits' slices)
+    were printed as identical lines; a small --hbm_gib was printed as 0.0."""
+    from jaxscale.plan.__main__ import main
+    # main sets both for the JAX it starts; monkeypatch takes them back from this process after.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    main(["plan", "--config=configs/tiny.py", "--target=h100:1", "--top=8"])
+    out, err = capsys.readouterr()
+    assert "compiling" not in err and "from the estimates alone" in err
+    rows = out.splitlines()[2:-2]  # between the header and column names, and the choice
+    assert len(rows) == 8 and len(set(rows)) == 8, out
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"  # XLA's C++ warnings stay off the table
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config=configs/tiny.py", "--target=h100:1", "--hbm_gib=0.04"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2
+    assert "0.04 GiB per device, fits below 0.036" in out.splitlines()[0]
+    assert "fits in 0.036 GiB per device" in err
 
 
 @pytest.mark.parametrize("args, message", [

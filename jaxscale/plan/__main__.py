@@ -10,7 +10,9 @@ one `error:` line says by how much (exit status 2). docs/planning.md explains th
 how to read the table.
 
 Targets: local, cpu:N, v4-N / v5e-N / v5p-N / v6e-N (chips) or v5p:4x4x4 (topology),
-h100:N / h200:N / a100:N or h100:NODESxGPUS (estimates only: no GPU compiler without a GPU).
+h100:N / h200:N / a100:N or h100:NODESxGPUS, compiled on any host where XLA's GPU compiler is
+installed (pip install 'jaxscale[gpu-compile]'; no GPU needed), else planned from the estimates
+alone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ OPTIONS = [
            kind=whole("[1, inf)")),
     Option("hbm_gib", "", "memory per device to plan for, in GiB (default: the chip's; CPUs "
            "have none unless given)", "GIB"),
+    Option("json", False, "print the plan as JSON (the same facts as the table) instead"),
 ]
 HBM_GIB = real("(0, inf)")  # --hbm_gib, once read as a number ("" leaves it to the chip)
 
@@ -56,6 +59,10 @@ def _prepare_jax(argv: list[str]) -> None:
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "local")
     if spec != "local":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # XLA's C++ warnings (the SPMD partitioner's "Involuntary full rematerialization" for a
+    # candidate it lays out poorly) are about candidates, not mistakes of the user's, and would
+    # land among the table's lines; its errors still show. TF_CPP_MIN_LOG_LEVEL=0 shows them all.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if m := re.fullmatch(r"cpu:(\d+)", spec):
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
@@ -64,8 +71,6 @@ def _prepare_jax(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
     config, options = parse_config_flags(argv, prog="python -m jaxscale.plan", about=__doc__,
                                          options=OPTIONS)
     gib = _hbm_gib(options["hbm_gib"])
@@ -82,14 +87,14 @@ def main(argv: list[str]) -> None:
                          log=lambda line: print(line, file=sys.stderr, flush=True))
     except (JaxscaleError, TransientError) as e:
         fail_with(e)
-    if as_json:
+    if options["json"]:
         print(json.dumps(report.as_json(plan), indent=2))
     else:
         print(report.header(plan))
         print(report.table(plan))
     if plan.chosen is None:
         fail(report.no_fit(plan))
-    if not as_json:
+    if not options["json"]:
         print(report.chosen(plan))
 
 

@@ -166,8 +166,11 @@ def make_plan(config: ml_collections.ConfigDict, target: Target, *, top: int = 3
                                  *_attention(c_config, target, c.mesh_shape))
         rows[c] = Row(c, memory, collectives, rank.step_time(c_config, spec, c, collectives,
                                                              chip, n))
-    log(f"{len(found)} candidates; compiling the fastest that the estimate fits in "
-        f"{budget / GIB:.1f} GiB per device" if capacity else f"{len(found)} candidates")
+    # What happens next: without a compiler for the target, the estimates alone choose.
+    judge = ("compiling the fastest" if target.compiles
+             else "choosing, from the estimates alone (nothing compiled), the fastest")
+    log(f"{len(found)} candidates; {judge} that the estimate fits in {budget / GIB:.3g} GiB per "
+        "device" if capacity else f"{len(found)} candidates")
     by_speed = sorted(rows.values(), key=lambda r: (r.time.total, rank.simplicity(r.candidate)))
     promising = [r for r in by_speed if r.estimate.total <= budget]
     first_step = choices(config, platform)[0]

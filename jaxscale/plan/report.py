@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxscale.plan.collectives import KINDS, bytes_by_kind
 from jaxscale.runtime.chips import GIB
 from jaxscale.plan.planner import FIT_FRACTION, Plan, Row
@@ -13,6 +15,11 @@ _SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-t
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
+
+
+def _size(n: float) -> str:
+    """A capacity or budget in GiB to three significant digits: --hbm_gib=0.04 is no 0.0."""
+    return f"{n / GIB:.3g}"
 
 
 def _mfu(plan: Plan, row: Row) -> float | None:
@@ -28,7 +35,7 @@ def _percent(x: float | None) -> str:
 
 def header(plan: Plan) -> str:
     t, chip = plan.target, plan.chip
-    memory = (f"{plan.capacity / GIB:.1f} GiB per device, fits below {plan.budget / GIB:.1f}"
+    memory = (f"{_size(plan.capacity)} GiB per device, fits below {_size(plan.budget)}"
               if plan.capacity else "memory per device unknown (pass --hbm_gib)")
     how = ("compiled for the target" if t.compiles
            else f"estimates only: no GPU compiler here ({cuda_plugin.INSTALL_HINT}), so no "
@@ -39,12 +46,13 @@ def header(plan: Plan) -> str:
 
 
 def table(plan: Plan) -> str:
-    """One line per shown candidate: its layout, memory (compiler's and estimated), the bytes
-    each kind of collective moves per device per step (GiB; from the HLO when compiled, else
-    counted from the shapes), the seconds of compute at peak and of memory traffic (compiled
-    only: "-" where not), the estimated step time and MFU, and the verdict."""
-    columns = ["mesh", "pipeline", "bubble", "remat", "accum", "opt", "GiB/dev", "est GiB",
-               *(_SHORT[k] for k in KINDS), "flops s", "HBM s", "step s", "MFU@peak",
+    """One line per shown candidate: its layout, step settings (layer loop, logits' slices),
+    memory (compiler's and estimated), the bytes each kind of collective moves per device per step
+    (GiB; from the HLO when compiled, else counted from the shapes), the seconds of compute at
+    peak and of memory traffic (compiled only: "-" where not), the estimated step time and MFU,
+    and the verdict."""
+    columns = ["mesh", "pipeline", "bubble", "remat", "accum", "opt", "step", "GiB/dev",
+               "est GiB", *(_SHORT[k] for k in KINDS), "flops s", "HBM s", "step s", "MFU@peak",
                "verdict"]
     lines = [columns]
     for row in plan.rows:
@@ -55,6 +63,7 @@ def table(plan: Plan) -> str:
             c.mesh_label, c.pipeline_label, f"{row.time.bubble:.1%}" if c.pipeline else "-",
             c.remat, str(c.microbatches),
             "zero1" if c.optimizer_state == "data" else "params",
+            c.step.cell() if c.step else "-",
             _gib(row.compiled.total) if row.compiled else "-", _gib(row.estimate.total),
             *(f"{moved[k] / GIB:.2f}" if moved[k] else "-" for k in KINDS),
             f"{row.time.compute:.3g}",
@@ -82,10 +91,10 @@ def no_fit(plan: Plan) -> str:
     small = plan.smallest
     c = small.candidate
     return (f"no layout of {plan.target.num_devices} devices fits the model in "
-            f"{plan.budget / GIB:.2f} GiB per device ({FIT_FRACTION:.0%} of "
-            f"{plan.capacity / GIB:.2f}): the smallest, {c.summary()}, needs "
-            f"{_gib(small.bytes)} GiB (estimated), "
-            f"{_gib(small.bytes - plan.budget)} GiB too many; use more devices, a smaller "
+            f"{_size(plan.budget)} GiB per device ({FIT_FRACTION:.0%} of "
+            f"{_size(plan.capacity)}): the smallest, {c.summary()}, needs "
+            f"{_size(small.bytes)} GiB (estimated), "
+            f"{_size(small.bytes - plan.budget)} GiB too many; use more devices, a smaller "
             "train.batch_size or train.seq_len, or a smaller model")
 
 
@@ -95,6 +104,7 @@ def as_json(plan: Plan) -> dict:
         return dict(
             mesh=c.mesh_shape, dcn=c.sizes()[1], remat=c.remat,
             microbatches=c.microbatches, optimizer_state=c.optimizer_state,
+            step=dataclasses.asdict(c.step) if c.step else None,
             pipeline=dict(schedule=c.schedule, microbatches=c.pipeline_microbatches,
                           bubble=row.time.bubble) if c.pipeline else None,
             compiled_bytes=row.compiled.total if row.compiled else None,

@@ -57,6 +57,15 @@ class StepSettings:
         tile = f"{self.loss_vocab_tile} entries" if self.loss_vocab_tile else "whole vocabulary"
         return f"{loop}, logits in slices of {chunk} x {tile}"
 
+    def cell(self) -> str:
+        """The settings in a planner table's cell: the layer loop (`unrolled`, `loop`, `loop/N`
+        for N layers a turn), then the logits' slices (`whole`, or positions x vocabulary
+        entries, `all` where a key is 0)."""
+        loop = {0: "unrolled", 1: "loop"}.get(self.scan_unroll, f"loop/{self.scan_unroll}")
+        if self.loss_chunk_len == 0 and self.loss_vocab_tile == 0:
+            return f"{loop}, whole"
+        return f"{loop}, {self.loss_chunk_len or 'all'}x{self.loss_vocab_tile or 'all'}"
+
 
 FAST = StepSettings(scan_unroll=0, loss_chunk_len=0, loss_vocab_tile=0)
 LEAN = StepSettings(scan_unroll=1, loss_chunk_len=LEAN_CHUNK_LEN, loss_vocab_tile=LEAN_VOCAB_TILE)
