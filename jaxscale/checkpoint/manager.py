@@ -55,7 +55,7 @@ from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, agree_on_gravest,
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.spec import ModelSpec, create_model
 from jaxscale.runtime.storage import reason, storage_error
 from jaxscale.runtime.workdir import check_writable
@@ -422,7 +422,7 @@ def steps_everyone_holds(mine: Sequence[int], gather: Callable[[np.ndarray], np.
 
 
 def restore_from(path: str, abstract_state: State, *, params_only: bool,
-                 model_config: LlamaConfig) -> Restored:
+                 model_config: DecoderConfig) -> Restored:
     """Another run's checkpoint (`checkpoint.restore_from`): a workdir, its checkpoint folder or
     one step folder; or a Hugging Face model folder, whose weights are the params (params only,
     whatever `params_only` says: it has nothing else). Nothing in it is written. Raises
@@ -460,7 +460,7 @@ def restore_from(path: str, abstract_state: State, *, params_only: bool,
     return outcome.value
 
 
-def restore_params(path: str, abstract_params: Any, model_config: LlamaConfig) -> Restored:
+def restore_params(path: str, abstract_params: Any, model_config: DecoderConfig) -> Restored:
     """`restore_from` of the parameters alone, read into `abstract_params` (shapes, dtypes and
     shardings; with LoRA, the adapters or the base, whichever the caller wants)."""
     return restore_from(path, ParamsOnly(abstract_params), params_only=True,

@@ -166,7 +166,7 @@ def _token(tokenizer: str, token_id: int | list[int] | None) -> str | None:
 
 def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
               eos_token_id: int | None = None) -> dict[str, Any]:
-    """config.json for `model_config` (a LlamaConfig, or its family's extension of one) in the
+    """config.json for `model_config` (a DecoderConfig, or its family's extension of one) in the
     `rope_theta` + `rope_scaling` form, which transformers 4 and 5 both read."""
     c, r, family = model_config, model_config.rope_scaling, FAMILIES[model_config.family]
     rope_scaling = None if r is None else dict(

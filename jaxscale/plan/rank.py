@@ -2,7 +2,7 @@
 bandwidth, whichever is longer, plus communication over the links; and the order the planner
 prefers.
 
-Compute is the model's FLOPs (`LlamaConfig.flops_per_token`, not `cost_analysis()`, which counts
+Compute is the model's FLOPs (`DecoderConfig.flops_per_token`, not `cost_analysis()`, which counts
 a scanned layer once) plus what the remat policy recomputes, at peak bf16 FLOP/s: an upper bound
 on speed that ranks candidates fairly, since every one runs the same matmuls.
 
@@ -109,7 +109,7 @@ def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, candidat
 def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
                          candidate: Candidate, granules: int) -> list[Collective]:
     """The collectives a candidate's step makes, counted from the model's shapes (weights in the
-    compute dtype, gradients in `LlamaConfig.grad_dtype` but the experts' in the compute dtype,
+    compute dtype, gradients in `DecoderConfig.grad_dtype` but the experts' in the compute dtype,
     as the compiled programs move them): per microbatch, FSDP gathers every
     weight twice (forward, backward) and reduce-scatters its gradient; tensor parallelism
     all-reduces a layer's [tokens, d_model] activations twice per pass (after attention and after
