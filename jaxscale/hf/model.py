@@ -53,7 +53,8 @@ def save_model(model_or_params: nnx.Module | Any, model_config: DecoderConfig, p
     """Writes `path`/config.json and the weights as safetensors (sharded at `shard_bytes`, with
     model.safetensors.index.json), without the padded vocabulary rows, in `dtype`, so that
     transformers' ...ForCausalLM of the family (its `hf_architecture`) .from_pretrained(path)
-    loads them. `path` must not exist or be an empty folder. Every process calls it; process 0 writes. Returns the weight files."""
+    loads them. `path` must not exist or be an empty folder. Every process calls it; process 0
+    writes. Returns the weight files."""
     if dtype not in weights.DTYPES:
         raise JaxscaleError(f"dtype {dtype!r} cannot be saved; use one of {weights.DTYPES}")
     params = (nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
