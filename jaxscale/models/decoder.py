@@ -61,6 +61,8 @@ class DecoderConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (Decoder 2, Decoder 3)
     max_seq_len: int = 2048  # the longest context the model is meant for (HF's
     # max_position_embeddings); positions are exact up to 2^24 whatever it is
+    # The tokens a query attends to, itself included (Mistral's sliding window); 0: all before it.
+    sliding_window: int = 0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qk_norm: bool = False  # an RMSNorm of each head's q and k before RoPE (Qwen3's)
@@ -123,7 +125,12 @@ class DecoderConfig:
         matmul_params = self.active_params(num_params) - (0 if self.tie_embeddings else embedding)
         frozen = 0 if trained_params is None else matmul_params - trained_params
         return (6.0 * matmul_params - 2.0 * frozen
-                + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len)
+                + 12.0 * self.n_layers * self.n_heads * self.head_dim * self.keys_seen(seq_len))
+
+    def keys_seen(self, seq_len: int) -> int:
+        """The keys a query's row of attention scores spans in a `seq_len` sequence: all of them,
+        or the sliding window's."""
+        return min(seq_len, self.sliding_window or seq_len)
 
     @property
     def moe_layers(self) -> int:
@@ -152,7 +159,8 @@ class Block(nnx.Module):
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
                               rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments,
                               grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
-                              lora=cfg.lora, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
+                              lora=cfg.lora, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+                              window=cfg.sliding_window)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)

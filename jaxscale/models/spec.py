@@ -62,7 +62,7 @@ def model_config(config: ml_collections.ConfigDict) -> DecoderConfig:
         vocab_size=m.vocab_size, vocab_multiple=m.vocab_multiple, d_model=m.d_model,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
-        max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
+        max_seq_len=m.max_seq_len, sliding_window=m.sliding_window, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
         max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
         grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe),
