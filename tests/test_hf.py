@@ -29,6 +29,7 @@ from jaxscale.hf.config import model_section
 from jaxscale.models.rope import rotation
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import use_rules
+from tests.helpers import relative_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -43,10 +44,6 @@ def params_of(model) -> dict:
 def logits_of(model, cfg) -> np.ndarray:
     out = model(jnp.asarray(REFERENCE["tokens"]), jnp.asarray(REFERENCE["positions"]))
     return np.asarray(out)[..., :cfg.vocab_size]
-
-
-def relative_error(got, want) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 # -- RoPE --------------------------------------------------------------------------------------
