@@ -37,6 +37,8 @@ FAMILIES = {family.name: family for family in (
            {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
     Family("qwen3", "jaxscale.models.qwen3", "Qwen3ForCausalLM", "qwen3",
            {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
+    Family("mistral", "jaxscale.models.mistral", "MistralForCausalLM", "mistral",
+           {"hidden_act": "silu"}, hf_keys={"sliding_window": "sliding_window"}),
 )}
 
 
