@@ -3,8 +3,8 @@
 Everything else is the shared decoder's (jaxscale/models/decoder.py): grouped-query attention
 without biases, head_dim set apart from d_model / n_heads, SwiGLU, pre-norm blocks, plain RoPE
 (theta 1e6 in the published models), the embedding tied to the head in the small ones.
-transformers' Qwen3ForCausalLM names its tensors as LlamaForCausalLM does, plus `q_norm` and `k_norm` per
-layer ([head_dim] each, one scale shared by the heads).
+transformers' Qwen3ForCausalLM names its tensors as LlamaForCausalLM does, plus `q_norm` and
+`k_norm` per layer ([head_dim] each, one scale shared by the heads).
 """
 
 from __future__ import annotations

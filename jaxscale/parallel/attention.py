@@ -63,7 +63,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
     array indices): what "earlier" means when the length is split over devices, whose tokens
     may be in any order. `max_segments`: the most segments (contiguous runs of one id, padding
     included) a row holds, 0 if unbounded; the cudnn kernel's packed layout needs it. `window`
-    > 0: a token sees only the last `window` tokens, itself included. `interpret` runs a Pallas kernel in Python (any backend): for tests."""
+    > 0: a token sees only the last `window` tokens, itself included. `interpret` runs a Pallas
+    kernel in Python (any backend): for tests."""
     kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments,
                      windowed=window > 0)
     if kernel == "splash":
@@ -94,9 +95,10 @@ def auto_kernel(platform: str, capability: str, dtype, length: int, head_dim: in
                 packed: bool, max_segments: int, split: bool, pipelined: bool,
                 windowed: bool = False) -> str:
     """What `auto` runs: splash on TPUs (whole rows), cuDNN on NVIDIA GPUs where it can run, else
-    XLA; XLA for a sliding window (`windowed`), which only it takes. `split`: the length is split over a context axis; `pipelined`: inside a pipeline stage's
-    vmap, which JAX's cuDNN attention cannot be batched over (its batching rule reshapes the
-    mask's and the segments' arrays as if they had the heads' and no stage axis)."""
+    XLA; XLA for a sliding window (`windowed`), which only it takes. `split`: the length is split
+    over a context axis; `pipelined`: inside a pipeline stage's vmap, which JAX's cuDNN attention
+    cannot be batched over (its batching rule reshapes the mask's and the segments' arrays as if
+    they had the heads' and no stage axis)."""
     if windowed:
         return "xla"
     if platform == "tpu":
