@@ -23,9 +23,10 @@ import pytest
 from flax import nnx
 
 from jaxscale import hf
-from jaxscale.models.spec import abstract_model
+from jaxscale.models.spec import abstract_model, model_config
 from jaxscale.errors import JaxscaleError
-from jaxscale.hf.config import model_section
+from jaxscale.config import default_config
+from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.rope import rotation
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import use_rules
@@ -163,6 +164,15 @@ def test_export_loads_in_transformers_and_back_bitwise(tmp_path):
     assert cfg_back == cfg
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params_of(model), params_of(back))
+
+
+def test_a_window_the_familys_config_json_has_no_key_for_is_refused_on_export():
+    """A Llama trained with a sliding window would load in transformers attending to every
+    token: its export is refused rather than written as another model."""
+    config = default_config()
+    config.model.sliding_window = 8
+    with pytest.raises(JaxscaleError, match="sliding_window=8 has no place in a llama config"):
+        hf_config(model_config(config), "float32")
 
 
 # -- bad folders -------------------------------------------------------------------------------
