@@ -27,7 +27,7 @@ import jax  # noqa: E402
 
 from jaxscale.cli import fail, load_config_file  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.models.llama import REMAT_POLICIES  # noqa: E402
+from jaxscale.models.decoder import REMAT_POLICIES  # noqa: E402
 from jaxscale.plan import rank  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402
 from jaxscale.plan.measure import seconds_per_step  # noqa: E402

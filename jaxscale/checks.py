@@ -20,7 +20,7 @@ from jaxscale.config import MESH_AXES, check_settings
 from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import check_samples
-from jaxscale.models.llama import REMAT_POLICIES
+from jaxscale.models.decoder import REMAT_POLICIES
 from jaxscale.models import family
 from jaxscale.models.fp8 import check_fp8
 from jaxscale.models.lora import check_lora

@@ -124,7 +124,7 @@ SCHEMA = {
         "schedule": Key("gpipe", "gpipe | 1f1b (repeats 1)"),
     },
     "model": {
-        "name": Key("llama", "the model family: llama | qwen3 (jaxscale/models/__init__.py)"),
+        "name": Key("llama", "the model family (jaxscale/models/__init__.py FAMILIES)"),
         "vocab_size": Key(259, "the tokenizer's ids (the byte tokenizer's: 256 + pad, bos, eos)",
                           _SIZE),
         "vocab_multiple": Key(128, "the embedding's rows are padded to a multiple of this",
@@ -136,6 +136,8 @@ SCHEMA = {
         "head_dim": Key(32, "each head's dimension", _SIZE),
         "mlp_dim": Key(768, "the SwiGLU feed-forward's hidden units", _SIZE),
         "max_seq_len": Key(2048, "the longest context the model is for", _SIZE),
+        "sliding_window": Key(0, "the tokens each query attends to, itself included",
+                              whole("[0, inf)", {0: "every earlier token"})),
         "rope_theta": Key(10000.0, "RoPE's base wavelength",
                           real("(1, inf)", {10000: "Llama 2", 500000: "Llama 3"})),
         # Hugging Face rope_type "llama3"; the other keys are read for llama3 only, their defaults

@@ -31,6 +31,12 @@ def benchmark_module(name: str):
     return module
 
 
+def relative_error(got, want) -> float:
+    """The largest difference, relative to the largest value wanted (float32 logits summed in
+    another order than a reference's stay within 1e-5 of it)."""
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
 def resumable_cli_losses(workdir, steps: int, **flags) -> tuple[dict[int, float], str]:
     """configs/tiny.py trained to `steps` through the CLI in float32 with `flags`, a constant
     learning rate after one warmup step and a checkpoint every 2 steps, so that a run of 2 steps

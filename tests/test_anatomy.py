@@ -209,3 +209,59 @@ def test_the_readmes_table_names_every_config_key():
                                         for n in named):
             missing.append(path)
     assert not missing, f"README's table of config keys lacks {missing}"
+
+
+
+def family_mentions(package: pathlib.Path = PACKAGE) -> list[str]:
+    """Where a package file outside models/ names a family in code, as 'FILE names NAME': a
+    string that is a family's `model.name`, Hugging Face architecture or model_type, a name that
+    is its config class, or an import of its module. Prose (docstrings, comments, help text) may
+    give families as examples."""
+    from jaxscale.models import FAMILIES
+    from jaxscale.models.spec import family_module
+    strings = {s for f in FAMILIES.values() for s in (f.name, f.hf_architecture, f.hf_model_type)}
+    classes = {family_module(name).Config.__name__ for name in FAMILIES}
+    modules = {f.module for f in FAMILIES.values()}
+
+    def named(node) -> str | None:
+        if isinstance(node, ast.Constant) and node.value in strings:
+            return node.value
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            return name if name in classes else None
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            prefix = f"{node.module}." if isinstance(node, ast.ImportFrom) else ""
+            return next((prefix + a.name for a in node.names if prefix + a.name in modules
+                         or getattr(node, "module", None) in modules), None)
+        return None
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "models":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (name := named(node)) is not None:
+                found.append(f"{path.relative_to(package.parent)} names {name!r}")
+    return found
+
+
+def test_no_package_file_outside_models_names_a_family():
+    """Adding a family is its file in models/, its row, its config and its tests: nothing else in
+    the package tells one family from another. One mention remains: the schema's default
+    `model.name` (jaxscale/config.py is below models/ and cannot read the family table)."""
+    assert family_mentions() == ["jaxscale/config.py names 'llama'"]
+
+
+def test_the_family_search_finds_a_family_named_in_code(tmp_path):
+    """It can fail: a module outside models/ that imports a family's module or config class, or
+    compares a name to a family's, is found."""
+    package = tmp_path / "jaxscale"
+    package.mkdir()
+    (package / "hf.py").write_text("from jaxscale.models.llama import LlamaConfig\n"
+                                   "import jaxscale.models.qwen3\n"
+                                   "def f(name):\n    return name == 'mistral'\n"
+                                   "def g(cfg):\n    return isinstance(cfg, LlamaConfig)\n")
+    assert sorted(family_mentions(package)) == sorted([
+        "jaxscale/hf.py names 'jaxscale.models.llama.LlamaConfig'",
+        "jaxscale/hf.py names 'LlamaConfig'", "jaxscale/hf.py names 'jaxscale.models.qwen3'",
+        "jaxscale/hf.py names 'mistral'"])

@@ -7,8 +7,8 @@ import pytest
 
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.context import load_balanced_order
-from jaxscale.parallel.attention import (_residuals_made_at_once, attend, check_implementation,
-                                         packed_segments, resolve)
+from jaxscale.parallel.attention import (_residuals_made_at_once, attend, check_attention,
+                                         check_implementation, packed_segments, resolve)
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import rules_from_config, use_rules
 from jaxscale.config import default_config
@@ -230,3 +230,56 @@ def test_residuals_made_at_once_are_autodiffs_bit_for_bit():
     got = jax.value_and_grad(
         lambda a, b: loss(lambda *x: _residuals_made_at_once(f, *x), a, b), argnums=(0, 1))(a, b)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def windowed_reference(q, k, v, segments, positions, window):
+    """Attention written out in float64: a query sees the keys of its segment at its position or
+    up to `window` - 1 before it."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    segments, positions = np.asarray(segments), np.asarray(positions)
+    behind = positions[:, :, None] - positions[:, None, :]
+    visible = (segments[:, :, None] == segments[:, None, :]) & (behind >= 0) & (behind < window)
+    scores = np.where(visible[:, None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
+
+
+def test_a_sliding_window_hides_the_keys_before_it_whole_or_split_over_context():
+    """XLA's path, and the context path with the tokens in the load-balanced order, each equal
+    attention written out with the window's mask, on packed rows whose documents are longer
+    than the window; without the window the outputs differ."""
+    q, k, v, _ = qkv(length=64, head_dim=16)
+    index = np.arange(64)
+    segments = np.stack([np.where(index < 30, 1, np.where(index < 60, 2, 0)), np.ones(64)])
+    positions = np.stack([np.where(index < 30, index, index - 30), index])
+    segments, positions = (jnp.asarray(x, jnp.int32) for x in (segments, positions))
+    want = windowed_reference(q, k, v, segments, positions, window=8)
+    got = attend(q, k, v, segments, "auto", window=8)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert np.abs(np.asarray(attend(q, k, v, segments, "xla")) - want).max() > 0.1
+
+    mesh = build_mesh(dict(context=4, tensor=2), {}, jax.devices()[:8])
+    order = load_balanced_order(64, 4)
+    permuted = [x[:, order] for x in (q, k, v, segments, positions)]
+    with use_rules(mesh, rules_from_config(default_config().sharding.rules)):
+        split = jax.jit(lambda q, k, v, s, p: attend(q, k, v, s, "auto", positions=p,
+                                                     window=8))(*permuted)
+    np.testing.assert_allclose(split, want[:, order], rtol=0, atol=1e-5)
+
+
+def test_a_sliding_window_runs_on_xla_and_is_refused_by_the_kernels_without_one():
+    bf16 = jax.ShapeDtypeStruct((2, 2048, 8, 128), jnp.bfloat16)
+    for device in (FakeDevice("tpu"), FakeDevice("gpu")):
+        with use_rules(FakeMesh(device), {}):
+            assert resolve("auto", bf16, packed=True, max_segments=32, windowed=True) == "xla"
+    config = default_config()
+    config.model.sliding_window = 4096
+    for kernel, device in (("splash", FakeDevice("tpu")), ("cudnn", FakeDevice("gpu"))):
+        config.model.attention = kernel
+        with pytest.raises(ConfigError, match=f"attention='{kernel}' has no sliding window"):
+            check_attention(config, device)
+    config.model.attention = "auto"
+    check_attention(config, FakeDevice("tpu"))

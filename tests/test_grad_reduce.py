@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxscale.config import check_settings
 from jaxscale.errors import ConfigError
 from jaxscale.models.spec import abstract_model, create_model, model_config
-from jaxscale.models import llama
+from jaxscale.models import decoder
 from jaxscale.models.layers import weight_matmul, weights_cast_for_use
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
@@ -238,7 +238,7 @@ def test_the_layer_loop_stacks_the_weights_gradients_in_their_reduction_dtype(se
     config.precision.update(compute_dtype="bfloat16", grad_reduce_dtype=setting)
     batch = random_batch(config)
     (loss, grads), jaxpr = _stack_loss_and_grads(config, batch)
-    monkeypatch.setattr(llama, "weights_cast_for_use", lambda module, state: state)
+    monkeypatch.setattr(decoder, "weights_cast_for_use", lambda module, state: state)
     (loss_inside, grads_inside), jaxpr_inside = _stack_loss_and_grads(config, batch)
 
     assert loss == loss_inside

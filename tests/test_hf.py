@@ -25,12 +25,14 @@ import pytest
 from flax import nnx
 
 from jaxscale import hf
-from jaxscale.models.spec import abstract_model
+from jaxscale.models.spec import abstract_model, model_config
 from jaxscale.errors import JaxscaleError
-from jaxscale.hf.config import model_section
+from jaxscale.config import default_config
+from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.rope import rotation
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import use_rules
+from tests.helpers import relative_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -45,10 +47,6 @@ def params_of(model) -> dict:
 def logits_of(model, cfg) -> np.ndarray:
     out = model(jnp.asarray(REFERENCE["tokens"]), jnp.asarray(REFERENCE["positions"]))
     return np.asarray(out)[..., :cfg.vocab_size]
-
-
-def relative_error(got, want) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 # -- RoPE --------------------------------------------------------------------------------------
@@ -170,6 +168,15 @@ def test_export_loads_in_transformers_and_back_bitwise(tmp_path):
                  params_of(model), params_of(back))
 
 
+def test_a_window_the_familys_config_json_has_no_key_for_is_refused_on_export():
+    """A Llama trained with a sliding window would load in transformers attending to every
+    token: its export is refused rather than written as another model."""
+    config = default_config()
+    config.model.sliding_window = 8
+    with pytest.raises(JaxscaleError, match="sliding_window=8 has no place in a llama config"):
+        hf_config(model_config(config), "float32")
+
+
 # -- bad folders -------------------------------------------------------------------------------
 
 def broken_copy(tmp_path, source, *, config=None, remove=()):
@@ -186,8 +193,8 @@ def broken_copy(tmp_path, source, *, config=None, remove=()):
 
 @pytest.mark.parametrize("source,change,names", [
     (TIED, dict(remove=["config.json"]), ["config.json"]),
-    (TIED, dict(config=dict(model_type="mistral", architectures=["MistralForCausalLM"])),
-     ["mistral", "llama"]),
+    (TIED, dict(config=dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])),
+     ["gemma3_text", "llama"]),
     (TIED, dict(config=dict(intermediate_size=48)),
      ["model.layers.0.mlp.gate_proj.weight", "[64, 32]", "[48, 32]"]),
     (TIED, dict(config=dict(tie_word_embeddings=False)), ["lm_head.weight"]),

@@ -138,7 +138,7 @@ def test_vocabulary_tiles_on_a_sharded_mesh_equal_one_device_and_skip_the_paddin
     compiled program never holds a whole [d, vocab] head gradient before its reduction."""
     import functools
 
-    from jaxscale.models.llama import logits_from
+    from jaxscale.models.decoder import logits_from
     from jaxscale.parallel.mesh import build_mesh
     from jaxscale.parallel.sharding import rules_from_config, use_rules
 
@@ -185,7 +185,7 @@ def test_in_bfloat16_every_matmul_of_the_loss_takes_bfloat16_and_the_gradients_m
     import functools
     import re
 
-    from jaxscale.models.llama import logits_from
+    from jaxscale.models.decoder import logits_from
 
     rng = np.random.default_rng(0)
     features = rng.standard_normal((4, 16, 64))

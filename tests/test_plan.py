@@ -15,7 +15,7 @@ import pytest
 from jaxscale.cli import load_config_file
 from jaxscale.checks import validate
 from jaxscale.errors import ConfigError
-from jaxscale.models.llama import REMAT_POLICIES
+from jaxscale.models.decoder import REMAT_POLICIES
 from jaxscale.plan import auto, planner, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import compile_train_step

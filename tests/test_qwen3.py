@@ -26,6 +26,7 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.qwen3 import Qwen3Config
 from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
+from tests.helpers import relative_error
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -88,10 +89,6 @@ def transformers_logits(folder: str) -> np.ndarray:
 def jaxscale_logits(model, cfg) -> np.ndarray:
     out = model(jnp.asarray(TOKENS), jnp.asarray(POSITIONS))
     return np.asarray(out)[..., :cfg.vocab_size]
-
-
-def relative_error(got, want) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])

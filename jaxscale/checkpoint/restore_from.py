@@ -23,12 +23,12 @@ from jaxscale.checkpoint.verdict import Verdict, agreed, raise_unless_ok, retryi
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.spec import ModelSpec, create_model
 from jaxscale.runtime.storage import reason, storage_error
 
 def restore_from(path: str, abstract_state: State, *, params_only: bool,
-                 model_config: LlamaConfig) -> Restored:
+                 model_config: DecoderConfig) -> Restored:
     """Another run's checkpoint (`checkpoint.restore_from`): a workdir, its checkpoint folder or
     one step folder; or a Hugging Face model folder, whose weights are the params (params only,
     whatever `params_only` says: it has nothing else). Nothing in it is written. Raises
@@ -66,7 +66,7 @@ def restore_from(path: str, abstract_state: State, *, params_only: bool,
     return outcome.value
 
 
-def restore_params(path: str, abstract_params: Any, model_config: LlamaConfig) -> Restored:
+def restore_params(path: str, abstract_params: Any, model_config: DecoderConfig) -> Restored:
     """`restore_from` of the parameters alone, read into `abstract_params` (shapes, dtypes and
     shardings; with LoRA, the adapters or the base, whichever the caller wants)."""
     return restore_from(path, ParamsOnly(abstract_params), params_only=True,

@@ -1,4 +1,4 @@
-"""Hugging Face Llama folders in and out: `load_model(path)` -> (model, LlamaConfig) and
+"""Hugging Face model folders in and out: `load_model(path)` -> (model, DecoderConfig) and
 `save_model(model_or_params, model_config, path)` (jaxscale/hf/model.py); a LoRA run's adapters
 as a PEFT folder, `save_adapters(params, model_config, path)` (jaxscale/hf/peft.py);
 docs/huggingface.md.

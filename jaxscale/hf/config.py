@@ -102,7 +102,8 @@ def model_section(path: str) -> dict[str, Any]:
             max_seq_len=int(hf.get("max_position_embeddings", 2048)),
             rope_theta=theta, rope_scaling=rope_scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **{key: int(hf.get(hf_key) or 0) for hf_key, key in family.hf_keys.items()})
     except KeyError as e:
         raise JaxscaleError(f"{file} lacks {e.args[0]!r}; a {family.name} config.json has it "
                             f"(see transformers' {family.hf_architecture})") from None
@@ -168,9 +169,13 @@ def _token(tokenizer: str, token_id: int | list[int] | None) -> str | None:
 
 def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
               eos_token_id: int | None = None) -> dict[str, Any]:
-    """config.json for `model_config` (a LlamaConfig, or its family's extension of one) in the
+    """config.json for `model_config` (its family's `DecoderConfig`) in the
     `rope_theta` + `rope_scaling` form, which transformers 4 and 5 both read."""
     c, r, family = model_config, model_config.rope_scaling, FAMILIES[model_config.family]
+    if c.sliding_window and "sliding_window" not in family.hf_keys.values():
+        # transformers would load the weights into a model that attends to every token.
+        raise JaxscaleError(f"model.sliding_window={c.sliding_window} has no place in a "
+                            f"{family.name} config.json; export a model trained without it")
     rope_scaling = None if r is None else dict(
         rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
         high_freq_factor=r.high_freq_factor,
@@ -182,6 +187,7 @@ def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
         num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
         max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
         rope_scaling=rope_scaling, tie_word_embeddings=c.tie_embeddings, **family.hf_settings,
+        **{hf_key: getattr(c, key) or None for hf_key, key in family.hf_keys.items()},
         torch_dtype=dtype)
     config.update({k: v for k, v in (("bos_token_id", bos_token_id),
                                      ("eos_token_id", eos_token_id)) if v is not None})

@@ -16,7 +16,7 @@ from jaxscale.config import MESH_AXES, default_config
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import weights
 from jaxscale.hf.config import CONFIG_FILE, apply_model_section, hf_config, model_section
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.spec import model_spec, params_on_mesh
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import Rules, rules_from_config
@@ -24,9 +24,9 @@ from jaxscale.parallel.sharding import Rules, rules_from_config
 
 def load_model(path: str, dtype: str = "float32", *, compute_dtype: str = "bfloat16",
                mesh: Mesh | None = None, rules: Rules | None = None
-               ) -> tuple[nnx.Module, LlamaConfig]:
-    """(model, its config: a LlamaConfig, or its family's extension of one) from a local Hugging
-    Face folder of a family jaxscale has (Llama, Qwen3).
+               ) -> tuple[nnx.Module, DecoderConfig]:
+    """(model, its config: a DecoderConfig, or its family's extension of one) from a local Hugging
+    Face folder of a family jaxscale has (jaxscale/models/__init__.py FAMILIES).
 
     `dtype`: the parameters' (float32, the training master copy; bfloat16 halves the memory to
     sample). `compute_dtype`: matmuls and activations. With `mesh`, every parameter is sharded by
@@ -46,15 +46,15 @@ def load_model(path: str, dtype: str = "float32", *, compute_dtype: str = "bfloa
     return nnx.merge(spec.graphdef, params), spec.config
 
 
-def save_model(model_or_params: nnx.Module | Any, model_config: LlamaConfig, path: str,
+def save_model(model_or_params: nnx.Module | Any, model_config: DecoderConfig, path: str,
                dtype: str = "bfloat16", *, bos_token_id: int | None = None,
                eos_token_id: int | None = None,
                shard_bytes: int = weights.SHARD_BYTES) -> list[str]:
     """Writes `path`/config.json and the weights as safetensors (sharded at `shard_bytes`, with
     model.safetensors.index.json), without the padded vocabulary rows, in `dtype`, so that
-    transformers' ...ForCausalLM of the family (LlamaForCausalLM, Qwen3ForCausalLM)
-    .from_pretrained(path) loads them. `path` must not exist or be
-    an empty folder. Every process calls it; process 0 writes. Returns the weight files."""
+    transformers' ...ForCausalLM of the family (its `hf_architecture`) .from_pretrained(path)
+    loads them. `path` must not exist or be an empty folder. Every process calls it; process 0
+    writes. Returns the weight files."""
     if dtype not in weights.DTYPES:
         raise JaxscaleError(f"dtype {dtype!r} cannot be saved; use one of {weights.DTYPES}")
     params = (nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
@@ -72,7 +72,7 @@ def save_model(model_or_params: nnx.Module | Any, model_config: LlamaConfig, pat
     return files
 
 
-def _check_params(params: Any, cfg: LlamaConfig) -> None:
+def _check_params(params: Any, cfg: DecoderConfig) -> None:
     """JaxscaleError naming the first parameter that `cfg`'s model lacks or shapes otherwise."""
     for t in weights.layout(cfg):
         node = params

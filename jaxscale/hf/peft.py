@@ -23,7 +23,7 @@ import numpy as np
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors, weights
 from jaxscale.models.hf_layout import HfTensor
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.lora import ADAPTER_SUFFIX
 
 CONFIG_FILE = "adapter_config.json"
@@ -36,7 +36,7 @@ def _module(tensor: HfTensor) -> str:
     return tensor.hf_name.removesuffix(".weight")
 
 
-def targets(cfg: LlamaConfig) -> list[HfTensor]:
+def targets(cfg: DecoderConfig) -> list[HfTensor]:
     """The weights `cfg`'s adapters sit beside, in the order transformers writes them."""
     if cfg.lora is None:
         raise JaxscaleError("the model has no LoRA adapters (model.lora.rank=0); a PEFT folder "
@@ -44,7 +44,7 @@ def targets(cfg: LlamaConfig) -> list[HfTensor]:
     return [t for t in weights.layout(cfg) if t.path[-1] in cfg.lora.targets]
 
 
-def adapter_config(cfg: LlamaConfig, base_model_name_or_path: str | None,
+def adapter_config(cfg: DecoderConfig, base_model_name_or_path: str | None,
                    dropout: float = 0.0) -> dict[str, Any]:
     """adapter_config.json: a LoRA of rank r with lora_alpha on the targets' modules (q_proj,
     ..., down_proj), the run's dropout (what PEFT trains on with, should it train these
@@ -60,7 +60,7 @@ def adapter_config(cfg: LlamaConfig, base_model_name_or_path: str | None,
         layers_pattern=None, rank_pattern={}, alpha_pattern={})
 
 
-def _factors(cfg: LlamaConfig) -> dict[str, tuple[HfTensor, int, str]]:
+def _factors(cfg: DecoderConfig) -> dict[str, tuple[HfTensor, int, str]]:
     """{PEFT tensor name: (the weight, its layer, "a" or "b")}, layer by layer as PEFT orders
     its state dict."""
     names = {}
@@ -83,7 +83,7 @@ def _adapter(adapters: Any, tensor: HfTensor) -> dict:
     return node
 
 
-def save_adapters(adapters: Any, model_config: LlamaConfig, path: str, dtype: str = "bfloat16",
+def save_adapters(adapters: Any, model_config: DecoderConfig, path: str, dtype: str = "bfloat16",
                   *, base_model_name_or_path: str | None = None,
                   dropout: float = 0.0) -> list[str]:
     """Writes `path`/adapter_config.json and adapter_model.safetensors (in `dtype`) from the

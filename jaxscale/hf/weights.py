@@ -22,7 +22,7 @@ from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.hf import safetensors
 from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
 from jaxscale.models.hf_layout import HfTensor
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.spec import family_module
 from jaxscale.runtime.storage import reason, storage_error
 
@@ -33,7 +33,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _IGNORED_SUFFIX = ".rotary_emb.inv_freq"
 
 
-def layout(cfg: LlamaConfig) -> list[HfTensor]:
+def layout(cfg: DecoderConfig) -> list[HfTensor]:
     """Every parameter of `cfg`'s model as its family names it in a Hugging Face folder."""
     return family_module(cfg.family).hf_tensors(cfg)
 
@@ -117,7 +117,7 @@ def tensor_index(path: str) -> dict[str, safetensors.TensorInfo]:
     return tensors
 
 
-def check_tensors(cfg: LlamaConfig, tensors: dict[str, safetensors.TensorInfo],
+def check_tensors(cfg: DecoderConfig, tensors: dict[str, safetensors.TensorInfo],
                   path: str) -> None:
     """JaxscaleError naming the first tensor that is missing, has another shape than `cfg`
     needs, or that `cfg`'s model has no place for."""
@@ -169,7 +169,7 @@ def _reader(tensor: HfTensor, infos: list[safetensors.TensorInfo], shape: tuple[
     return read
 
 
-def load_params(path: str, cfg: LlamaConfig, abstract_params: Any) -> Any:
+def load_params(path: str, cfg: DecoderConfig, abstract_params: Any) -> Any:
     """The folder's weights as a params tree shaped like `abstract_params` (ShapeDtypeStructs
     with shardings: each array is born with its sharding and dtype). Reads only the tensor slices
     this process's devices hold. JaxscaleError (before anything is read but headers) when the
@@ -197,7 +197,7 @@ def to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def save_params(params: Any, cfg: LlamaConfig, path: str, dtype: str,
+def save_params(params: Any, cfg: DecoderConfig, path: str, dtype: str,
                 shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Writes the params as safetensors files in `path` (an existing folder), sharded like
     save_pretrained; returns the file names. Every process must call it (a parameter split over

@@ -29,7 +29,7 @@ from jaxscale.models.spec import model_spec, params_on_mesh
 
 def next_token(logits, key, temperature: float, top_p: float, vocab_size: int):
     """ids [batch] drawn from float32 logits [batch, padded_vocab]. Ids >= vocab_size (the
-    embedding's padding) are never drawn: `Llama.logits` already gives them the lowest float32,
+    embedding's padding) are never drawn: `Decoder.logits` already gives them the lowest float32,
     and a high temperature would bring that back within reach, so they are set to -inf here."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1)

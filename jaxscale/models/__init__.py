@@ -27,6 +27,9 @@ class Family:
     hf_model_type: str  # and its `model_type`
     # The config.json entries the family has one value of: checked on import, written on export.
     hf_settings: Mapping[str, Any]
+    # The config.json entries that are `model` keys of the family's own, beyond those every
+    # decoder has ({config.json key: model key}; a null or absent entry is the key's 0, none).
+    hf_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES = {family.name: family for family in (
@@ -34,6 +37,8 @@ FAMILIES = {family.name: family for family in (
            {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
     Family("qwen3", "jaxscale.models.qwen3", "Qwen3ForCausalLM", "qwen3",
            {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
+    Family("mistral", "jaxscale.models.mistral", "MistralForCausalLM", "mistral",
+           {"hidden_act": "silu"}, hf_keys={"sliding_window": "sliding_window"}),
 )}
 
 

@@ -288,7 +288,8 @@ class Attention(nnx.Module):
     four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`).
     `lora`: the adapters of the projections it targets (`models/lora.py`); `dropout` (train
     step only): on their inputs. `qk_norm_eps` (None: none): each head's q and k go through an
-    RMSNorm over head_dim with this epsilon before RoPE (Qwen3's q_norm and k_norm)."""
+    RMSNorm over head_dim with this epsilon before RoPE (Qwen3's q_norm and k_norm). `window`
+    > 0: a query sees that many tokens, itself included (a sliding window); 0: all before it."""
 
     WEIGHT_AXES = {"q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
                    "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed")}
@@ -297,7 +298,8 @@ class Attention(nnx.Module):
                  rope_theta: float, out_stddev: float, dtype: jnp.dtype, implementation: str,
                  rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0,
                  grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
-                 lora: LoraConfig | None = None, qk_norm_eps: float | None = None):
+                 lora: LoraConfig | None = None, qk_norm_eps: float | None = None,
+                 window: int = 0):
         axes = self.WEIGHT_AXES
         self.q = param(rngs, (d_model, n_heads, head_dim), axes["q"], 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), axes["k"], 0.02)
@@ -309,6 +311,7 @@ class Attention(nnx.Module):
         self.grad_dtype = jnp.dtype(grad_dtype or dtype)
         self.implementation = implementation
         self.max_segments = max_segments
+        self.window = window
         self.q_fp8, self.k_fp8, self.v_fp8, self.o_fp8 = (site(fp8_history) for _ in range(4))
         self.q_lora, self.k_lora, self.v_lora = (adapter(lora, name, getattr(self, name), 1, rngs)
                                                  for name in ("q", "k", "v"))
@@ -326,7 +329,8 @@ class Attention(nnx.Module):
         q, k, v = self.project(x, positions, dropout)
         wide = float32_accumulating(self.dtype)
         out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
-                     self.implementation, positions=positions, max_segments=self.max_segments)
+                     self.implementation, positions=positions, max_segments=self.max_segments,
+                     window=self.window)
         return self.output(out, dropout)
 
     def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,
@@ -334,13 +338,13 @@ class Attention(nnx.Module):
         """Attention for x [batch, length, d_model] at positions start, start + 1, ... (the same
         in every row), after the `start` positions whose keys and values `cache` holds for
         `layer`: writes this layer's new keys and values in, and lets each query see every cached
-        position up to its own."""
+        position up to its own (those of its window, with one)."""
         positions = jnp.broadcast_to(start + jnp.arange(x.shape[1]), x.shape[:2])
         q, k, v = self.project(x, positions)
         cache = cache.write(layer, start, k, v)
         wide = float32_accumulating(self.dtype)
         out = attend_to_cache(q.astype(wide), cache.k[layer].astype(wide),
-                              cache.v[layer].astype(wide), start)
+                              cache.v[layer].astype(wide), start, self.window)
         return self.output(out), cache
 
     def project(self, x: jax.Array, positions: jax.Array,
@@ -393,14 +397,17 @@ class KVCache(NamedTuple):
 
 
 def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
-                    start: jax.Array) -> jax.Array:
+                    start: jax.Array, window: int = 0) -> jax.Array:
     """q [batch, length, heads, head_dim] at positions start, start + 1, ...; keys, values
     [batch, max_len, kv_heads, head_dim] by slot. A query sees the slots up to its own position:
-    the earlier tokens and itself, never the unwritten slots after it. Plain masked XLA
-    attention: a decode step has one query per row; a prefill holds [length, max_len] scores per
-    head, which is fine at a prompt's length."""
+    the earlier tokens and itself (the last `window` of them when > 0), never the unwritten
+    slots after it. Plain masked XLA attention: a decode step has one query per row; a prefill
+    holds [length, max_len] scores per head, which is fine at a prompt's length."""
     slot = jnp.arange(keys.shape[1])
-    visible = slot[None, :] <= start + jnp.arange(q.shape[1])[:, None]  # [length, max_len]
+    query = start + jnp.arange(q.shape[1])[:, None]
+    visible = slot[None, :] <= query  # [length, max_len]
+    if window:
+        visible &= slot[None, :] > query - window
     return jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None])
 
 

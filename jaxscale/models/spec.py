@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from jaxscale.models import family
 from jaxscale.models.fp8 import Fp8Meta
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.lora import lora_config, split_adapters
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling
@@ -53,16 +53,16 @@ def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:
                      capacity_factor=section.capacity_factor, every=section.every)
 
 
-def model_config(config: ml_collections.ConfigDict) -> LlamaConfig:
+def model_config(config: ml_collections.ConfigDict) -> DecoderConfig:
     """The model's config, of the family `model.name` names, from the run's `model` and
     `precision` sections (and the bound on documents per row that the input pipeline keeps,
-    which fused attention needs). Every family's config is a `LlamaConfig` or extends one."""
+    which fused attention needs). Every family's config is a `DecoderConfig` or extends one."""
     m = config.model
     return family_module(m.name).Config(
         vocab_size=m.vocab_size, vocab_multiple=m.vocab_multiple, d_model=m.d_model,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, rope_scaling=rope_scaling(m.rope_scaling),
-        max_seq_len=m.max_seq_len, norm_eps=m.norm_eps,
+        max_seq_len=m.max_seq_len, sliding_window=m.sliding_window, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, remat=m.remat, attention=m.attention,
         max_segments=config.data.max_segments, dtype=config.precision.compute_dtype,
         grad_reduce_dtype=config.precision.grad_reduce_dtype, moe=moe_config(m.moe),
@@ -74,13 +74,13 @@ def model_config(config: ml_collections.ConfigDict) -> LlamaConfig:
         scan_unroll=m.scan_unroll if m.scan_unroll >= 0 else 1)
 
 
-def create_model(cfg: LlamaConfig, seed) -> nnx.Module:
+def create_model(cfg: DecoderConfig, seed) -> nnx.Module:
     """The model of `cfg`'s family with freshly initialised float32 parameters; `seed` may be
     traced."""
     return family_module(cfg.family).Model(cfg, nnx.Rngs(params=jax.random.key(seed)))
 
 
-def abstract_model(cfg: LlamaConfig) -> nnx.Module:
+def abstract_model(cfg: DecoderConfig) -> nnx.Module:
     """The model with shapes and logical axes but no allocated parameters."""
     return nnx.eval_shape(lambda: create_model(cfg, 0))
 
@@ -91,7 +91,7 @@ def count_params(model: nnx.Module) -> int:
 
 class ModelSpec(NamedTuple):
     """What the rest of jaxscale knows of the model, taken from its abstract (unallocated) form."""
-    config: LlamaConfig
+    config: DecoderConfig
     graphdef: nnx.GraphDef  # the model of the params alone: eval, sampling, export
     logical_specs: Any  # same tree as params, leaves are PartitionSpecs of logical axis names
     abstract_params: Any  # same tree, leaves are ShapeDtypeStructs
@@ -126,7 +126,7 @@ def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
 
 
 @functools.lru_cache(maxsize=8)
-def spec_of(cfg: LlamaConfig) -> ModelSpec:
+def spec_of(cfg: DecoderConfig) -> ModelSpec:
     """The ModelSpec of a model config. Shared by whoever asks for the same config: its trees
     are read, never changed."""
     # The params-only model: the same parameters in compute-dtype matmuls.

@@ -25,6 +25,10 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
   from positions as for xla. Measured on an H100 in benchmarks/RESULTS.md.
 - `auto`: splash on TPUs (the length whole on each device) and cudnn on GPUs where the kernel can
   run (shapes, dtype), else xla.
+
+A sliding window (a query sees only the last `window` tokens, itself included) is the XLA path's
+local window, and one more term of the context path's mask; splash and cudnn are not given it
+yet, so `auto` takes xla for it and asking for either with a window is refused at config time.
 """
 
 from __future__ import annotations
@@ -52,29 +56,31 @@ CUDNN_PACKED_CAPABILITY = (9, 0)  # Hopper: cuDNN's packed (ragged) layout, head
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
            implementation: str, *, positions: jax.Array | None = None, max_segments: int = 0,
-           interpret: bool = False) -> jax.Array:
+           window: int = 0, interpret: bool = False) -> jax.Array:
     """Causal attention. q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads,
     head_dim] (grouped-query: heads a multiple of kv_heads); segment_ids [batch, length] or None:
     a token sees only earlier tokens of its own segment; positions [batch, length] or None (the
     array indices): what "earlier" means when the length is split over devices, whose tokens
     may be in any order. `max_segments`: the most segments (contiguous runs of one id, padding
-    included) a row holds, 0 if unbounded; the cudnn kernel's packed layout needs it.
-    `interpret` runs a Pallas kernel in Python (any backend): for tests."""
-    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments)
+    included) a row holds, 0 if unbounded; the cudnn kernel's packed layout needs it. `window`
+    > 0: a token sees only the last `window` tokens, itself included. `interpret` runs a Pallas
+    kernel in Python (any backend): for tests."""
+    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments,
+                     windowed=window > 0)
     if kernel == "splash":
         return _per_shard(functools.partial(_splash_on_shard, interpret=interpret),
                           q, k, v, segment_ids)
     if _length_axes():
-        return _context(q, k, v, segment_ids, positions, kernel)
+        return _context(q, k, v, segment_ids, positions, kernel, window)
     if kernel == "cudnn":
         layout = packed_layout_bound(_capability(_device()), max_segments, split=False)
         return _per_shard(functools.partial(_cudnn_on_shard, max_segments=layout),
                           q, k, v, segment_ids)
-    return _xla(q, k, v, segment_ids)
+    return _xla(q, k, v, segment_ids, window)
 
 
 def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed: bool,
-            max_segments: int = 0) -> str:
+            max_segments: int = 0, windowed: bool = False) -> str:
     """`auto` -> the kernel for the platform of the active mesh (else the default backend), for
     queries shaped and typed like `q`."""
     if implementation != "auto":
@@ -82,15 +88,19 @@ def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed:
     device = _device()
     return auto_kernel(device.platform, _capability(device), q.dtype, q.shape[1], q.shape[-1],
                        packed=packed, max_segments=max_segments, split=bool(_length_axes()),
-                       pipelined=_pipelined())
+                       pipelined=_pipelined(), windowed=windowed)
 
 
 def auto_kernel(platform: str, capability: str, dtype, length: int, head_dim: int, *,
-                packed: bool, max_segments: int, split: bool, pipelined: bool) -> str:
+                packed: bool, max_segments: int, split: bool, pipelined: bool,
+                windowed: bool = False) -> str:
     """What `auto` runs: splash on TPUs (whole rows), cuDNN on NVIDIA GPUs where it can run, else
-    XLA. `split`: the length is split over a context axis; `pipelined`: inside a pipeline stage's
-    vmap, which JAX's cuDNN attention cannot be batched over (its batching rule reshapes the
-    mask's and the segments' arrays as if they had the heads' and no stage axis)."""
+    XLA; XLA for a sliding window (`windowed`), which only it takes. `split`: the length is split
+    over a context axis; `pipelined`: inside a pipeline stage's vmap, which JAX's cuDNN attention
+    cannot be batched over (its batching rule reshapes the mask's and the segments' arrays as if
+    they had the heads' and no stage axis)."""
+    if windowed:
+        return "xla"
     if platform == "tpu":
         return "splash" if splash_fits(length) and not split else "xla"
     layout = packed_layout_bound(capability, max_segments, split)
@@ -130,6 +140,10 @@ def check_attention(config: ml_collections.ConfigDict, device) -> None:
     check_implementation(config.model.attention, device, config.train.seq_len,
                          config.precision.compute_dtype, config.model.head_dim,
                          config.data.max_segments)
+    if config.model.sliding_window and config.model.attention in ("splash", "cudnn"):
+        raise ConfigError(f"model.attention={config.model.attention!r} has no sliding window "
+                          f"(model.sliding_window={config.model.sliding_window}); use "
+                          "model.attention=auto or xla")
 
 
 def check_implementation(implementation: str, device, length: int, dtype: str, head_dim: int,
@@ -162,10 +176,12 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
     return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
 
 
-def _xla(q, k, v, segment_ids):
-    # Causality comes from `is_causal`, so without packing there is no mask to materialise.
+def _xla(q, k, v, segment_ids, window: int = 0):
+    # Causality comes from `is_causal`, so without packing there is no mask to materialise; the
+    # window counts array indices, which within one packed document are its positions.
     mask = None if segment_ids is None else segment_mask(segment_ids)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None)
 
 
 def _device():
@@ -207,10 +223,11 @@ def _length_axes() -> tuple[str, ...]:
                  if mesh.shape[a] > 1)
 
 
-def _context(q, k, v, segment_ids, positions, kernel: str):
+def _context(q, k, v, segment_ids, positions, kernel: str, window: int = 0):
     """Attention with the length split over `_length_axes()`: per device, its queries against
-    every key, under the mask "same segment and key position <= query position", by XLA or
-    (`kernel` cudnn) cuDNN taking the mask as a bias."""
+    every key, under the mask "same segment and key position <= query position" (and, with a
+    `window`, > query position - window), by XLA or (`kernel` cudnn) cuDNN taking the mask as a
+    bias."""
     mesh, rules = active_mesh_and_rules()
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
     row_spec = P(*q_spec[:2])
@@ -226,6 +243,8 @@ def _context(q, k, v, segment_ids, positions, kernel: str):
         key_positions, key_segments = gather(positions), gather(segment_ids)
         mask = ((segment_ids[:, :, None] == key_segments[:, None, :])
                 & (key_positions[:, None, :] <= positions[:, :, None]))
+        if window:
+            mask &= key_positions[:, None, :] > positions[:, :, None] - window
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                             implementation="cudnn" if kernel == "cudnn" else None)
     # check_vma=False: under a pipeline's vmap over stages the output's replication over the

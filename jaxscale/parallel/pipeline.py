@@ -233,7 +233,7 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
         _, layer_vjps = jax.lax.scan(forward, stage_input, state)
 
         def add(a, d, layer):
-            # An integer leaf (a layer's index, `Llama.stack_inputs`) has no gradient (float0).
+            # An integer leaf (a layer's index, `Decoder.stack_inputs`) has no gradient (float0).
             if d.dtype == jax.dtypes.float0:
                 return a
             return a.at[layer].add(jnp.where(ok, d.astype(a.dtype), 0))

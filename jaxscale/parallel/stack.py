@@ -35,7 +35,7 @@ from jax.custom_derivatives import SymbolicZero
 LayerFn = Callable[..., jax.Array]
 # Runs a stack of layers: (layer_fn, the state stacked along a leading layer axis, x, *per-row
 # inputs) -> x after every layer in order. x is the activations, or with MoE layers the pytree
-# (activations, router statistics) that `Llama.features` carries through.
+# (activations, router statistics) that `Decoder.features` carries through.
 Stack = Callable[..., jax.Array]
 
 

@@ -2,7 +2,7 @@
 bandwidth, whichever is longer, plus communication over the links; and the order the planner
 prefers.
 
-Compute is the model's FLOPs (`LlamaConfig.flops_per_token`, not `cost_analysis()`, which counts
+Compute is the model's FLOPs (`DecoderConfig.flops_per_token`, not `cost_analysis()`, which counts
 a scanned layer once) plus what the remat policy recomputes, at peak bf16 FLOP/s: an upper bound
 on speed that ranks candidates fairly, since every one runs the same matmuls.
 
@@ -93,7 +93,7 @@ def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, candidat
     per_token = m.flops_per_token(spec.num_params, t.seq_len)
     head = 6.0 * m.d_model * m.padded_vocab_size  # the output head's matmuls
     layers = per_token - head
-    attention_forward = 4.0 * m.n_layers * m.n_heads * m.head_dim * t.seq_len
+    attention_forward = 4.0 * m.n_layers * m.n_heads * m.head_dim * m.keys_seen(t.seq_len)
     layers += {"none": 0.0, "save_dots": attention_forward, "full": layers / 3}[candidate.remat]
     pipeline = candidate.pipeline
     if pipeline is None:
@@ -109,7 +109,7 @@ def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, candidat
 def analytic_collectives(config: ml_collections.ConfigDict, spec: ModelSpec,
                          candidate: Candidate, granules: int) -> list[Collective]:
     """The collectives a candidate's step makes, counted from the model's shapes (weights in the
-    compute dtype, gradients in `LlamaConfig.grad_dtype` but the experts' in the compute dtype,
+    compute dtype, gradients in `DecoderConfig.grad_dtype` but the experts' in the compute dtype,
     as the compiled programs move them): per microbatch, FSDP gathers every
     weight twice (forward, backward) and reduce-scatters its gradient; tensor parallelism
     all-reduces a layer's [tokens, d_model] activations twice per pass (after attention and after

@@ -30,7 +30,7 @@ import ml_collections
 from jaxscale.checks import validate
 from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
-from jaxscale.models.llama import REMAT_POLICIES
+from jaxscale.models.decoder import REMAT_POLICIES
 from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.training.step_settings import StepSettings, choices
 
