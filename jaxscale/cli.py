@@ -35,9 +35,9 @@ DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
 _HELP_FLAGS = ("--help", "-h", "-help", "--helpfull", "--helpshort")
 
 
-def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
+def fail(message: str, exit_code: int = USAGE_EXIT_CODE, exit=sys.exit) -> NoReturn:
     """Ends the process the way every user mistake ends it: one line, exit status 2 (or
-    `exit_code`: 75 for a transient failure).
+    `exit_code`: 75 for a transient failure); `exit=os._exit` skips the clean-up.
 
     The line is one write: `print` writes the text and its newline separately, and a library's
     thread still printing (Orbax and TensorStore report a failed save from several) could land
@@ -46,7 +46,7 @@ def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> NoReturn:
     fresh_line = "\n" if exit_code == TRANSIENT_EXIT_CODE else ""
     sys.stderr.write(f"{fresh_line}error: {message}\n")
     sys.stderr.flush()
-    sys.exit(exit_code)
+    exit(exit_code)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -56,13 +56,13 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(f"{message} (see {self.prog} --help)")
 
 
-def fail_with(error: JaxscaleError | TransientError) -> NoReturn:
+def fail_with(error: JaxscaleError | TransientError, exit=sys.exit) -> NoReturn:
     """One `error: ...` line, and the exit status that says what to do next: 2 for the user's
-    mistake, 75 for a transient failure of the infrastructure."""
+    mistake, 75 for a transient failure of the infrastructure (`exit`: as `fail`'s)."""
     if isinstance(error, TransientError):
         fail(f"{error} (transient: exit {TRANSIENT_EXIT_CODE}, retry with backoff)",
-             TRANSIENT_EXIT_CODE)
-    fail(str(error))
+             TRANSIENT_EXIT_CODE, exit)
+    fail(str(error), exit=exit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,6 +147,20 @@ def test_a_full_local_disk_keeps_training_saves_remotely_and_warns_once(
     assert sorted(merged_losses(workdir)) == list(range(1, STEPS + 1))
 
 
+def test_saves_of_both_tiers_leave_jaxs_preemption_sync_point_to_the_trainer(
+        tmp_path, monkeypatch):
+    """Orbax asks JAX's sync point at each save and again from the thread that finalizes it, with
+    the step of that save; a count set back so made the sync point fall on a step the trainers
+    had passed, and a SIGTERM was ignored (signals.py). Here no save may ask it."""
+    from jax.experimental import multihost_utils
+
+    asked = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: asked.append(step) or False)
+    run(tmp_path / "run", 3)  # local 1 and 2, then persistent 3 (the last step)
+    assert asked == []
+
+
 @pytest.mark.parametrize("key, value, words", [
     ("local_dir", "gs://bucket/local", "is a URL; the local tier is a folder on each host"),
     ("local_every_steps", 10, "needs checkpoint.local_dir"),

@@ -4,6 +4,7 @@ Each asserts the exit codes and that every checkpoint present before the fault i
 byte for byte; after a kill, a restart resumes to the losses of an uninterrupted run."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -145,8 +146,9 @@ def kill_9_mid_run(victim: int, workdir, reference_dir, within_s: float) -> dict
     _, stderr = survivor.communicate(timeout=within_s + 30)
     assert time.monotonic() - killed_at < within_s
     assert survivor.returncode == TRANSIENT_EXIT_CODE, stderr[-3000:]
-    assert last_line(stderr).startswith(f"error: process {1 - victim} stopped: JAX's distributed "
-                                        "service reported")
+    # Its collective fails on the closed socket, or JAX's service aborts it (the guard's line).
+    assert re.match(f"error: process {1 - victim} (lost a peer in a collective|stopped: JAX's "
+                    "distributed service reported)", last_line(stderr)), stderr[-3000:]
     assert last_line(stderr).endswith(TRANSIENT_TAIL)
     assert procs[victim].wait(timeout=30) == -signal.SIGKILL  # its guard died as it did
     for p in procs:

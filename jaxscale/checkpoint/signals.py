@@ -10,7 +10,12 @@ the checkpoint is durable and raises the answer: `Preempted` (exit status 42, "r
 * multi-process runs use JAX's preemption sync manager (started by `jax.distributed.initialize`):
   it catches SIGTERM and maintenance notices on any process and answers at the same step on all
   of them. A Ctrl-C is turned into that same notice (a SIGTERM to this process), remembering that
-  it was a Ctrl-C;
+  it was a Ctrl-C. JAX picks 1 + the highest count any process last passed, so nothing else may
+  pass it a count (Orbax's managers are kept off it: tier.py), and the count is the steps of this
+  start (1, 2, ...): the manager's count starts at 0, and a notice during start-up (restore,
+  compile) would otherwise pick step 1, which a resumed run never passes. The notice reaches
+  every process within about a second (JAX polls for SIGTERM once a second) and the run stops at
+  the next step it begins after that;
 * a single process catches both signals itself and stops after the step in flight.
 
 A second Ctrl-C stops the process at once, without saving.
@@ -59,6 +64,7 @@ class StopSignals:
         self._use_jax_service = jax.process_count() > 1
         self._stop: type[RunStopped] | None = None
         self._previous: dict[int, object] = {}
+        self._before_start: int | None = None  # the step this start began at (`reached`)
 
     def __enter__(self) -> StopSignals:
         if self._use_jax_service:
@@ -96,8 +102,10 @@ class StopSignals:
         increasing order."""
         if not self._use_jax_service:
             return self._stop
+        if self._before_start is None:
+            self._before_start = step - 1
         try:
-            if multihost_utils.reached_preemption_sync_point(step):
+            if multihost_utils.reached_preemption_sync_point(step - self._before_start):
                 # Every process is here: agree on why, so all exit alike (130 if anyone saw a
                 # Ctrl-C, else 42).
                 return Interrupted if everyone(self._stop is Interrupted).any() else Preempted

@@ -118,9 +118,8 @@ class Tier:
         elif jax.process_count() > 1:
             self._barrier = SaveBarrier()
             options.update(async_options=ocp.AsyncOptions(barrier_sync_fn=self._barrier))
-        return ocp.CheckpointManager(self.directory,
-                                     handler_registry=handler_registry(self.process_local),
-                                     options=ocp.CheckpointManagerOptions(**options))
+        return _Manager(self.directory, handler_registry=handler_registry(self.process_local),
+                        options=ocp.CheckpointManagerOptions(**options))
 
     def save(self, step: int, state: State, data_state: dict, meta: dict) -> None:
         """Starts saving `step` (the save before it finished: `finish`); returns once the state
@@ -256,6 +255,19 @@ class Tier:
             except OSError as e:
                 logger.warning("%s %s could not be removed (%s): %s", self.label,
                                self.path(step), reason(e), why)
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, kept off JAX's preemption sync point, which the trainer alone asks
+    (signals.py). Orbax asks it too, at each save and from the thread that finalizes a save, with
+    the step of that save: JAX records the step of the latest caller, so a save finalized while the
+    trainer was already a step further set every process's counter back, the sync point (1 + the
+    highest counter) fell on a step the trainers had passed, and the SIGTERM was ignored (or, when
+    only some had passed it, the others stopped alone: mismatched collectives). The trainer saves
+    the agreed step itself; Orbax's answer only labelled its own statistics."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
 
 
 def _without_local_notice(record: logging.LogRecord) -> bool:

@@ -13,10 +13,15 @@ If a process crashes or exits 2, the others are stopped (SIGTERM, then SIGKILL a
 A process that exits 42 (preempted) or 75 (transient failure) reports a verdict every process
 reaches: the others get --grace_s to reach it too before they are killed.
 
+A process killed by SIGKILL is a lost host (a VM gone, a node drained, `kill -9`): the SIGTERM
+the others then get wakes a collective blocked on the lost peer (gloo notices the closed socket
+only then), which fails, and they exit 75 at once (jaxscale.train).
+
 The launcher's exit status is the run's verdict, read from the processes that ended on their own
 (not those it stopped): the most decisive status any of them gave, in this order: 2 (a usage error:
-nothing may retry it), a crash (any other status or a signal: it uses up a crash budget), 130
-(interrupted), 75 (transient), 42 (preempted), 0; among equals, the first to end. So a process
+nothing may retry it), a crash (any other status or a signal but SIGKILL: it uses up a crash
+budget), 130 (interrupted), 75 (transient; a process killed by SIGKILL counts as one), 42
+(preempted), 0; among equals, the first to end. So a process
 that crashed while the others exited 75 because their peer was gone makes the run a crash, as the
 crashed pod does on GKE: the 75s are what the survivors saw, the crash is why, and a crash that
 repeats must use up `jaxscale.supervise`'s --max_restarts rather than be retried forever.
@@ -116,9 +121,16 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
     }
 
 
+def verdict(status: int) -> int:
+    """A process's status as the run's verdict: a process killed by SIGKILL is a lost host, a
+    transient failure (75); the others, as they are."""
+    return TRANSIENT_EXIT_CODE if status == -signal.SIGKILL else status
+
+
 def decisiveness(status: int) -> int:
     """How much a process's status says about the run: the verdict is the most decisive one (the
     module docstring gives the order and why)."""
+    status = verdict(status)
     if status == USAGE_EXIT_CODE:
         return 5
     if is_crash(status):
@@ -251,14 +263,19 @@ class Launcher:
         # Never empty: the launcher stops processes only after one has ended on its own.
         own = [i for i in self.ended if i not in self.stopped]
         i = max(own, key=lambda i: decisiveness(codes[i]))  # the first of the most decisive
-        code = codes[i]
+        code = verdict(codes[i])
         if code == 0:
             return 0
         if self._expected(code):
             self.say(f"interrupted (Ctrl-C); all {len(codes)} processes have stopped; run the "
                      "same command again to resume")
             return INTERRUPTED_EXIT_CODE
-        if code in (RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE) and all(codes[j] == code for j in own):
+        if code in (RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE) and all(
+                verdict(codes[j]) == code for j in own):
+            if codes[i] == -signal.SIGKILL:  # the survivors said what they saw; this is why
+                print(f"error: process {i} was killed by SIGKILL (a lost host); all {len(codes)} "
+                      f"processes have stopped (transient: exit {code}, retry with backoff)",
+                      file=sys.stderr)
             return code  # the verdict they all reached; each process has said why
         print(f"error: process {i} {describe_exit(code)}; all {len(codes)} processes have "
               "stopped", file=sys.stderr)

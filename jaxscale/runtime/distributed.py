@@ -348,6 +348,26 @@ def guard(command: list[str], spec: ClusterSpec) -> int:
     return status
 
 
+# How a cross-process collective on CPU (gloo) fails when a peer's process is gone: its socket
+# closed or reset ("Gloo AllGather failed: [...pair.cc:547] Connection closed by peer
+# [127.0.0.1]:5777").
+_GLOO_LOST_PEER = re.compile(r"Gloo \w+ failed: (?:\[[^\]]*\] )?(.*)")
+
+
+def lost_peer(error: Exception, process_id: int) -> TransientError | None:
+    """The error process `process_id` stops with when `error` (a JaxRuntimeError) says a
+    collective lost its peer (a process killed, its host gone): the peer's words, which name its
+    address; None for any other error. Seen at once, in the next collective, where JAX's own
+    verdict (the guard's) waits for the heartbeat timeout."""
+    match = _GLOO_LOST_PEER.search(str(error))
+    if match is None:
+        return None
+    return TransientError(
+        f"process {process_id} lost a peer in a collective ({match.group(1).strip()}); the run "
+        "lost a process or its host: start every process again to resume from the last "
+        "checkpoint")
+
+
 def _status(report: list[bytes]) -> str:
     """The status in JAX's abort report, on one line: from "absl::Status:" to the blank line that
     comes before the stack trace."""
