@@ -57,7 +57,7 @@ from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import ModelSpec, create_model
-from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.storage import filesystem, reason, storage_error
 from jaxscale.runtime.workdir import check_writable
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,9 @@ class Checkpoints:
 
     def check_writable(self) -> None:
         """ConfigError unless the folders can be created and written; writes nothing."""
-        if self.enabled and "://" not in str(self.directory):
+        if self.enabled and "://" in str(self.directory):
+            filesystem(str(self.directory), "checkpoint.dir")
+        elif self.enabled:
             check_writable(str(self.directory), "checkpoint directory",
                            "pass --config.checkpoint.dir=<a folder you can write>")
         if self._local_root is not None:
@@ -505,6 +507,7 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     """(checkpoint folder, step or None for the newest) for a `restore_from` path."""
     hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder, one "
             "step folder in it, or a Hugging Face model folder")
+    filesystem(path, "checkpoint.restore_from")
     # Orbax needs absolute paths; a URL (gs://...) is absolute already.
     given = epath.Path(path if "://" in path else os.path.abspath(path))
     kind = path_kind(given)

@@ -19,7 +19,24 @@ import contextlib
 import errno
 import os
 
+import fsspec
+
 from jaxscale.errors import ConfigError, TransientError
+
+# The extra that installs the libraries fsspec opens bucket URLs (gs://, s3://) with.
+CLOUD_EXTRA = "pip install 'jaxscale[cloud]'"
+
+
+def filesystem(path: str, key: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(the filesystem that holds `path`, the path within it): a local disk or a bucket, one
+    layer for both. `key` is the config key or flag that gave `path`; when the bucket's library
+    (gcsfs, s3fs) is missing, a ConfigError says which extra installs it."""
+    try:
+        return fsspec.core.url_to_fs(path)
+    except ImportError as e:
+        # fsspec's own words name the library ("Please install gcsfs to access Google Storage").
+        raise ConfigError(f"{key}={path!r} is in a bucket, whose library is not installed "
+                          f"({e}): {CLOUD_EXTRA}") from e
 
 # Errors only the user can resolve besides a refusal (`access_denied`): a folder that cannot
 # hold files (/proc), a file where a folder belongs, a bad name, a missing file. Any other (EIO,
