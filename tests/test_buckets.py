@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from jaxscale.runtime.storage import filesystem
 from tests.helpers import REPO
+from tests.storage_servers import gcs, s3  # noqa: F401 (fixtures)
 
 
 def test_bucket_path_without_its_library_names_the_extra(tmp_path):
@@ -23,3 +27,13 @@ def test_bucket_path_without_its_library_names_the_extra(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint.dir='gs://BUCKET/a'"), lines
     assert "gcsfs" in lines[0] and "pip install 'jaxscale[cloud]'" in lines[0]
     assert not os.path.exists(workdir)
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+def test_servers_hold_what_is_written(server, request):
+    # The fixtures' own check: the library reaches the server by the standard variables alone.
+    bucket = request.getfixturevalue(server).bucket
+    fs, root = filesystem(f"{bucket}/check", "test")
+    fs.pipe({f"{root}/a/x.txt": b"0123456789", f"{root}/b/y.txt": b"abc"})
+    assert sorted(fs.glob(f"{root}/**/*.txt")) == [f"{root}/a/x.txt", f"{root}/b/y.txt"]
+    assert fs.cat_file(f"{root}/a/x.txt", start=2, end=5) == b"234"
