@@ -1,14 +1,20 @@
 """Data and checkpoints in buckets (gs://, s3://), against real storage servers on loopback ports
 (tests/storage_servers.py), and what a bucket path does without the `cloud` extra."""
 
+import logging
 import os
+import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from jaxscale.checkpoint import Checkpoints
+from jaxscale.errors import ConfigError
 from jaxscale.runtime.storage import filesystem
-from tests.helpers import REPO
+from jaxscale.trainer import Trainer
+from tests.helpers import REPO, one_line_error, resumable_cli_losses, small_config
 from tests.storage_servers import gcs, s3  # noqa: F401 (fixtures)
 
 
@@ -37,3 +43,60 @@ def test_servers_hold_what_is_written(server, request):
     fs.pipe({f"{root}/a/x.txt": b"0123456789", f"{root}/b/y.txt": b"abc"})
     assert sorted(fs.glob(f"{root}/**/*.txt")) == [f"{root}/a/x.txt", f"{root}/b/y.txt"]
     assert fs.cat_file(f"{root}/a/x.txt", start=2, end=5) == b"234"
+
+
+def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):
+    # A bucket renames by copying and deleting each object, which a crash leaves half done: the
+    # verdict is one marker object, and the damaged objects stay until the step is saved again.
+    config = small_config()
+    config.checkpoint.update(dir=f"{gcs.bucket}/damaged", compilation_cache=False)
+    trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:1])
+    state = trainer.program.init_state(0)
+    for step in (1, 2):
+        with Checkpoints(config, str(tmp_path)) as checkpoints:
+            checkpoints.save(step, state, {}, {"step": step})
+    fs, root = filesystem(config.checkpoint.dir, "checkpoint.dir")
+    fs.rm(f"{root}/2/params/_METADATA")
+    before = set(fs.find(f"{root}/2"))
+
+    with caplog.at_level(logging.WARNING), Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 1
+    fs.invalidate_cache()
+    markers = [p for p in fs.ls(root) if re.fullmatch(r".*/2\.corrupt-\d+", p)]
+    assert len(markers) == 1 and "_METADATA" in fs.cat_file(markers[0]).decode()
+    assert set(fs.find(f"{root}/2")) == before  # nothing moved
+    assert any("is damaged" in r.getMessage() and "marked 2.corrupt-" in r.getMessage()
+               for r in caplog.records)
+
+    caplog.clear()  # the next start skips step 2 without reading it again
+    with caplog.at_level(logging.WARNING), Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 1
+        assert not any("is damaged" in r.getMessage() for r in caplog.records)
+        checkpoints.save(2, state, {}, {"step": 2})  # opening for saving removes the damaged 2
+    fs.invalidate_cache()
+    assert not fs.exists(markers[0])
+    with Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 2
+
+
+def test_checkpoints_in_s3_are_refused_in_one_line(s3, tmp_path):
+    # Orbax hands s3:// paths to its array writer as local ones ("s3:/..."): the first save
+    # failed after the step compiled and trained, with tracebacks.
+    config = small_config()
+    config.checkpoint.dir = f"{s3.bucket}/run"
+    message = one_line_error(ConfigError, Checkpoints(config, str(tmp_path)).check_writable)
+    assert message.startswith(f"checkpoint.dir='{s3.bucket}/run': Orbax keeps checkpoints in a "
+                              "local folder or a gs:// bucket only"), message
+
+
+@pytest.mark.slow
+def test_checkpoints_in_gcs_resume_bitwise(gcs, tmp_path):
+    # Stopped at step 2 and resumed from the bucket to 4: the losses of one run from local disk.
+    on_disk, _ = resumable_cli_losses(tmp_path / "disk", 4)
+    bucket = {"checkpoint.dir": f"{gcs.bucket}/resume"}
+    first, _ = resumable_cli_losses(tmp_path / "bucket", 2, **bucket)
+    resumed, out = resumable_cli_losses(tmp_path / "bucket", 4, **bucket)
+    assert f"checkpoint {gcs.bucket}/resume/2" in out or "resum" in out, out
+    assert {**first, **resumed} == on_disk and sorted(resumed) == [3, 4]
+    fs, root = filesystem(f"{gcs.bucket}/resume", "test")
+    assert {p.rsplit("/", 1)[1] for p in fs.ls(root, refresh=True)} >= {"2", "4"}

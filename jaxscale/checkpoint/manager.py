@@ -52,7 +52,7 @@ from jaxscale.checkpoint.tier import SaveOutcome, Tier
 from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, agree_on_gravest, agreed,
                                          raise_unless_ok, retrying, save_error,
                                          save_failure_kind)
-from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
 from jaxscale.models.llama import LlamaConfig
@@ -110,7 +110,7 @@ class Checkpoints:
     def check_writable(self) -> None:
         """ConfigError unless the folders can be created and written; writes nothing."""
         if self.enabled and "://" in str(self.directory):
-            filesystem(str(self.directory), "checkpoint.dir")
+            check_bucket(str(self.directory), "checkpoint.dir")
         elif self.enabled:
             check_writable(str(self.directory), "checkpoint directory",
                            "pass --config.checkpoint.dir=<a folder you can write>")
@@ -507,7 +507,8 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     """(checkpoint folder, step or None for the newest) for a `restore_from` path."""
     hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder, one "
             "step folder in it, or a Hugging Face model folder")
-    filesystem(path, "checkpoint.restore_from")
+    if "://" in path:
+        check_bucket(path, "checkpoint.restore_from")
     # Orbax needs absolute paths; a URL (gs://...) is absolute already.
     given = epath.Path(path if "://" in path else os.path.abspath(path))
     kind = path_kind(given)
@@ -522,6 +523,18 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     if saved_steps(given):
         return given, None
     raise JaxscaleError(f"checkpoint.restore_from={path!r} holds no jaxscale checkpoint; {hint}")
+
+
+def check_bucket(path: str, key: str) -> None:
+    """ConfigError unless checkpoints can be kept in the bucket `path` (config key `key`): its
+    library installed, and a bucket Orbax writes arrays to."""
+    filesystem(path, key)
+    # Orbax (0.12.8) gives TensorStore's own gcs driver the gs:// paths; any other URL reaches
+    # its array writer as a local path ("s3:/b/x", after normpath) and fails at the first save.
+    if not path.startswith("gs://"):
+        raise ConfigError(f"{key}={path!r}: Orbax keeps checkpoints in a local folder or a gs:// "
+                          "bucket only; pass a gs:// path, or a folder (an S3 bucket mounted "
+                          "with mountpoint-s3, for one); the data can stay in s3://")
 
 
 def _process_0_decides(*answers: bool) -> tuple[bool, ...]:
