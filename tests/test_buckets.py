@@ -14,7 +14,8 @@ from jaxscale.checkpoint import Checkpoints
 from jaxscale.errors import ConfigError
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
-from tests.helpers import REPO, one_line_error, resumable_cli_losses, small_config
+from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
+from tests.test_data_sources import decoded, write_fixture
 from tests.storage_servers import gcs, s3  # noqa: F401 (fixtures)
 
 
@@ -43,6 +44,29 @@ def test_servers_hold_what_is_written(server, request):
     fs.pipe({f"{root}/a/x.txt": b"0123456789", f"{root}/b/y.txt": b"abc"})
     assert sorted(fs.glob(f"{root}/**/*.txt")) == [f"{root}/a/x.txt", f"{root}/b/y.txt"]
     assert fs.cat_file(f"{root}/a/x.txt", start=2, end=5) == b"234"
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+@pytest.mark.parametrize("name", ["jsonl", "text_lines", "text_files", "tokens"])
+def test_sources_in_a_bucket_read_as_from_local_disk(server, name, request, tmp_path,
+                                                     monkeypatch):
+    local = write_fixture(tmp_path, name)
+    bucket = f"{request.getfixturevalue(server).bucket}/{name}-{os.getpid()}"
+    fs, root = filesystem(bucket, "test")
+    fs.put(f"{tmp_path}/", f"{root}/", recursive=True)
+    in_bucket = dict(local, path=local["path"].replace(str(tmp_path), bucket))
+    listings = []  # a glob lists with `_find` (the sync `glob` is bound when fs is made)
+    real_find = type(fs)._find
+
+    async def find(self, path, *args, **kwargs):
+        listings.append(path)
+        return await real_find(self, path, *args, **kwargs)
+    monkeypatch.setattr(type(fs), "_find", find)
+    for split in ("train", "eval"):  # the same order, documents and split
+        expected = decoded(config_with(dict(local, eval_fraction=0.1)), split)
+        assert decoded(config_with(dict(in_bucket, eval_fraction=0.1)), split) == expected
+    # Listed once for both splits: an object store bills (and may throttle) every listing.
+    assert len(listings) == (1 if name == "text_files" else 0), listings
 
 
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):

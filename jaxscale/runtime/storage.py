@@ -27,6 +27,11 @@ from jaxscale.errors import ConfigError, TransientError
 CLOUD_EXTRA = "pip install 'jaxscale[cloud]'"
 
 
+def in_bucket(path: str) -> bool:
+    """Whether `path` is a URL (gs://, s3://) rather than a local path."""
+    return "://" in path
+
+
 def filesystem(path: str, key: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """(the filesystem that holds `path`, the path within it): a local disk or a bucket, one
     layer for both. `key` is the config key or flag that gave `path`; when the bucket's library
