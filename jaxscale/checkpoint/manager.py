@@ -57,7 +57,7 @@ from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.models.spec import ModelSpec, create_model
-from jaxscale.runtime.storage import filesystem, reason, storage_error
+from jaxscale.runtime.storage import check_bucket, reason, storage_error
 from jaxscale.runtime.workdir import check_writable
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Checkpoints:
     def check_writable(self) -> None:
         """ConfigError unless the folders can be created and written; writes nothing."""
         if self.enabled and "://" in str(self.directory):
-            check_bucket(str(self.directory), "checkpoint.dir")
+            check_checkpoint_bucket(str(self.directory), "checkpoint.dir")
         elif self.enabled:
             check_writable(str(self.directory), "checkpoint directory",
                            "pass --config.checkpoint.dir=<a folder you can write>")
@@ -508,7 +508,7 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder, one "
             "step folder in it, or a Hugging Face model folder")
     if "://" in path:
-        check_bucket(path, "checkpoint.restore_from")
+        check_checkpoint_bucket(path, "checkpoint.restore_from")
     # Orbax needs absolute paths; a URL (gs://...) is absolute already.
     given = epath.Path(path if "://" in path else os.path.abspath(path))
     kind = path_kind(given)
@@ -525,16 +525,16 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     raise JaxscaleError(f"checkpoint.restore_from={path!r} holds no jaxscale checkpoint; {hint}")
 
 
-def check_bucket(path: str, key: str) -> None:
+def check_checkpoint_bucket(path: str, key: str) -> None:
     """ConfigError unless checkpoints can be kept in the bucket `path` (config key `key`): its
-    library installed, and a bucket Orbax writes arrays to."""
-    filesystem(path, key)
+    library installed, a bucket Orbax writes arrays to, and one that exists and answers."""
     # Orbax (0.12.8) gives TensorStore's own gcs driver the gs:// paths; any other URL reaches
     # its array writer as a local path ("s3:/b/x", after normpath) and fails at the first save.
     if not path.startswith("gs://"):
         raise ConfigError(f"{key}={path!r}: Orbax keeps checkpoints in a local folder or a gs:// "
                           "bucket only; pass a gs:// path, or a folder (an S3 bucket mounted "
                           "with mountpoint-s3, for one); the data can stay in s3://")
+    check_bucket(path, key)
 
 
 def _process_0_decides(*answers: bool) -> tuple[bool, ...]:

@@ -27,7 +27,8 @@ from jaxscale.kinds import real
 from jaxscale.data import chat, formats, packing, token_files
 from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.runtime.storage import filesystem, in_bucket, reason, storage_error
+from jaxscale.runtime.storage import (check_bucket, filesystem, in_bucket, reason,
+                                      storage_error)
 
 SPLITS = ("train", "eval")
 
@@ -214,6 +215,7 @@ def _bucket_files(pattern: str, where: str) -> list[str]:
     """The objects `pattern` (gs://..., s3://..., with globs and **) matches, as URLs. A local
     pattern keeps Python's glob, whose rules (hidden files, relative paths) the sources'
     keys were made with."""
+    check_bucket(pattern, where)  # s3fs globs a bucket that is not there as no files
     fs, inner = filesystem(pattern, where)
     try:
         found = fs.glob(inner, detail=True) if glob.has_magic(inner) else \
