@@ -44,7 +44,7 @@ from jaxscale.checkpoint.verdict import (Outcome, SaveFailure, Verdict, agree_on
                                          raise_unless_ok, retrying, save_failure,
                                          save_failure_kind)
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.storage import in_bucket, reason, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Tier:
 
     @property
     def in_bucket(self) -> bool:
-        return "://" in str(self.directory)
+        return in_bucket(str(self.directory))
 
     def path(self, step: int) -> epath.Path:
         return self.directory / str(step)
