@@ -48,8 +48,9 @@ from jaxscale.checkpoint.reading import (Restored, State, holds_every_shard, own
 from jaxscale.checkpoint.tier import SaveOutcome, Tier
 from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, raise_unless_ok, save_error,
                                          save_failure_kind)
-from jaxscale.errors import JaxscaleError, TransientError
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gathered, gravest, process_0_decides
+from jaxscale.runtime.storage import check_bucket
 from jaxscale.runtime.workdir import check_writable
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ class Checkpoints:
 
     def check_writable(self) -> None:
         """ConfigError unless the folders can be created and written; writes nothing."""
-        if self.enabled and "://" not in str(self.directory):
+        if self.enabled and "://" in str(self.directory):
+            check_checkpoint_bucket(str(self.directory), "checkpoint.dir")
+        elif self.enabled:
             check_writable(str(self.directory), "checkpoint directory",
                            "pass --config.checkpoint.dir=<a folder you can write>")
         if self._local_root is not None:
@@ -432,3 +435,15 @@ def steps_everyone_holds(mine: Sequence[int],
     rows = np.asarray(gather(row)).reshape(-1, _GATHERED_STEPS)
     everyone = set.intersection(*(set(r[r >= 0].tolist()) for r in rows))
     return sorted(everyone), sorted(set(newest) - everyone)
+
+
+def check_checkpoint_bucket(path: str, key: str) -> None:
+    """ConfigError unless checkpoints can be kept in the bucket `path` (config key `key`): its
+    library installed, a bucket Orbax writes arrays to, and one that exists and answers."""
+    # Orbax (0.12.8) gives TensorStore's own gcs driver the gs:// paths; any other URL reaches
+    # its array writer as a local path ("s3:/b/x", after normpath) and fails at the first save.
+    if not path.startswith("gs://"):
+        raise ConfigError(f"{key}={path!r}: Orbax keeps checkpoints in a local folder or a gs:// "
+                          "bucket only; pass a gs:// path, or a folder (an S3 bucket mounted "
+                          "with mountpoint-s3, for one); the data can stay in s3://")
+    check_bucket(path, key)

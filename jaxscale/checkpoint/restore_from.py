@@ -16,7 +16,7 @@ import ml_collections
 from etils import epath
 from flax import nnx
 
-from jaxscale.checkpoint.manager import CHECKPOINT_SUBDIR
+from jaxscale.checkpoint.manager import CHECKPOINT_SUBDIR, check_checkpoint_bucket
 from jaxscale.checkpoint.reading import (ParamsOnly, Restored, State, finalized_steps, path_kind,
                                          restore_once)
 from jaxscale.checkpoint.verdict import Verdict, agreed, raise_unless_ok, retrying
@@ -111,6 +111,8 @@ def _locate(path: str) -> tuple[epath.Path, int | None]:
     """(checkpoint folder, step or None for the newest) for a `restore_from` path."""
     hint = ("point checkpoint.restore_from at a run's workdir, its checkpoints/ folder, one "
             "step folder in it, or a Hugging Face model folder")
+    if "://" in path:
+        check_checkpoint_bucket(path, "checkpoint.restore_from")
     # Orbax needs absolute paths; a URL (gs://...) is absolute already.
     given = epath.Path(path if "://" in path else os.path.abspath(path))
     kind = path_kind(given)

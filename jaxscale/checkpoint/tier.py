@@ -12,6 +12,13 @@ part, and reads it back alone (reading.py's process-local checkpoints). `<layout
 the process holds (`process_layout`): a run on another mesh or process count finds no local
 checkpoint of its own, never one whose shards it lacks.
 
+A damaged checkpoint is set aside as `<step>.corrupt-<time>` (`set_aside`). On a local disk that
+is a rename, atomic. A bucket renames by copying every object and deleting the originals, which a
+crash can leave half done; there the verdict is a marker object of that name instead (holding the
+problem), written in one request: the step is skipped by every later start, and its objects stay
+for a person to inspect until the run opens the folder for saving, which removes them (and the
+marker) because it will save that step again.
+
 A save starts with `save` (the blocking part: the state copied off the devices) and ends in
 `finish`, which waits for it and returns how it went, the same on every process (`SaveOutcome`).
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from typing import Iterator, NamedTuple
 
@@ -30,18 +38,20 @@ from etils import epath
 
 from jaxscale.checkpoint.barrier import SaveBarrier, failure_behind
 from jaxscale.checkpoint.reading import (State, finalized_steps, handler_registry,
-                                         items_to_save, own_steps, process_local_options,
-                                         restore_once)
+                                         items_to_save, own_steps, path_kind,
+                                         process_local_options, restore_once)
 from jaxscale.checkpoint.verdict import (Outcome, SaveFailure, Verdict, agreed,
                                          raise_unless_ok, retrying, save_failure,
                                          save_failure_kind)
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gravest
-from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.storage import in_bucket, reason, storage_error
 
 logger = logging.getLogger(__name__)
 
 _CORRUPT_SUFFIX = ".corrupt-"
+# A bucket's marker of a damaged step (`set_aside`): `<step>.corrupt-<time>`.
+_MARKER = re.compile(rf"(\d+){re.escape(_CORRUPT_SUFFIX)}\d+")
 
 
 class SaveOutcome(NamedTuple):
@@ -72,6 +82,12 @@ class Tier:
         self._unsettled = False  # a save started whose outcome `finish` has not returned yet
         self._begun: float | None = None  # perf_counter() at the start of a save not yet timed
         self.metrics: dict[str, float] = {}
+        # Steps whose damage a marker object records ({step: marker}), in a bucket (`steps`).
+        self._markers: dict[int, epath.Path] = {}
+
+    @property
+    def in_bucket(self) -> bool:
+        return in_bucket(str(self.directory))
 
     def path(self, step: int) -> epath.Path:
         return self.directory / str(step)
@@ -94,6 +110,7 @@ class Tier:
         def prove() -> None:
             if self.process_local or jax.process_index() == 0:
                 _prove_writable(self.directory, self.label)
+                self._remove_marked()
             if self.process_local:  # a manager of this process alone: no barrier to reach
                 self._manager = self._make_manager()
         # Agreed before anyone creates a manager that waits at barriers every process must reach.
@@ -104,6 +121,17 @@ class Tier:
             with self._failures_are_sorted(f"{self.label} folder {self.directory} could not be "
                                            "opened for saving"):
                 self._manager = self._make_manager()
+
+    def _remove_marked(self) -> None:
+        """Removes the damaged steps that markers record, and then their markers: the run saves
+        those steps again, and Orbax saves no step that is there already."""
+        for step, marker in self._markers.items():
+            if path_kind(self.path(step)) is not None:
+                self.path(step).rmtree()
+            marker.unlink()
+            logger.warning("%s %s, marked damaged by %s, removed: the run saves its step again",
+                           self.label, self.path(step), marker.name)
+        self._markers = {}
 
     def _make_manager(self) -> ocp.CheckpointManager:
         keep = [ocp.checkpoint_managers.LatestN(self._keep)]
@@ -201,13 +229,25 @@ class Tier:
             listing = retrying(lambda: finalized_steps(self.directory),
                                f"{self.label} folder {self.directory}")
             raise_unless_ok(listing, f"{self.label} folder {self.directory}")
-            return listing.value
+            if not self.in_bucket:
+                return listing.value
+            markers = retrying(lambda: agreed(self._find_markers),
+                               f"{self.label} folder {self.directory}")
+            raise_unless_ok(markers, f"{self.label} folder {self.directory}")
+            self._markers = markers.value
+            return [step for step in listing.value if step not in self._markers]
         try:
             return own_steps(self.directory)
         except OSError as e:
             logger.warning("%s folder %s cannot be listed (%s); its checkpoints are not used",
                            self.label, self.directory, reason(e))
             return []
+
+    def _find_markers(self) -> dict[int, epath.Path]:
+        if path_kind(self.directory) is None:
+            return {}
+        return {int(found.group(1)): p for p in self.directory.iterdir()
+                if (found := _MARKER.fullmatch(p.name))}
 
     def restore(self, step: int, abstract_state: State) -> Outcome:
         """Agreed tries at reading checkpoint `step` (see `verdict.retrying`)."""
@@ -219,30 +259,38 @@ class Tier:
     def set_aside(self, damaged: dict[int, str], restored: str | None) -> None:
         """Renames the `damaged` checkpoints `<step>.corrupt-<time>` (a later save of their step
         would collide with them), newer than the one `restored` (its folder; None: none did):
-        process 0 for the persistent tier, each process its own copy for the local tier."""
+        process 0 for the persistent tier, each process its own copy for the local tier. In a
+        bucket, writes a marker object of that name instead (see the module's docstring)."""
         stamp = int(time.time())
-        done: list[str] = []  # what was renamed before a rename failed: "4 to 4.corrupt-<time>"
+        renamed_or_marked = "marked" if self.in_bucket else "renamed"
+        done: list[str] = []  # what was set aside before one failed: "4 to 4.corrupt-<time>"
         for step, problem in damaged.items():
             path = self.path(step)
             target = path.parent / f"{step}{_CORRUPT_SUFFIX}{stamp}"
-            changed = (f"renamed before it: {', '.join(done)}" if done else
+            changed = (f"{renamed_or_marked} before it: {', '.join(done)}" if done else
                        "nothing else was changed")
 
             def rename() -> None:
-                if self.process_local or jax.process_index() == 0:
+                if self.in_bucket:
+                    if jax.process_index() == 0:
+                        target.write_text(f"{problem}\n")
+                elif self.process_local or jax.process_index() == 0:
                     if not self.process_local or os.path.lexists(path):
                         path.rename(target)
             try:
                 renamed = retrying(lambda: agreed(rename), f"{self.label} {path}")
             except JaxscaleError as e:  # refused: the words agreed on every process, and ours
-                raise JaxscaleError(f"damaged {self.label} {path} could not be renamed "
-                                    f"{target.name} ({e}); {changed}") from e
+                raise JaxscaleError(f"damaged {self.label} {path} could not be "
+                                    f"{renamed_or_marked} {target.name} ({e}); {changed}") from e
             if renamed.verdict is not Verdict.OK:
-                raise TransientError(f"damaged {self.label} {path} could not be renamed "
-                                     f"{target.name} ({renamed.problem}); {changed}")
+                raise TransientError(f"damaged {self.label} {path} could not be "
+                                     f"{renamed_or_marked} {target.name} ({renamed.problem}); "
+                                     f"{changed}")
             done.append(f"{step} to {target.name}")
-            logger.warning("%s %s is damaged (%s): renamed %s; %s", self.label, path, problem,
-                           target.name, f"resumed from {restored}" if restored else
+            if self.in_bucket:
+                self._markers[step] = target
+            logger.warning("%s %s is damaged (%s): %s %s; %s", self.label, path, problem,
+                           renamed_or_marked, target.name, f"resumed from {restored}" if restored else
                            "starting from step 0")
 
     def remove(self, steps: list[int], why: str) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError, json_object
-from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.storage import filesystem, in_bucket, reason, storage_error
 
 _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
 
@@ -35,20 +35,40 @@ def read_failed(error: OSError, path: str) -> ConfigError | TransientError:
                          "make it readable again, or leave it out of the source's path")
 
 
-def read_at(fd: int, size: int, offset: int, path: str) -> bytes:
-    """`size` bytes of the open file `fd` (of `path`) from `offset`: `os.pread`, so an I/O error
-    is an exception (a memory map would die of SIGBUS), and threads share no seek position."""
+def read_at(handle, size: int, offset: int, path: str) -> bytes:
+    """`size` bytes of `path` from `offset`, `handle` being what `open_for_reading` returned:
+    one read at an offset, so an I/O error is an exception (a memory map would die of SIGBUS)
+    and threads share no seek position. On a local disk `os.pread` of the open file (no open per
+    read); in a bucket one ranged GET."""
     try:
-        return os.pread(fd, size, offset)
+        if isinstance(handle, int):
+            return os.pread(handle, size, offset)
+        fs, inner = handle
+        return fs.cat_file(inner, start=offset, end=offset + size)
     except OSError as e:
         raise read_failed(e, path) from e
 
 
-def open_for_reading(path: str) -> int:
+def open_for_reading(path: str):
+    """What `read_at` reads `path` with: an open file descriptor on a local disk, the bucket's
+    filesystem and the path in it for a URL (nothing to open: each read is a request)."""
+    if in_bucket(path):
+        return filesystem(path, "a data source's path")
     try:
         return os.open(path, os.O_RDONLY)
     except OSError as e:
         raise read_failed(e, path) from e
+
+
+def open_file(path: str):
+    """`path` opened for reading as a binary file object, on a local disk or in a bucket."""
+    fs, inner = filesystem(path, "a data source's path")
+    return fs.open(inner, "rb")
+
+
+def file_size(path: str) -> int:
+    fs, inner = filesystem(path, "a data source's path")
+    return fs.size(inner)
 
 
 class MalformedRecord(Exception):
@@ -125,7 +145,8 @@ class WholeFiles(RecordReader):
     """One document per file: its bytes."""
 
     def __init__(self, files: Sequence[str], keys: Sequence[str]):
-        unreadable = [f for f in files if not os.access(f, os.R_OK)]
+        # A bucket says whether it lets this process read only when asked for the object.
+        unreadable = [f for f in files if not in_bucket(f) and not os.access(f, os.R_OK)]
         if unreadable:
             raise JaxscaleError(f"cannot read {unreadable[0]!r} (and {len(unreadable) - 1} more); "
                                 "fix its permissions or leave it out of the source's path")
@@ -133,7 +154,7 @@ class WholeFiles(RecordReader):
 
     def read(self, file: int, record: int, limit: int = -1) -> bytes:
         try:
-            with open(self.files[file], "rb") as f:
+            with open_file(self.files[file]) as f:
                 return f.read(limit)
         except OSError as e:
             raise read_failed(e, self.files[file]) from e
@@ -145,7 +166,7 @@ class WholeFiles(RecordReader):
         for i in indices:
             path = self.files[self.locate(int(i))[0]]
             try:
-                if os.path.getsize(path):
+                if file_size(path):
                     return True
             except OSError as e:
                 raise read_failed(e, path) from e
@@ -158,7 +179,7 @@ def line_spans(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     file, or None when they are simply 1, 2, ... because no empty line comes before the last)."""
     newlines, size = [], 0
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             while chunk := f.read(_SCAN_CHUNK):
                 newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
                 size += len(chunk)

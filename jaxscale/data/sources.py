@@ -27,6 +27,8 @@ from jaxscale.kinds import real
 from jaxscale.data import chat, formats, packing, token_files
 from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.runtime.storage import (check_bucket, filesystem, in_bucket, reason,
+                                      storage_error)
 
 SPLITS = ("train", "eval")
 
@@ -192,17 +194,36 @@ def _source_spec(i: int, entry) -> dict:
     return spec
 
 
+@functools.lru_cache(maxsize=None)
 def expand_path(pattern: str, where: str) -> tuple[list[str], list[str]]:
-    """(files, stable keys): the sorted files `pattern` matches and their paths relative to the
-    pattern's fixed directory, so moving the whole data set keeps each document's split."""
+    """(files, stable keys): the sorted files `pattern` (a local path or a URL, gs://, s3://)
+    matches and their paths relative to the pattern's fixed directory, so moving the whole data
+    set keeps each document's split. Listed once per process: an object store bills (and may
+    throttle) every listing, and the splits and checks of one start ask for the same pattern."""
     pattern = os.path.expanduser(pattern)
-    files = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    files = sorted(_bucket_files(pattern, where) if in_bucket(pattern) else
+                   (p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)))
     if not files:
         raise ConfigError(f"{where}={pattern!r} matches no files; check the path (globs like "
                           "data/*.jsonl and data/**/*.txt work)")
     fixed = pattern[:min((pattern.index(c) for c in "*?[" if c in pattern), default=len(pattern))]
     root = os.path.dirname(fixed) if fixed != pattern else os.path.dirname(pattern)
-    return files, [os.path.relpath(f, root or ".") for f in files]
+    return tuple(files), tuple(os.path.relpath(f, root or ".") for f in files)
+
+
+def _bucket_files(pattern: str, where: str) -> list[str]:
+    """The objects `pattern` (gs://..., s3://..., with globs and **) matches, as URLs. A local
+    pattern keeps Python's glob, whose rules (hidden files, relative paths) the sources'
+    keys were made with."""
+    check_bucket(pattern, where)  # s3fs globs a bucket that is not there as no files
+    fs, inner = filesystem(pattern, where)
+    try:
+        found = fs.glob(inner, detail=True) if glob.has_magic(inner) else \
+            {inner: fs.info(inner)} if fs.exists(inner) else {}
+    except OSError as e:
+        raise storage_error(e, f"cannot list {where}={pattern!r} ({reason(e)})",
+                            "check the path and the bucket's permissions") from e
+    return [fs.unstrip_protocol(p) for p, info in found.items() if info["type"] == "file"]
 
 
 def held_out(keys: Sequence[str], counts: Sequence[int], eval_fraction: float) -> np.ndarray:

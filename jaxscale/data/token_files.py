@@ -1,4 +1,5 @@
-"""Pre-tokenized files: documents stored once as token ids, each read with one `os.pread`.
+"""Pre-tokenized files: documents stored once as token ids, each read with one ranged read
+(`os.pread` on a local disk, a ranged GET in a bucket).
 
 `NAME.bin` is the flat token array (uint16 when the vocabulary fits, else uint32), `NAME.idx.npy`
 the int64 offsets where documents start (plus the end), and `NAME.json` says which tokenizer made
@@ -10,13 +11,12 @@ where `pread` raises an error that says whether to retry (`runtime.storage`).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxscale.data.formats import (MalformedRecord, RecordReader, open_for_reading, read_at,
-                                   read_failed)
+from jaxscale.data.formats import (MalformedRecord, RecordReader, file_size, open_file,
+                                   open_for_reading, read_at, read_failed)
 from jaxscale.errors import JaxscaleError, json_object
 
 FORMAT = "jaxscale-tokens-v1"
@@ -57,7 +57,7 @@ _FIX = "write it with `python -m jaxscale.data.prepare`"
 def read_metadata(path: str) -> dict:
     stem = _stem(path)
     try:
-        with open(stem + ".json") as f:
+        with open_file(stem + ".json") as f:
             meta = json.load(f)
     except (FileNotFoundError, ValueError) as e:
         raise JaxscaleError(f"token file {path!r} has no readable {stem}.json ({e}); {_FIX}") \
@@ -83,8 +83,9 @@ class TokenFiles(RecordReader):
                     f"{tokenizer!r}; use the same tokenizer or prepare the files again")
             index = _stem(path) + ".idx.npy"
             try:
-                offsets = np.load(index)
-                size = os.path.getsize(path)
+                with open_file(index) as f:
+                    offsets = np.load(f)
+                size = file_size(path)
             except (FileNotFoundError, ValueError) as e:
                 raise JaxscaleError(f"token file {path!r} has no readable {index} ({e}); prepare "
                                     "it again with `python -m jaxscale.data.prepare`") from None

@@ -19,7 +19,59 @@ import contextlib
 import errno
 import os
 
+import fsspec
+
 from jaxscale.errors import ConfigError, TransientError
+
+# The extra that installs the libraries fsspec opens bucket URLs (gs://, s3://) with.
+CLOUD_EXTRA = "pip install 'jaxscale[cloud]'"
+
+
+def _unreachable_errors() -> tuple[type[Exception], ...]:
+    """What a bucket's library raises when its server cannot be reached and that is no OSError
+    (gcsfs' aiohttp errors are OSErrors): botocore's connection errors, under s3fs."""
+    try:
+        from botocore.exceptions import ConnectionError as EndpointUnreachable
+    except ImportError:  # no s3fs: no botocore
+        return ()
+    return (EndpointUnreachable,)
+
+
+def check_bucket(path: str, key: str) -> None:
+    """Asks the server for the bucket of `path` (config key `key`) before anything is read or
+    written: ConfigError naming it when it does not exist (or the account cannot see it),
+    TransientError when the server cannot be reached (after the library's own retries)."""
+    fs, inner = filesystem(path, key)
+    bucket = inner.split("/", 1)[0]
+    url = fs.unstrip_protocol(bucket)
+    try:
+        fs.info(bucket)
+    except FileNotFoundError as e:  # what gcsfs and s3fs raise for a bucket not there
+        raise ConfigError(f"{key}={path!r}: bucket {url} does not exist, or this account cannot "
+                          "see it; create it, or fix the path") from e
+    except OSError as e:
+        raise storage_error(e, f"{key}={path!r}: bucket {url} cannot be reached ({reason(e)})",
+                            "fix the path") from e
+    except _unreachable_errors() as e:
+        raise TransientError(f"{key}={path!r}: bucket {url} cannot be reached "
+                             f"({' '.join(str(e).split())}): the storage is failing") from e
+
+
+def in_bucket(path: str) -> bool:
+    """Whether `path` is a URL (gs://, s3://) rather than a local path."""
+    return "://" in path
+
+
+def filesystem(path: str, key: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(the filesystem that holds `path`, the path within it): a local disk or a bucket, one
+    layer for both. `key` is the config key or flag that gave `path`; when the bucket's library
+    (gcsfs, s3fs) is missing, a ConfigError says which extra installs it."""
+    try:
+        return fsspec.core.url_to_fs(path)
+    except ImportError as e:
+        # fsspec's own words name the library ("Please install gcsfs to access Google Storage").
+        raise ConfigError(f"{key}={path!r} is in a bucket, whose library is not installed "
+                          f"({e}): {CLOUD_EXTRA}") from e
 
 # Errors only the user can resolve besides a refusal (`access_denied`): a folder that cannot
 # hold files (/proc), a file where a folder belongs, a bad name, a missing file. Any other (EIO,
@@ -28,7 +80,8 @@ _USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIS
                           errno.ENAMETOOLONG, errno.ELOOP})
 # A refusal: no retry grants a permission or makes a read-only mount writable.
 _DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-# gcsfs raises HTTP 403 and 401 as an OSError without errno whose words start so.
+# gcsfs raises HTTP 403 as an OSError without errno whose words start "Forbidden: " (its
+# retry.validate_response: no type of its own); s3fs raises PermissionError.
 _DENIED_HTTP_WORDS = ("Forbidden", "Unauthorized")
 # TensorStore raises a ValueError whose words start with its absl status code.
 _DENIED_STATUSES = ("PERMISSION_DENIED: ", "UNAUTHENTICATED: ")
@@ -73,7 +126,8 @@ def storage_error(error: OSError, what: str, fix: str) -> ConfigError | Transien
     something, else a TransientError (exit 75: retried with backoff)."""
     if access_denied(error):
         return ConfigError(f"{what}; {grant_or(fix)}")
-    if error.errno in _USER_ERRNOS:
+    # gcsfs and s3fs raise FileNotFoundError without an errno (an object or bucket not there).
+    if error.errno in _USER_ERRNOS or isinstance(error, FileNotFoundError):
         return ConfigError(f"{what}; {fix}")
     return TransientError(f"{what}: the storage is failing")
 

@@ -1,0 +1,197 @@
+"""Data and checkpoints in buckets (gs://, s3://), against real storage servers on loopback ports
+(tests/storage_servers.py), and what a bucket path does without the `cloud` extra."""
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import fsspec
+import jax
+import pytest
+
+from jaxscale.checkpoint import Checkpoints
+from jaxscale.errors import ConfigError, TransientError
+from jaxscale.runtime.storage import filesystem
+from jaxscale.trainer import Trainer
+from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
+from tests.test_data_sources import decoded, write_fixture
+from tests.storage_servers import (free_port, gcs, gcs_variables, s3,  # noqa: F401 (fixtures)
+                                   s3_variables)
+
+
+def test_bucket_path_without_its_library_names_the_extra(tmp_path):
+    # gcsfs hidden as if not installed (None in sys.modules makes `import gcsfs` fail): before,
+    # the run ended in fsspec's ImportError traceback, exit 1 (issue 55, item 1).
+    hide_and_run = ("import runpy, sys; sys.modules['gcsfs'] = None; sys.argv[0] = 'train'; "
+                    "runpy.run_module('jaxscale.train', run_name='__main__')")
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", hide_and_run, "--config=configs/tiny.py", f"--workdir={workdir}",
+         "--config.checkpoint.dir=gs://BUCKET/a", "--config.train.steps=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint.dir='gs://BUCKET/a'"), lines
+    assert "gcsfs" in lines[0] and "pip install 'jaxscale[cloud]'" in lines[0]
+    assert not os.path.exists(workdir)
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+def test_servers_hold_what_is_written(server, request):
+    # The fixtures' own check: the library reaches the server by the standard variables alone.
+    bucket = request.getfixturevalue(server).bucket
+    fs, root = filesystem(f"{bucket}/check", "test")
+    fs.pipe({f"{root}/a/x.txt": b"0123456789", f"{root}/b/y.txt": b"abc"})
+    assert sorted(fs.glob(f"{root}/**/*.txt")) == [f"{root}/a/x.txt", f"{root}/b/y.txt"]
+    assert fs.cat_file(f"{root}/a/x.txt", start=2, end=5) == b"234"
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+@pytest.mark.parametrize("name", ["jsonl", "text_lines", "text_files", "tokens"])
+def test_sources_in_a_bucket_read_as_from_local_disk(server, name, request, tmp_path,
+                                                     monkeypatch):
+    local = write_fixture(tmp_path, name)
+    bucket = f"{request.getfixturevalue(server).bucket}/{name}-{os.getpid()}"
+    fs, root = filesystem(bucket, "test")
+    fs.put(f"{tmp_path}/", f"{root}/", recursive=True)
+    in_bucket = dict(local, path=local["path"].replace(str(tmp_path), bucket))
+    listings = []  # a glob lists with `_find` (the sync `glob` is bound when fs is made)
+    real_find = type(fs)._find
+
+    async def find(self, path, *args, **kwargs):
+        listings.append(path)
+        return await real_find(self, path, *args, **kwargs)
+    monkeypatch.setattr(type(fs), "_find", find)
+    for split in ("train", "eval"):  # the same order, documents and split
+        expected = decoded(config_with(dict(local, eval_fraction=0.1)), split)
+        assert decoded(config_with(dict(in_bucket, eval_fraction=0.1)), split) == expected
+    # Listed once for both splits: an object store bills (and may throttle) every listing.
+    assert len(listings) == (1 if name == "text_files" else 0), listings
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+def test_a_bucket_that_does_not_exist_is_named_at_start(server, request, tmp_path):
+    scheme = request.getfixturevalue(server).bucket.split(":")[0]
+    source = dict(format="jsonl", path=f"{scheme}://no-such-bucket/texts.jsonl")
+    message = one_line_error(ConfigError, lambda: decoded(config_with(source), "train"))
+    assert message.startswith(f"data.sources[0].path={source['path']!r}: bucket "
+                              f"{scheme}://no-such-bucket does not exist"), message
+    if scheme == "gs":  # Orbax keeps none in s3:// anyway
+        config = small_config()
+        config.checkpoint.dir = "gs://no-such-bucket/run"
+        message = one_line_error(ConfigError, Checkpoints(config, str(tmp_path)).check_writable)
+        assert "bucket gs://no-such-bucket does not exist" in message, message
+
+
+@pytest.mark.parametrize("server", [pytest.param("gcs", marks=pytest.mark.slow), "s3"])
+def test_a_server_that_does_not_answer_is_transient_at_start(server, request, monkeypatch):
+    # gcsfs tries for about a minute (its own retries) before it gives up: with the slow tests.
+    bucket = request.getfixturevalue(server).bucket
+    dead = f"http://127.0.0.1:{free_port()}"
+    variables = gcs_variables(dead) if bucket.startswith("gs") else s3_variables(dead)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    scheme = bucket.split(":")[0]
+    fsspec.get_filesystem_class(scheme).clear_instance_cache()  # made with the live endpoint
+    try:
+        source = dict(format="jsonl", path=f"{bucket}/data/texts.jsonl")
+        message = one_line_error(TransientError, lambda: decoded(config_with(source), "train"))
+    finally:
+        fsspec.get_filesystem_class(scheme).clear_instance_cache()
+    assert f"bucket {bucket} cannot be reached" in message and "127.0.0.1" in message, message
+
+
+def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):
+    # A bucket renames by copying and deleting each object, which a crash leaves half done: the
+    # verdict is one marker object, and the damaged objects stay until the step is saved again.
+    config = small_config()
+    config.checkpoint.update(dir=f"{gcs.bucket}/damaged", compilation_cache=False)
+    trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:1])
+    state = trainer.program.init_state(0)
+    for step in (1, 2):
+        with Checkpoints(config, str(tmp_path)) as checkpoints:
+            checkpoints.save(step, state, {}, {"step": step})
+    fs, root = filesystem(config.checkpoint.dir, "checkpoint.dir")
+    fs.rm(f"{root}/2/params/_METADATA")
+    before = set(fs.find(f"{root}/2"))
+
+    with caplog.at_level(logging.WARNING), Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 1
+    fs.invalidate_cache()
+    markers = [p for p in fs.ls(root) if re.fullmatch(r".*/2\.corrupt-\d+", p)]
+    assert len(markers) == 1 and "_METADATA" in fs.cat_file(markers[0]).decode()
+    assert set(fs.find(f"{root}/2")) == before  # nothing moved
+    assert any("is damaged" in r.getMessage() and "marked 2.corrupt-" in r.getMessage()
+               for r in caplog.records)
+
+    caplog.clear()  # the next start skips step 2 without reading it again
+    with caplog.at_level(logging.WARNING), Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 1
+        assert not any("is damaged" in r.getMessage() for r in caplog.records)
+        checkpoints.save(2, state, {}, {"step": 2})  # opening for saving removes the damaged 2
+    fs.invalidate_cache()
+    assert not fs.exists(markers[0])
+    with Checkpoints(config, str(tmp_path)) as checkpoints:
+        assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 2
+
+
+def test_checkpoints_in_s3_are_refused_in_one_line(s3, tmp_path):
+    # Orbax hands s3:// paths to its array writer as local ones ("s3:/..."): the first save
+    # failed after the step compiled and trained, with tracebacks.
+    config = small_config()
+    config.checkpoint.dir = f"{s3.bucket}/run"
+    message = one_line_error(ConfigError, Checkpoints(config, str(tmp_path)).check_writable)
+    assert message.startswith(f"checkpoint.dir='{s3.bucket}/run': Orbax keeps checkpoints in a "
+                              "local folder or a gs:// bucket only"), message
+
+
+EMULATOR_GENERATIONS = "Malformed StorageGeneration"
+
+
+@pytest.mark.slow
+def test_tiny_from_buckets_trains_and_resumes_as_from_local_disk(gcs, s3, tmp_path, monkeypatch):
+    # gcp-storage-emulator (2026.7.19) sends no x-goog-generation with an object's bytes and
+    # ignores ifGenerationMatch, both of which TensorStore's OCDBT writes rely on: a save failed
+    # (EMULATOR_GENERATIONS) in 2 of 2 tries on 8 devices and 3 of 4 on one. Real GCS sends both.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    (tmp_path / "data").mkdir()
+    data = write_fixture(tmp_path / "data", "jsonl")
+    for server in (gcs, s3):
+        fs, root = filesystem(f"{server.bucket}/data", "test")
+        fs.put(data["path"], f"{root}/texts.jsonl")
+
+    def source(root):
+        return {"data.sources": repr((dict(data, path=f"{root}/texts.jsonl"),))}
+    on_disk, _ = resumable_cli_losses(tmp_path / "disk", 4, **source(tmp_path / "data"))
+    # Stopped at step 2 and resumed from the bucket to 4, data and checkpoints in gs://.
+    in_gcs = {**source(f"{gcs.bucket}/data"), "checkpoint.dir": f"{gcs.bucket}/resume"}
+
+    def gcs_run(steps: int) -> tuple[dict[int, float], str, bool]:
+        """(losses, output, whether the emulator failed the run's save): a run whose save the
+        emulator failed has trained and logged its losses before."""
+        try:
+            return (*resumable_cli_losses(tmp_path / "gcs", steps, **in_gcs), False)
+        except AssertionError as e:  # the run failed; its output is the message
+            if EMULATOR_GENERATIONS not in str(e):
+                raise
+            with open(tmp_path / "gcs" / "metrics.jsonl", encoding="utf-8") as f:
+                lines = [json.loads(line) for line in f]
+            return {line["step"]: line["loss"] for line in lines if "loss" in line}, str(e), True
+
+    # Data in s3://, checkpoints on disk (Orbax writes none to s3://).
+    from_s3, _ = resumable_cli_losses(tmp_path / "s3", 4, **source(f"{s3.bucket}/data"))
+    assert from_s3 == on_disk
+    first, _, failed = gcs_run(2)
+    assert first == {step: on_disk[step] for step in (1, 2)}
+    if failed:
+        pytest.xfail(f"the GCS emulator failed the first save: {EMULATOR_GENERATIONS}")
+    # metrics.jsonl holds both runs' steps: 1 and 2 from the first, 3 and 4 resumed.
+    resumed, out, failed = gcs_run(4)
+    assert f"restored {gcs.bucket}/resume/2" in out, out
+    assert resumed == on_disk
+    if failed:
+        pytest.xfail(f"resumed bitwise; then the GCS emulator failed the save: "
+                     f"{EMULATOR_GENERATIONS}")
