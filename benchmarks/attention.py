@@ -24,9 +24,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_seconds
 
-from jaxscale.parallel.attention import attend  # noqa: E402
-from timing import median_seconds  # noqa: E402
+from jaxscale.parallel.attention import attend
 
 
 def packed_segment_ids(rng, batch: int, length: int, max_segments: int) -> np.ndarray:

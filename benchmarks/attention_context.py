@@ -19,15 +19,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attention import packed_segment_ids, relative_error
+from timing import median_seconds
 
-
-from attention import packed_segment_ids, relative_error  # noqa: E402
-from jaxscale.config import default_config  # noqa: E402
-from jaxscale.parallel.attention import _context, attend  # noqa: E402
-from jaxscale.parallel.context import load_balanced_order  # noqa: E402
-from jaxscale.parallel.mesh import build_mesh  # noqa: E402
-from jaxscale.parallel.sharding import rules_from_config, use_rules  # noqa: E402
-from timing import median_seconds  # noqa: E402
+from jaxscale.config import default_config
+from jaxscale.parallel.attention import _context, attend
+from jaxscale.parallel.context import load_balanced_order
+from jaxscale.parallel.mesh import build_mesh
+from jaxscale.parallel.sharding import rules_from_config, use_rules
 
 
 def document_positions(segment_ids: np.ndarray) -> np.ndarray:
@@ -76,8 +75,9 @@ def main() -> int:
     rules = rules_from_config(default_config().sharding.rules)
 
     def grads(kernel):
-        loss = lambda q, k, v: jnp.sum(jnp.sin(
-            _context(q, k, v, seg_o, pos_o, kernel).astype(jnp.float32)))
+        def loss(q, k, v):
+            return jnp.sum(jnp.sin(
+                    _context(q, k, v, seg_o, pos_o, kernel).astype(jnp.float32)))
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
     seconds = {}

@@ -45,8 +45,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-
 from checkpoint import LARGE_MODEL, make_config, state_megabytes  # noqa: E402
+
 from jaxscale.checkpoint import LOCAL, PERSISTENT, Checkpoints  # noqa: E402
 from jaxscale.data import make_input  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402

@@ -33,19 +33,18 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxscale.cli import parse_train_flags  # noqa: E402
 from jaxscale.data import make_input  # noqa: E402
-from jaxscale.models.spec import abstract_model  # noqa: E402
+from jaxscale.models.spec import abstract_model, model_config  # noqa: E402
 from jaxscale.plan.collectives import bytes_by_kind, parse_collectives  # noqa: E402
 from jaxscale.plan.compiled import compile_train_step  # noqa: E402
 from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.models.spec import model_config  # noqa: E402
 from jaxscale.trainer import Trainer  # noqa: E402
 
 SETTINGS = ("bfloat16", "float32")

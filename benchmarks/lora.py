@@ -21,14 +21,13 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; nothing runs here
 
-import jax  # noqa: E402
+import jax
 
-
-from jaxscale.checks import checked_mesh  # noqa: E402
-from jaxscale.cli import parse_train_flags  # noqa: E402
-from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.runtime.chips import GIB  # noqa: E402
-from jaxscale.training.program import TrainProgram  # noqa: E402
+from jaxscale.checks import checked_mesh
+from jaxscale.cli import parse_train_flags
+from jaxscale.plan.targets import parse_target, target_devices
+from jaxscale.runtime.chips import GIB
+from jaxscale.training.program import TrainProgram
 
 TARGET = "v5p:2x2x1"
 SETTINGS = ["--config=configs/llama_1b.py", "--config.mesh.data=1", "--config.mesh.fsdp=4",

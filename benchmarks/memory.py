@@ -46,14 +46,14 @@ from importlib.metadata import PackageNotFoundError, version
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; nothing runs here
 
-from jaxscale.cli import Option, fail, parse_config_flags  # noqa: E402
-from jaxscale.config import default_config  # noqa: E402
-from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.observe.device_memory import StepMemory  # noqa: E402
-from jaxscale.parallel.mesh import resolve_mesh_shape  # noqa: E402
-from jaxscale.plan.compiled import compile_train_step  # noqa: E402
-from jaxscale.runtime.chips import GIB  # noqa: E402
-from jaxscale.plan.targets import Target, parse_target, target_devices  # noqa: E402
+from jaxscale.cli import Option, fail, parse_config_flags
+from jaxscale.config import default_config
+from jaxscale.errors import ConfigError
+from jaxscale.observe.device_memory import StepMemory
+from jaxscale.parallel.mesh import resolve_mesh_shape
+from jaxscale.plan.compiled import compile_train_step
+from jaxscale.plan.targets import Target, parse_target, target_devices
+from jaxscale.runtime.chips import GIB
 
 # MaxText's leanest loss for memory.py's comparison: of num_vocab_tiling 2, 4, 8 and 16, 4 is the
 # first with the smallest peak (8 and 16 peak at the same byte: the layers' backward pass, not the

@@ -29,18 +29,19 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from jaxscale.cli import parse_train_flags  # noqa: E402
-from jaxscale.plan.compiled import compile_train_step  # noqa: E402
-from jaxscale.runtime.chips import GIB  # noqa: E402
-from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.models.spec import model_spec  # noqa: E402
-from jaxscale.trainer import Trainer  # noqa: E402
-from jaxscale.plan.measure import random_batch  # noqa: E402
 from timing import seconds_per_step  # noqa: E402
+
+from jaxscale.cli import parse_train_flags  # noqa: E402
+from jaxscale.models.spec import model_spec  # noqa: E402
+from jaxscale.plan.compiled import compile_train_step  # noqa: E402
+from jaxscale.plan.measure import random_batch  # noqa: E402
+from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
+from jaxscale.runtime.chips import GIB  # noqa: E402
+from jaxscale.trainer import Trainer  # noqa: E402
 
 DROPLESS = ["--config.model.moe.capacity_factor=0"]
 SIDES = {  # name -> (config file, mesh, overrides)

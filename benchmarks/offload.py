@@ -24,18 +24,17 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; nothing runs here
 
-import jax  # noqa: E402
+import jax
 
-
-from jaxscale.checks import checked_mesh  # noqa: E402
-from jaxscale.cli import parse_train_flags  # noqa: E402
-from jaxscale.observe.device_memory import step_memory  # noqa: E402
-from jaxscale.parallel.sharding import with_rules  # noqa: E402
-from jaxscale.plan.targets import parse_target, target_devices  # noqa: E402
-from jaxscale.runtime.chips import GIB  # noqa: E402
-from jaxscale.training.optim import make_optimizer  # noqa: E402
-from jaxscale.training.program import TrainProgram  # noqa: E402
-from jaxscale.training.step import BATCH_KEYS, Objective, make_train_step  # noqa: E402
+from jaxscale.checks import checked_mesh
+from jaxscale.cli import parse_train_flags
+from jaxscale.observe.device_memory import step_memory
+from jaxscale.parallel.sharding import with_rules
+from jaxscale.plan.targets import parse_target, target_devices
+from jaxscale.runtime.chips import GIB
+from jaxscale.training.optim import make_optimizer
+from jaxscale.training.program import TrainProgram
+from jaxscale.training.step import BATCH_KEYS, Objective, make_train_step
 
 TARGET = "v5p:2x2x1"  # the smallest v5p topology; its first chip alone
 SETTINGS = ["--config=configs/llama3_8b.py", "--config.mesh.data=1", "--config.mesh.fsdp=1",

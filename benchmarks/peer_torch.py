@@ -35,17 +35,17 @@ import time
 # (JAX's allocator reserves 75% of it when it starts there).
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch.utils import checkpoint as torch_checkpoint  # noqa: E402
+import numpy as np
+import torch
+import transformers
+from torch.utils import checkpoint as torch_checkpoint
 
-from jaxscale.cli import Option, parse_config_flags  # noqa: E402
-from jaxscale.hf.config import hf_config  # noqa: E402
-from jaxscale.kinds import whole  # noqa: E402
-from jaxscale.runtime.chips import GIB, peak_flops_per_device  # noqa: E402
-from jaxscale.training.optim import learning_rate_schedule  # noqa: E402
-from jaxscale.models.spec import model_config  # noqa: E402
+from jaxscale.cli import Option, parse_config_flags
+from jaxscale.hf.config import hf_config
+from jaxscale.kinds import whole
+from jaxscale.models.spec import model_config
+from jaxscale.runtime.chips import GIB, peak_flops_per_device
+from jaxscale.training.optim import learning_rate_schedule
 
 OPTIONS = [
     Option("device", "cuda", "where the peer trains: cuda or cpu", "DEVICE"),

@@ -30,13 +30,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
-
-from jaxscale.cli import parse_train_flags  # noqa: E402
-from jaxscale.parallel.pipeline import Pipeline  # noqa: E402
-from jaxscale.trainer import Trainer  # noqa: E402
-from jaxscale.plan.measure import random_batch  # noqa: E402
+from jaxscale.cli import parse_train_flags
+from jaxscale.parallel.pipeline import Pipeline
+from jaxscale.plan.measure import random_batch
+from jaxscale.trainer import Trainer
 
 MIB = 2 ** 20
 # 8 layers of d_model 128 on 32 sequences of 256 tokens: activations, not weights, fill memory.

@@ -18,8 +18,8 @@
 2. Estimated, for TPU slices (no TPU needed): each plan compiles the fastest candidates the
    memory estimate fits (--top of them) with the TPU compiler on this host; the figures are the
    compiler's GiB per chip and the model's estimated step time and MFU (compute at peak, memory
-   traffic and communication from the compiled HLO; docs/planning.md). Nothing runs; those times are the
-   planner's own estimates, not measurements.
+   traffic and communication from the compiled HLO; docs/planning.md). Nothing runs; those times
+   are the planner's own estimates, not measurements.
 
 The last line is `ratio: X` = the chosen layout's measured s/step / the fastest standard
 layout's, both measured in this run (target <= 1.05): above 1 a layout picked by hand was faster.
@@ -36,18 +36,17 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU targets are compiled for; nothing runs there
 
-import jax  # noqa: E402
+import jax
 
-
-from jaxscale.cli import Option, fail, load_config_file  # noqa: E402
-from jaxscale.config import MESH_AXES  # noqa: E402
-from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.plan.auto import planned_config  # noqa: E402
-from jaxscale.plan.compiled import compile_train_step  # noqa: E402
-from jaxscale.runtime.chips import GIB  # noqa: E402
-from jaxscale.plan.measure import seconds_per_step  # noqa: E402
-from jaxscale.plan.planner import make_plan  # noqa: E402
-from jaxscale.plan.targets import parse_target  # noqa: E402
+from jaxscale.cli import Option, fail, load_config_file
+from jaxscale.config import MESH_AXES
+from jaxscale.errors import ConfigError
+from jaxscale.plan.auto import planned_config
+from jaxscale.plan.compiled import compile_train_step
+from jaxscale.plan.measure import seconds_per_step
+from jaxscale.plan.planner import make_plan
+from jaxscale.plan.targets import parse_target
+from jaxscale.runtime.chips import GIB
 
 OPTIONS = [Option("models", "llama_1b,llama3_8b",
                   "configs/<name>.py to plan for TPU slices (estimates), comma-separated; empty: "
@@ -143,7 +142,7 @@ def estimated(models: list[str], targets: list[str], top: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import absl.flags  # noqa: PLC0415 - the same flag parser as the CLI's options
+    import absl.flags
 
     flags = absl.flags.FlagValues()
     for o in OPTIONS:

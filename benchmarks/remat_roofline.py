@@ -22,25 +22,24 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 
-import jax  # noqa: E402
-
-from jaxscale.cli import fail, load_config_file  # noqa: E402
-from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.models.decoder import REMAT_POLICIES  # noqa: E402
-from jaxscale.plan import rank  # noqa: E402
-from jaxscale.plan.compiled import compile_train_step  # noqa: E402
-from jaxscale.plan.measure import seconds_per_step  # noqa: E402
-from jaxscale.plan.planner import NOMINAL_CPU  # noqa: E402
-from jaxscale.plan.search import Candidate, layout  # noqa: E402
-from jaxscale.plan.targets import local_target, parse_target, target_devices  # noqa: E402
-from jaxscale.plan.traffic import bytes_accessed  # noqa: E402
-from jaxscale.runtime.chips import CHIPS, GIB  # noqa: E402
-from jaxscale.models.spec import model_spec  # noqa: E402
+from jaxscale.cli import fail, load_config_file
+from jaxscale.errors import ConfigError
+from jaxscale.models.decoder import REMAT_POLICIES
+from jaxscale.models.spec import model_spec
+from jaxscale.plan import rank
+from jaxscale.plan.compiled import compile_train_step
+from jaxscale.plan.measure import seconds_per_step
+from jaxscale.plan.planner import NOMINAL_CPU
+from jaxscale.plan.search import Candidate, layout
+from jaxscale.plan.targets import local_target, parse_target, target_devices
+from jaxscale.plan.traffic import bytes_accessed
+from jaxscale.runtime.chips import CHIPS, GIB
 
 
 def main(argv: list[str]) -> None:
-    import absl.flags  # noqa: PLC0415 - the same flag parser as the CLI's options
+    import absl.flags
 
     flags = absl.flags.FlagValues()
     absl.flags.DEFINE_string("config", "configs/llama_1b.py", "the config file", flag_values=flags)

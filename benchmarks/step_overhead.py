@@ -21,11 +21,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-
-from jaxscale.config import default_config  # noqa: E402
-from jaxscale.models.spec import create_model  # noqa: E402
-from jaxscale.models.spec import model_config  # noqa: E402
-from jaxscale.trainer import Trainer  # noqa: E402
+from jaxscale.config import default_config
+from jaxscale.models.spec import (
+    create_model,
+    model_config,
+)
+from jaxscale.trainer import Trainer
 
 
 def make_batch(config) -> dict[str, np.ndarray]:

@@ -2,15 +2,15 @@
 
     python benchmarks/stops.py [--trials=20] [--processes=2] [--seed=0] [--workdir=DIR]
 
-Each trial trains a small tiny-shaped model (`SMALL`, float32) with `python -m jaxscale.launch.local`
-on `--processes` processes (4 simulated CPU devices in all, fsdp=4), 24 steps, a persistent
-checkpoint every 10, the local tier every step or off (drawn), and sends a signal once process 0
-has logged a step drawn from 3..14: SIGTERM to the launcher, SIGTERM to one process (drawn), or
-SIGINT to the launcher (Ctrl-C). A trial ends well when the launcher and every process exit with
-the stop's status (42, 130 for Ctrl-C) within `BOUND_S` of the signal, the run stopped before its
-last step, and every process holds the checkpoint of the step process 0 says it stopped at (its
-local copy with the local tier on, else the persistent one). All trials load their compiled
-programs from one compilation cache, warmed by the first.
+Each trial trains a small tiny-shaped model (`SMALL`, float32) with `python -m
+jaxscale.launch.local` on `--processes` processes (4 simulated CPU devices in all, fsdp=4), 24
+steps, a persistent checkpoint every 10, the local tier every step or off (drawn), and sends a
+signal once process 0 has logged a step drawn from 3..14: SIGTERM to the launcher, SIGTERM to one
+process (drawn), or SIGINT to the launcher (Ctrl-C). A trial ends well when the launcher and every
+process exit with the stop's status (42, 130 for Ctrl-C) within `BOUND_S` of the signal, the run
+stopped before its last step, and every process holds the checkpoint of the step process 0 says it
+stopped at (its local copy with the local tier on, else the persistent one). All trials load their
+compiled programs from one compilation cache, warmed by the first.
 
 Prints a row per trial (processes, local tier, target, step signalled, step stopped, exit status,
 seconds to exit, ended well) and last `ratio: X`, the fraction of trials that ended well.

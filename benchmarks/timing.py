@@ -9,7 +9,8 @@ import jax
 
 
 def median_seconds(fn, args, repeats: int) -> float:
-    """The median of `repeats` timed calls of `fn(*args)`, after two untimed ones (compile, warm)."""
+    """The median of `repeats` timed calls of `fn(*args)`, after two untimed ones (compile,
+    warm-up)."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
     times = []

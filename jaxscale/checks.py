@@ -20,8 +20,8 @@ from jaxscale.config import MESH_AXES, check_settings
 from jaxscale.data import check_data
 from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import check_samples
-from jaxscale.models.decoder import REMAT_POLICIES
 from jaxscale.models import family
+from jaxscale.models.decoder import REMAT_POLICIES
 from jaxscale.models.fp8 import check_fp8
 from jaxscale.models.lora import check_lora
 from jaxscale.models.rope import check_head_dim
@@ -35,8 +35,8 @@ from jaxscale.parallel.pipeline import check_pipeline
 from jaxscale.parallel.sharding import check_rules
 from jaxscale.runtime.xla_flags import check_setting
 from jaxscale.training import offload
-from jaxscale.training.optim import check_memory_options
 from jaxscale.training.layout import check_optimizer_layout
+from jaxscale.training.optim import check_memory_options
 from jaxscale.training.state import logical_axis_sizes
 
 

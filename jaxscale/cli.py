@@ -26,9 +26,14 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxscale.config import check_schema
+from jaxscale.errors import (
+    TRANSIENT_EXIT_CODE,
+    USAGE_EXIT_CODE,
+    ConfigError,
+    JaxscaleError,
+    TransientError,
+)
 from jaxscale.kinds import Number
-from jaxscale.errors import (TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, ConfigError, JaxscaleError,
-                             TransientError)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
@@ -137,7 +142,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
                           "the Python in that line") from None
     except SystemExit as e:  # sys.exit() in the file would end the run silently, with its status
         raise ConfigError(_exited(path, e)) from None
-    except Exception as e:  # noqa: BLE001 - whatever the file raises is the user's to fix
+    except Exception as e:
         raise ConfigError(_raised_in(path, e, "failed to load")) from None
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
@@ -149,7 +154,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {spec!r}: {e}") from None
     except SystemExit as e:
         raise ConfigError(_exited(path, e)) from None
-    except Exception as e:  # noqa: BLE001 - e.g. a str assigned to an int key
+    except Exception as e:
         raise ConfigError(_raised_in(path, e, "get_config() failed")) from None
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path!r}: get_config() returned a "

@@ -22,15 +22,15 @@ import shutil
 import sys
 
 from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import whole
 from jaxscale.models import FAMILIES
 from jaxscale.runtime.tpu_host import quiet_libtpu
-from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.workdir import check_writable, read_config
 
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX
 # Beside a tokenizer file, what holds its chat template (and special tokens) for transformers.
-CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")  # jaxscale.hf.weights.DTYPES, without importing JAX
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 
 
 def make_parser() -> ArgumentParser:

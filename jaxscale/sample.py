@@ -17,9 +17,9 @@ import sys
 
 from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.config import NUMBERS
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.kinds import real, whole
 from jaxscale.runtime.tpu_host import quiet_libtpu
-from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 
 PROG = "python -m jaxscale.sample"
 # The kinds of the numeric flags (jaxscale.config.Number), as the config's keys have theirs.
@@ -94,8 +94,8 @@ def continuation(args: argparse.Namespace) -> str:
 
     from jaxscale.config import default_config
     from jaxscale.data.tokenizers import decode_continuation, tokenizer_from_config
-    from jaxscale.parallel.sharding import rules_from_config
     from jaxscale.inference.sampler import Sampler, restored_model, sampling_mesh
+    from jaxscale.parallel.sharding import rules_from_config
 
     if args.workdir is not None:
         config, source = run_config(args.workdir)

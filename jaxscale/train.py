@@ -5,11 +5,11 @@ train.steps, logs metrics and saves checkpoints. Ctrl-C saves and stops (exit 13
 command again to resume); SIGTERM saves and exits 42 ("restart me"). A mistake the user can fix
 prints one `error: ...` line and exits with status 2, before anything is compiled or written; a
 transient infrastructure failure (storage, coordinator, a peer) prints one `error: ...` line and
-exits 75 ("retry with backoff"), every checkpoint left where it was. What libraries log (Orbax,
-JAX, absl, with their tracebacks) goes to DIR/train.log, with --verbose to the terminal too. One
-of several processes runs the trainer as its child (runtime.distributed.guard): when JAX stops
-it because the run lost a process (a crash, `kill -9`, a lost host) it exits 75 too. With mesh.auto the planner
-chooses the layout first (jaxscale/plan/auto.py) and the trainer runs the step it compiled.
+exits 75 ("retry with backoff"), every checkpoint left where it was. What libraries log (Orbax, JAX,
+absl, with their tracebacks) goes to DIR/train.log, with --verbose to the terminal too. One of
+several processes runs the trainer as its child (runtime.distributed.guard): when JAX stops it
+because the run lost a process (a crash, `kill -9`, a lost host) it exits 75 too. With mesh.auto the
+planner chooses the layout first (jaxscale/plan/auto.py) and the trainer runs the step it compiled.
 """
 
 from __future__ import annotations

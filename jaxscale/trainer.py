@@ -44,20 +44,30 @@ from jaxscale.errors import ConfigError
 from jaxscale.inference.samples import TrainingSamples
 from jaxscale.observe import metrics as metrics_lib
 from jaxscale.observe import run_log
-from jaxscale.observe.device_memory import (StepMemory, check_fits, device_capacity, memory_line,
-                                            memory_metrics)
+from jaxscale.observe.device_memory import (
+    StepMemory,
+    check_fits,
+    device_capacity,
+    memory_line,
+    memory_metrics,
+)
 from jaxscale.observe.profiling import ProfileWindow
-from jaxscale.observe.trackers import check_tracker_access
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts, read_run_record
+from jaxscale.observe.trackers import check_tracker_access
 from jaxscale.runtime.agreement import agreed_checks
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
-from jaxscale.runtime.compilation_cache import (CACHE_FIX, CompilationCache,
-                                                compilation_cache_dir)
-from jaxscale.runtime.workdir import (check_workdir, check_writable, latest_metrics, open_workdir,
-                                      set_aside_earlier_start)
+from jaxscale.runtime.compilation_cache import CACHE_FIX, CompilationCache, compilation_cache_dir
+from jaxscale.runtime.workdir import (
+    check_workdir,
+    check_writable,
+    latest_metrics,
+    open_workdir,
+    set_aside_earlier_start,
+)
 from jaxscale.training.bad_steps import BadSteps
 from jaxscale.training.program import TrainProgram
 from jaxscale.training.state import TrainState
+
 
 def devices_kind(mesh) -> str:
     return mesh.devices.flat[0].device_kind

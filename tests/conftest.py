@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-import pytest  # noqa: E402 - after the flags, which must be set before JAX is imported
+import pytest
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import pytest
 
 from jaxscale.config import MESH_AXES, default_config
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -5,8 +5,8 @@ hosts that hold its devices (tests/test_layouts.py checks that each ICI group si
 import json
 import sys
 
-from jaxscale.runtime import distributed
 from jaxscale.cli import parse_train_flags
+from jaxscale.runtime import distributed
 
 config, _ = parse_train_flags(sys.argv)
 distributed.initialize(config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)

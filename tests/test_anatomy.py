@@ -265,3 +265,12 @@ def test_the_family_search_finds_a_family_named_in_code(tmp_path):
         "jaxscale/hf.py names 'jaxscale.models.llama.LlamaConfig'",
         "jaxscale/hf.py names 'LlamaConfig'", "jaxscale/hf.py names 'jaxscale.models.qwen3'",
         "jaxscale/hf.py names 'mistral'"])
+
+
+def test_the_tree_is_clean_under_the_linter_ci_runs():
+    """.ci/run runs ruff (configured in pyproject.toml) before the tests; a finding here is one
+    CI would fail on."""
+    assert "ruff check" in (PACKAGE.parent / ".ci" / "run").read_text()
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+                            cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -5,13 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
+from jaxscale.parallel.attention import (
+    _residuals_made_at_once,
+    attend,
+    check_attention,
+    check_implementation,
+    packed_segments,
+    resolve,
+)
 from jaxscale.parallel.context import load_balanced_order
-from jaxscale.parallel.attention import (_residuals_made_at_once, attend, check_attention,
-                                         check_implementation, packed_segments, resolve)
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import rules_from_config, use_rules
-from jaxscale.config import default_config
 
 RNG = np.random.default_rng(0)
 
@@ -79,7 +85,8 @@ def test_a_split_sequence_in_any_order_attends_by_position():
                             jnp.int32)
     order = load_balanced_order(64, 4)
     want = loss_and_grads("xla", q, k, v, segments)
-    permuted = lambda x: x[:, order]
+    def permuted(x):
+        return x[:, order]
 
     def context_loss_and_grads(q, k, v, segments, positions):
         def loss(q, k, v):

@@ -17,9 +17,8 @@ from jaxscale.errors import ConfigError, TransientError
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
+from tests.storage_servers import free_port, gcs, gcs_variables, s3, s3_variables  # noqa: F401 (fixtures)
 from tests.test_data_sources import decoded, write_fixture
-from tests.storage_servers import (free_port, gcs, gcs_variables, s3,  # noqa: F401 (fixtures)
-                                   s3_variables)
 
 
 def test_bucket_path_without_its_library_names_the_extra(tmp_path):

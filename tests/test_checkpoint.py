@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale.training.bad_steps import BadSteps, TooManyBadSteps
 from jaxscale.checkpoint import Checkpoints
 from jaxscale.checks import validate
 from jaxscale.data import make_input
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.training.state import TrainState
 from jaxscale.trainer import Trainer
+from jaxscale.training.bad_steps import BadSteps, TooManyBadSteps
+from jaxscale.training.state import TrainState
 from tests.helpers import random_batch, small_config
 
 FSDP8 = dict(fsdp=8)

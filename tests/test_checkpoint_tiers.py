@@ -13,8 +13,8 @@ import pytest
 
 from jaxscale.checkpoint import LOCAL, PERSISTENT
 from jaxscale.checkpoint.manager import restore_order, steps_everyone_holds
-from jaxscale.errors import ConfigError
 from jaxscale.config import check_settings
+from jaxscale.errors import ConfigError
 from tests.helpers import mesh_trainer, small_config
 from tests.test_faults_checkpoint import failing, merged_losses, writing
 

@@ -23,9 +23,14 @@ from jaxscale.errors import RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE, USAGE_EXIT_C
 from jaxscale.launch.local import free_port, process_env
 from tests.fakes import fake_env
 from tests.helpers import REPO
-from tests.test_faults_processes import STARTED, last_line, trainer_of
+
 # Kills what a failed test left running (STARTED), as in that module.
-from tests.test_faults_processes import no_process_left_behind  # noqa: F401
+from tests.test_faults_processes import (
+    STARTED,
+    last_line,
+    no_process_left_behind,  # noqa: F401
+    trainer_of,
+)
 from tests.test_launch_training import SMALL, losses
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import latest_metrics
+from jaxscale.trainer import Trainer
 from tests.helpers import resumable_cli_losses, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

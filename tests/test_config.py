@@ -8,8 +8,8 @@ import pytest
 
 from jaxscale.checks import validate
 from jaxscale.config import MESH_AXES, default_config
-from jaxscale.parallel.mesh import resolve_mesh_shape
 from jaxscale.errors import ConfigError
+from jaxscale.parallel.mesh import resolve_mesh_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

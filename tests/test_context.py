@@ -12,8 +12,13 @@ import pytest
 from jaxscale.parallel.context import load_balanced, load_balanced_order
 from jaxscale.plan.collectives import replica_groups
 from jaxscale.training.step import Objective, Weights
-from tests.helpers import (loss_and_gradients_on_mesh, mesh_trainer, random_batch,
-                           resumable_cli_losses, small_config)
+from tests.helpers import (
+    loss_and_gradients_on_mesh,
+    mesh_trainer,
+    random_batch,
+    resumable_cli_losses,
+    small_config,
+)
 
 
 def context_config(**mesh):

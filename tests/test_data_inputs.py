@@ -12,13 +12,12 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from jaxscale.cli import DEFAULT_CONFIG
 from jaxscale.checks import validate
+from jaxscale.cli import DEFAULT_CONFIG
 from jaxscale.data import check_splits, formats, prepare, sources, token_files
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import TEXTS, config_with, one_line_error
-
 
 
 def documents_of(config, split="train"):

@@ -18,7 +18,6 @@ from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import TEXTS, config_with, model_attention_mask, one_line_error
 
 
-
 def write_text_files(directory):
     directory.mkdir()
     for i, text in enumerate(TEXTS):
@@ -268,7 +267,8 @@ def test_sentencepiece_tokenizer(tmp_path, sentencepiece_model):
     assert tokenizer.decode(ids) == TEXTS[5]
     config.model.vocab_size = 40
     validate(config, 8)
-    rows = next(iter(row_streams.local_batches(config, "train", range(8), sources.SkippedRecords())))
+    rows = next(iter(row_streams.local_batches(config, "train", range(8),
+                                               sources.SkippedRecords())))
     assert rows["inputs"].max() < 40 and (rows["inputs"] == 1).any()
 
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from jaxscale.runtime import distributed, rendezvous, tpu_host
-from jaxscale.runtime.distributed import ClusterSpec, detect, first_slurm_host
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.local import free_port
+from jaxscale.runtime import distributed, rendezvous, tpu_host
+from jaxscale.runtime.distributed import ClusterSpec, detect, first_slurm_host
 
 SLURM = {  # process 2 of a 4-node, one-process-per-node srun step
     "SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "gpu[003-006]", "SLURM_STEP_NUM_NODES": "4",

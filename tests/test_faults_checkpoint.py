@@ -27,8 +27,8 @@ from jaxscale.checkpoint import Checkpoints, restore_from, verdict
 from jaxscale.checkpoint.manager import FAILED_SAVES_IN_A_ROW
 from jaxscale.errors import TRANSIENT_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.local import free_port, process_env
-from jaxscale.training.state import TrainState
 from jaxscale.runtime.workdir import logged_metrics
+from jaxscale.training.state import TrainState
 from tests.helpers import REPO, mesh_trainer, small_config
 from tests.test_checkpoint_resume import flags, one_error_line, start, train, wait_for_step
 

@@ -1,12 +1,12 @@
 """Every number checked by its kind, not by example (issue 23, item 9).
 
 Every numeric key of `default_config()` declares its kind in `jaxscale.config.SCHEMA` (whole or
-real, an interval, the values with a meaning of their own; `NUMBERS` gathers them). From each kind the values that break it are
-generated -- another type, NaN, the infinities, and the numbers just past each end of the interval
-(negative and zero among them) -- and `validate` must refuse each with one line that starts with
-`KEY=VALUE must be`. A few go through the real command line, which must print that line alone,
-exit 2 and leave the fresh workdir unmade. The path flags of each entry point are checked by kind
-in tests/test_bad_inputs.py, with every other bad input.
+real, an interval, the values with a meaning of their own; `NUMBERS` gathers them). From each kind
+the values that break it are generated -- another type, NaN, the infinities, and the numbers just
+past each end of the interval (negative and zero among them) -- and `validate` must refuse each with
+one line that starts with `KEY=VALUE must be`. A few go through the real command line, which must
+print that line alone, exit 2 and leave the fresh workdir unmade. The path flags of each entry point
+are checked by kind in tests/test_bad_inputs.py, with every other bad input.
 """
 
 import math

@@ -22,8 +22,8 @@ import pytest
 import jaxscale.trainer
 from jaxscale.checkpoint import Checkpoints
 from jaxscale.data import make_input
-from jaxscale.training.optim import learning_rate_schedule
 from jaxscale.trainer import Trainer
+from jaxscale.training.optim import learning_rate_schedule
 from tests.helpers import random_batch, small_config
 from tests.test_checkpoint import read_metrics
 
@@ -109,7 +109,8 @@ def sign_adam_config():
 
 def adam_count(opt_state) -> int:
     """Adam's count: the updates its moments have taken in."""
-    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+    def is_adam(x):
+        return isinstance(x, optax.ScaleByAdamState)
     (adam,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
     return int(adam.count)
 

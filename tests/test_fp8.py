@@ -93,7 +93,8 @@ def test_fp8_product_and_gradients_are_within_what_fp8_rounding_allows():
     x = rng.normal(size=(4, 16, 64)).astype(np.float32)
     w = (rng.normal(size=(64, 32)) * 0.02).astype(np.float32)
     g = (rng.normal(size=(4, 16, 32)) * 1e-4).astype(np.float32)
-    amax = lambda a: float(np.max(np.abs(a)))
+    def amax(a):
+        return float(np.max(np.abs(a)))
     state = meta(4, x=(1.0, [amax(x)]), weight=(1.0, [amax(w)]), grad=(1.0, [amax(g)]))
     out, grad_x, grad_w, _ = step(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w),
                                   jnp.asarray(g, jnp.bfloat16), state)

@@ -11,13 +11,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.config import check_settings
 from jaxscale.errors import ConfigError
-from jaxscale.models.spec import abstract_model, create_model, model_config
 from jaxscale.models import decoder
 from jaxscale.models.layers import weight_matmul, weights_cast_for_use
+from jaxscale.models.spec import abstract_model, create_model, model_config
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
 from jaxscale.training.step import Objective, Weights
@@ -199,7 +200,8 @@ def test_remat_policies_keep_the_float32_reduced_gradients(remat):
 
     def loss_and_grads(cfg):
         graphdef, params = nnx.split(create_model(model_config(cfg), 0))
-        loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens) ** 2) * 1e-3
+        def loss(p):
+            return jnp.sum(nnx.merge(graphdef, p)(tokens) ** 2) * 1e-3
         return jax.jit(jax.value_and_grad(loss))(params)
 
     baseline = loss_and_grads(config)

@@ -25,11 +25,11 @@ import pytest
 from flax import nnx
 
 from jaxscale import hf
-from jaxscale.models.spec import abstract_model, model_config
-from jaxscale.errors import JaxscaleError
 from jaxscale.config import default_config
+from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.rope import rotation
+from jaxscale.models.spec import abstract_model, model_config
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import use_rules
 from tests.helpers import relative_error

@@ -20,8 +20,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from jaxscale.launch.gke import RUN_AS, Shape, parse_args
+from jaxscale.launch.gke import render as render_jobset
 from jaxscale.runtime.distributed import ClusterSpec, detect
-from jaxscale.launch.gke import RUN_AS, Shape, parse_args, render as render_jobset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = os.path.join(REPO, "tests", "fixtures", "jobset-v1alpha2-schema.yaml")

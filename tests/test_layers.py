@@ -11,14 +11,23 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxscale.models.spec import create_model, model_config
+from jaxscale.config import default_config
+from jaxscale.models.layers import (
+    MLP,
+    MLP_CHUNK,
+    Attention,
+    RMSNorm,
+    apply_rope,
+    embedding_lookup,
+    fewest_parts,
+    gathered,
+    gathered_before,
+    swiglu,
+)
 from jaxscale.models.lora import LoraConfig
-from jaxscale.models.layers import (MLP, MLP_CHUNK, Attention, RMSNorm, apply_rope,
-                                    embedding_lookup, fewest_parts, gathered, gathered_before,
-                                    swiglu)
+from jaxscale.models.spec import create_model, model_config
 from jaxscale.parallel.mesh import build_mesh
 from jaxscale.parallel.sharding import rules_from_config, use_rules
-from jaxscale.config import default_config
 from tests.helpers import small_config
 
 RNG = np.random.default_rng(0)
@@ -75,8 +84,9 @@ def test_rope_matches_complex_rotation():
 def test_rope_preserves_relative_position_scores():
     """q·k after rotation depends only on the distance between positions."""
     q, k = randn(1, 1, 1, 16), randn(1, 1, 1, 16)
-    score = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([[i]]), 1e4) *
-                                       apply_rope(k, jnp.array([[j]]), 1e4)))
+    def score(i, j):
+        return float(jnp.sum(apply_rope(q, jnp.array([[i]]), 1e4) *
+                                           apply_rope(k, jnp.array([[j]]), 1e4)))
     assert score(3, 1) == pytest.approx(score(12, 10), rel=1e-4)
     assert score(3, 1) != pytest.approx(score(3, 2), rel=1e-3)
 
@@ -99,7 +109,8 @@ def test_attention_matches_reference(n_heads, n_kv_heads):
 def test_mlp_matches_reference():
     mlp = MLP(8, 12, out_stddev=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
     x = randn(2, 3, 8)
-    silu = lambda z: z / (1 + np.exp(-z))
+    def silu(z):
+        return z / (1 + np.exp(-z))
     xn = np.asarray(x, np.float64)
     expected = (silu(xn @ mlp.gate[...]) * (xn @ mlp.up[...])) @ mlp.down[...]
     np.testing.assert_allclose(mlp(x), expected, rtol=1e-4, atol=1e-6)
@@ -125,7 +136,8 @@ def test_remat_policies_keep_gradients(remat):
     def grads(cfg):
         model = create_model(model_config(cfg), 0)
         graphdef, params = nnx.split(model)
-        loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens) ** 2)
+        def loss(p):
+            return jnp.sum(nnx.merge(graphdef, p)(tokens) ** 2)
         return jax.grad(loss)(params)
 
     baseline = grads(config)
@@ -149,12 +161,14 @@ def test_save_dots_keeps_the_weight_matmuls_also_in_a_pipeline_stage(moe_every, 
         block = model.block_fn(block_def)
         length, d = 8, config.model.d_model
         positions = jnp.broadcast_to(jnp.arange(length), (2, length))
-        run = lambda state, x: block(state, x, positions, None)
+        def run(state, x):
+            return block(state, x, positions, None)
         x = jnp.ones((2, length, d))
         if moe_every:
             from jaxscale.models.moe import RouterStats
             x = (x, RouterStats.zeros(4))
-            run = lambda state, carry, run=run: run(state, carry)[0]
+            def run(state, carry, run=run):
+                return run(state, carry)[0]
         if stages:  # two stages, one layer each, as GPipe's vmap over the stage axis runs them
             run, state = jax.vmap(run), stacked
             x = jax.tree.map(lambda a: jnp.stack([a, a]), x)
@@ -182,8 +196,10 @@ def test_embedding_lookup_equals_take_then_cast_in_values_and_gradients():
     def loss(lookup, table):
         return jnp.sum(lookup(table).astype(jnp.float32) * weights)
 
-    plain = lambda t: jnp.take(t, ids, axis=0).astype(jnp.bfloat16)
-    ours = lambda t: embedding_lookup(t, ids, jnp.bfloat16)
+    def plain(t):
+        return jnp.take(t, ids, axis=0).astype(jnp.bfloat16)
+    def ours(t):
+        return embedding_lookup(t, ids, jnp.bfloat16)
     np.testing.assert_array_equal(ours(table), plain(table))
     got, want = (jax.grad(functools.partial(loss, f))(table) for f in (ours, plain))
     assert got.dtype == jnp.float32
@@ -194,7 +210,8 @@ def test_embedding_lookup_equals_take_then_cast_in_values_and_gradients():
 def test_swiglu_equals_autodiffs_in_values_and_gradients(dtype):
     gate, up = randn(2, 5, 12).astype(dtype), randn(2, 5, 12).astype(dtype)
     grad = randn(2, 5, 12).astype(dtype)
-    plain = lambda g, u: jax.nn.silu(g) * u
+    def plain(g, u):
+        return jax.nn.silu(g) * u
     want, want_pullback = jax.vjp(plain, gate, up)
     got, got_pullback = jax.vjp(swiglu, gate, up)
     np.testing.assert_array_equal(got, want)

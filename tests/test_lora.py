@@ -18,8 +18,8 @@ from jaxscale.checks import checked_mesh
 from jaxscale.cli import parse_train_command
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
-from jaxscale.training.program import TrainProgram
 from jaxscale.models.spec import model_spec
+from jaxscale.training.program import TrainProgram
 from jaxscale.training.step import Objective, Weights
 from jaxscale.training.step_settings import choices
 from tests.helpers import REPO, mesh_devices, mesh_trainer, random_batch, small_config

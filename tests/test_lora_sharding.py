@@ -15,12 +15,12 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.checks import checked_mesh
 from jaxscale.cli import load_config_file
 from jaxscale.models.lora import split_adapters
+from jaxscale.models.spec import model_spec
 from jaxscale.parallel.sharding import logical_to_mesh, rules_from_config, spec_axes
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.memory_model import estimate_memory
-from jaxscale.training.program import TrainProgram
-from jaxscale.models.spec import model_spec
 from jaxscale.training.layout import StateLayout
+from jaxscale.training.program import TrainProgram
 from tests.helpers import mesh_devices, random_batch, small_config
 
 UNSPLIT = dict(data=1, fsdp=1, tensor=1, pipeline=1, expert=1, context=1)
@@ -203,9 +203,9 @@ def test_the_memory_estimate_of_a_lora_step_is_within_25_percent_of_the_compiler
     loss scale, Adam's counts: under 64 bytes), so the adapters' split is counted as the program
     holds it; the total is within 25% of the compiler's, the bound of tests/test_plan.py
     (measured 0.997; with dropout, whose dropped inputs and masks it counts, 0.85 with remat full
-    and 0.90 with none, where uncounted they gave 0.73). On the TPU compiler, benchmarks/lora.py's LoRA side reads 2.38 GiB
-    estimated against 1.77 compiled: the activations' term over-counts there, for full
-    fine-tuning by as many bytes (7.51 against 6.92)."""
+    and 0.90 with none, where uncounted they gave 0.73). On the TPU compiler, benchmarks/lora.py's
+    LoRA side reads 2.38 GiB estimated against 1.77 compiled: the activations' term over-counts
+    there, for full fine-tuning by as many bytes (7.51 against 6.92)."""
     config = load_config_file("configs/tiny.py")
     config.checkpoint.enabled = False
     config.train.update(steps=2, batch_size=8)

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxscale.training.loss import chunk_length, summed_cross_entropy, vocab_tiles
-from jaxscale.models.spec import create_model, model_config
-from jaxscale.training.step import Objective, Weights
 from flax import nnx
+
+from jaxscale.models.spec import create_model, model_config
+from jaxscale.training.loss import chunk_length, summed_cross_entropy, vocab_tiles
+from jaxscale.training.step import Objective, Weights
 from tests.helpers import random_batch, small_config
 
 

@@ -12,9 +12,8 @@ import jax
 import pytest
 
 from jaxscale.checks import validate
-from jaxscale.observe.device_memory import check_fits, device_capacity, memory_line
 from jaxscale.errors import ConfigError
-from jaxscale.observe.device_memory import StepMemory
+from jaxscale.observe.device_memory import StepMemory, check_fits, device_capacity, memory_line
 from jaxscale.plan.auto import planned_config
 from jaxscale.runtime.chips import GIB
 from jaxscale.trainer import Trainer

@@ -18,8 +18,8 @@ from flax import nnx
 
 from jaxscale.cli import load_config_file
 from jaxscale.models.llama import LlamaConfig
-from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
 from jaxscale.models.moe import MoE, MoEConfig, route
+from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
 from jaxscale.training.step import Objective, Weights, router_metrics
 from tests.helpers import loss_and_gradients_on_mesh, mesh_trainer, random_batch, small_config
 from tests.test_bad_inputs import config_file, run_in_process
@@ -96,7 +96,8 @@ def test_layer_output_loss_and_gradients_equal_a_dense_per_token_reference(capac
 
     (got_loss, (y, stats)), got_grads = jax.jit(jax.value_and_grad(
         layer_loss, argnums=(0, 1), has_aux=True))(params, x)
-    ref = lambda params, x: loss(*reference_moe(params, x, chosen))
+    def ref(params, x):
+        return loss(*reference_moe(params, x, chosen))
     want_loss, want_grads = jax.jit(jax.value_and_grad(ref, argnums=(0, 1)))(params, x)
     want_y, want_aux, want_z = jax.jit(lambda p, x: reference_moe(p, x, chosen))(params, x)
 
@@ -397,9 +398,10 @@ def device_bytes(tree, device):
 def test_each_device_holds_a_quarter_of_the_experts_and_their_optimizer_state(tmp_path):
     trainer = mesh_trainer(expert_config(expert=4, data=2), tmp_path)
     state = trainer.program.init_state(0)
-    experts = lambda tree: [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-                            if jax.tree_util.keystr(path[-1:]) in ("['gate']", "['up']",
-                                                                   "['down']")]
+    def experts(tree):
+        return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                                if jax.tree_util.keystr(path[-1:]) in ("['gate']", "['up']",
+                                                                       "['down']")]
     params, moments = experts(state.params), experts(state.opt_state)
     assert len(params) == 3 and len(moments) == 6  # Adam's mu and nu of each
     axis = trainer.program.mesh.axis_names.index("expert")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxscale.parallel.sharding import with_rules
-from jaxscale.training.step import Objective, Weights
 from jaxscale.trainer import Trainer
+from jaxscale.training.step import Objective, Weights
 from tests.helpers import loss_and_gradients_on_mesh, random_batch, small_config
 
 STEPS = 3

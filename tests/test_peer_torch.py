@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxscale.training.optim import learning_rate_schedule
 from jaxscale.models.spec import model_spec
+from jaxscale.training.optim import learning_rate_schedule
 from tests.helpers import benchmark_module, small_config
 
 torch = pytest.importorskip("torch")

@@ -14,20 +14,20 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from helpers import random_batch, small_config
 from jax.sharding import PartitionSpec as P
 
-from helpers import random_batch, small_config
-from jaxscale.training import offload
+from jaxscale.errors import ConfigError
+from jaxscale.models.spec import model_spec
 from jaxscale.observe import profiling
 from jaxscale.observe.device_memory import memory_metrics
-from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.training.optim import make_optimizer
-from jaxscale.models.spec import model_spec
-from jaxscale.training.layout import StateLayout
-from jaxscale.trainer import Trainer
 from jaxscale.runtime.workdir import logged_metrics
+from jaxscale.trainer import Trainer
+from jaxscale.training import offload
+from jaxscale.training.layout import StateLayout
+from jaxscale.training.optim import make_optimizer
 
 GIB = 2 ** 30
 
@@ -179,7 +179,8 @@ def test_bfloat16_moments_stay_close_to_float32_adamw_in_half_the_bytes():
     for moment in (adam.mu, adam.nu):
         assert all(m.dtype == jnp.bfloat16 for m in jax.tree.leaves(moment))
     _, _, state32, _ = optimizer_run("float32", steps=1)
-    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    def nbytes(tree):
+        return sum(x.nbytes for x in jax.tree.leaves(tree))
     adam32 = state32[0][0]
     assert nbytes((adam.mu, adam.nu)) * 2 == nbytes((adam32.mu, adam32.nu))
     # bfloat16 keeps 8 significand bits: each stored moment is off by up to 2^-9 relative, and

@@ -11,13 +11,19 @@ import numpy as np
 import pytest
 
 from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import model_config
 from jaxscale.parallel.pipeline import Pipeline
 from jaxscale.plan.compiled import compile_train_step
-from jaxscale.models.spec import model_config
-from jaxscale.training.step import Objective, Weights
 from jaxscale.trainer import Trainer
-from tests.helpers import (loss_and_gradients_on_mesh, mesh_devices, mesh_trainer, random_batch,
-                           resumable_cli_losses, small_config)
+from jaxscale.training.step import Objective, Weights
+from tests.helpers import (
+    loss_and_gradients_on_mesh,
+    mesh_devices,
+    mesh_trainer,
+    random_batch,
+    resumable_cli_losses,
+    small_config,
+)
 from tests.test_parity import assert_same_training, train
 
 

@@ -12,23 +12,31 @@ import sys
 import jax
 import pytest
 
-from jaxscale.cli import load_config_file
 from jaxscale.checks import validate
+from jaxscale.cli import load_config_file
 from jaxscale.errors import ConfigError
 from jaxscale.models.decoder import REMAT_POLICIES
+from jaxscale.models.spec import model_spec
 from jaxscale.plan import auto, planner, rank, report
 from jaxscale.plan.collectives import parse_collectives, replica_groups
 from jaxscale.plan.compiled import compile_train_step
-from jaxscale.runtime.chips import GIB
 from jaxscale.plan.measure import seconds_per_step
 from jaxscale.plan.memory_model import estimate_memory
-from jaxscale.plan.planner import (FIT_FRACTION, NOMINAL_CPU, TIMING_TIE, Row, _attention,
-                                   make_plan, mesh_distance, spread_order)
+from jaxscale.plan.planner import (
+    FIT_FRACTION,
+    NOMINAL_CPU,
+    TIMING_TIE,
+    Row,
+    _attention,
+    make_plan,
+    mesh_distance,
+    spread_order,
+)
 from jaxscale.plan.search import DCN_AXES, Candidate, candidates, layout
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.training.optim import IN_FLIGHT
-from jaxscale.models.spec import model_spec
+from jaxscale.runtime.chips import GIB
 from jaxscale.trainer import Trainer
+from jaxscale.training.optim import IN_FLIGHT
 from tests.helpers import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import pytest
 
 from jaxscale.cli import load_config_file
+from jaxscale.models.spec import model_spec
 from jaxscale.plan import rank
 from jaxscale.plan.search import Candidate, layout
 from jaxscale.plan.traffic import bytes_accessed
 from jaxscale.runtime.chips import CHIPS
-from jaxscale.models.spec import model_spec
 from tests.helpers import small_config
 
 

@@ -13,18 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxscale.config
 from jaxscale import hf
-from jaxscale.models.llama import LlamaConfig
-from jaxscale.models.spec import create_model
 from jaxscale.checkpoint import restore_from
 from jaxscale.config import MESH_AXES, default_config
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.hf.config import update_config
-from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.inference.sampler import Sampler, next_token, sampling_mesh
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.spec import create_model
+from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.sample import main as sample_main
 from jaxscale.trainer import Trainer
 from tests.helpers import small_config
@@ -140,7 +141,8 @@ def test_top_p_samples_exactly_the_nucleus_in_proportion():
 def test_the_same_seed_gives_the_same_text_and_another_seed_other_text():
     model, prompt = random_model(), prompts()
     sampler = Sampler(model)
-    draw = lambda seed: sampler.generate(prompt, max_new_tokens=16, temperature=1.0, seed=seed)
+    def draw(seed):
+        return sampler.generate(prompt, max_new_tokens=16, temperature=1.0, seed=seed)
     np.testing.assert_array_equal(draw(7), draw(7))
     assert not np.array_equal(draw(7), draw(8))
 

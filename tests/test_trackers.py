@@ -17,8 +17,7 @@ from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
 from jaxscale.observe import trackers
 from jaxscale.observe.metrics import MetricsWriter
-from tests.test_metrics import (event_files, read_jsonl, read_tensorboard_scalars,
-                                tensorboard_values)
+from tests.test_metrics import event_files, read_jsonl, read_tensorboard_scalars, tensorboard_values
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

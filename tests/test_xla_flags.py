@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from jaxscale.runtime import xla_flags
 from jaxscale.errors import ConfigError
+from jaxscale.runtime import xla_flags
 
 AUTO = [f"--{name}={value}" for name, value, _ in xla_flags.GPU_FLAGS]
 

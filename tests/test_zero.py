@@ -10,13 +10,13 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.checkpoint import Checkpoints
 from jaxscale.checks import validate
 from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.models.spec import model_spec
 from jaxscale.parallel.sharding import rules_from_config, spec_axes, split_further
 from jaxscale.plan.collectives import bytes_by_kind, parse_collectives
 from jaxscale.plan.compiled import compile_train_step
 from jaxscale.plan.targets import parse_target, target_devices
-from jaxscale.models.spec import model_spec
-from jaxscale.training.layout import StateLayout
 from jaxscale.trainer import Trainer
+from jaxscale.training.layout import StateLayout
 from tests.helpers import random_batch, small_config
 
 

@@ -43,11 +43,21 @@ import numpy as np
 from etils import epath
 
 from jaxscale.checkpoint.barrier import failure_behind
-from jaxscale.checkpoint.reading import (Restored, State, holds_every_shard, own_steps,
-                                         process_layout)
+from jaxscale.checkpoint.reading import (
+    Restored,
+    State,
+    holds_every_shard,
+    own_steps,
+    process_layout,
+)
 from jaxscale.checkpoint.tier import SaveOutcome, Tier
-from jaxscale.checkpoint.verdict import (SaveFailure, Verdict, raise_unless_ok, save_error,
-                                         save_failure_kind)
+from jaxscale.checkpoint.verdict import (
+    SaveFailure,
+    Verdict,
+    raise_unless_ok,
+    save_error,
+    save_failure_kind,
+)
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gathered, gravest, process_0_decides
 from jaxscale.runtime.storage import check_bucket
@@ -425,7 +435,8 @@ def restore_order(local: Sequence[int], persistent: Sequence[int]) -> list[tuple
 
 
 def steps_everyone_holds(mine: Sequence[int],
-                         gather: Callable[[np.ndarray], np.ndarray] = gathered) -> tuple[list[int], list[int]]:
+                         gather: Callable[[np.ndarray], np.ndarray] = gathered
+                         ) -> tuple[list[int], list[int]]:
     """(the steps every process holds, of the newest _GATHERED_STEPS of each; those of this
     process's that another lacks), oldest first. `gather` stacks every process's row (a test's
     stand-in for the allgather)."""

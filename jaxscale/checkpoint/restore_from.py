@@ -17,8 +17,14 @@ from etils import epath
 from flax import nnx
 
 from jaxscale.checkpoint.manager import CHECKPOINT_SUBDIR, check_checkpoint_bucket
-from jaxscale.checkpoint.reading import (ParamsOnly, Restored, State, finalized_steps, path_kind,
-                                         restore_once)
+from jaxscale.checkpoint.reading import (
+    ParamsOnly,
+    Restored,
+    State,
+    finalized_steps,
+    path_kind,
+    restore_once,
+)
 from jaxscale.checkpoint.verdict import Verdict, agreed, raise_unless_ok, retrying
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import is_hf_folder, shape_mismatch
@@ -26,6 +32,7 @@ from jaxscale.hf.weights import load_params
 from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.spec import ModelSpec, create_model
 from jaxscale.runtime.storage import reason, storage_error
+
 
 def restore_from(path: str, abstract_state: State, *, params_only: bool,
                  model_config: DecoderConfig) -> Restored:

@@ -37,12 +37,26 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxscale.checkpoint.barrier import SaveBarrier, failure_behind
-from jaxscale.checkpoint.reading import (State, finalized_steps, handler_registry,
-                                         items_to_save, own_steps, path_kind,
-                                         process_local_options, restore_once)
-from jaxscale.checkpoint.verdict import (Outcome, SaveFailure, Verdict, agreed,
-                                         raise_unless_ok, retrying, save_failure,
-                                         save_failure_kind)
+from jaxscale.checkpoint.reading import (
+    State,
+    finalized_steps,
+    handler_registry,
+    items_to_save,
+    own_steps,
+    path_kind,
+    process_local_options,
+    restore_once,
+)
+from jaxscale.checkpoint.verdict import (
+    Outcome,
+    SaveFailure,
+    Verdict,
+    agreed,
+    raise_unless_ok,
+    retrying,
+    save_failure,
+    save_failure_kind,
+)
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gravest
 from jaxscale.runtime.storage import in_bucket, reason, storage_error
@@ -173,7 +187,7 @@ class Tier:
         error = None
         try:
             self._manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001 - every process learns of it; a bug is re-raised
+        except Exception as e:
             error = e
         failure, problem = SaveFailure.NONE, ""
         if error is not None:
@@ -211,7 +225,7 @@ class Tier:
         any other error passes as it is."""
         try:
             yield
-        except Exception as e:  # noqa: BLE001 - sorted by its causes; all but storage re-raised
+        except Exception as e:
             own = failure_behind(e)
             failure = (TransientError(f"{what} (another process's save failed)") if own is None
                        else save_failure(own, what))
@@ -290,8 +304,8 @@ class Tier:
             if self.in_bucket:
                 self._markers[step] = target
             logger.warning("%s %s is damaged (%s): %s %s; %s", self.label, path, problem,
-                           renamed_or_marked, target.name, f"resumed from {restored}" if restored else
-                           "starting from step 0")
+                           renamed_or_marked, target.name,
+                           f"resumed from {restored}" if restored else "starting from step 0")
 
     def remove(self, steps: list[int], why: str) -> None:
         """Removes this process's copies of local checkpoints `steps`, which no restart can use

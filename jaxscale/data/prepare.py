@@ -15,8 +15,8 @@ import sys
 import time
 
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
-from jaxscale.kinds import whole
 from jaxscale.errors import JaxscaleError, TransientError, json_object
+from jaxscale.kinds import whole
 from jaxscale.observe.progress import StatusLine
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
@@ -63,7 +63,7 @@ def _tokenize(indices: range) -> list:
 def prepare_source(documents, stem: str, label: str, workers: int, vocab_size: int,
                    tokenizer_name: str) -> dict:
     """Tokenizes the `documents` MapDataset into `stem` token files, keeping their order."""
-    from jaxscale.data.token_files import write_token_file  # noqa: PLC0415
+    from jaxscale.data.token_files import write_token_file
 
     progress = _Progress(label, len(documents))
     counts = {"done": 0, "tokens": 0}
@@ -96,8 +96,8 @@ def prepare(config, out: str, workers: int) -> list[dict]:
     Running it again with the same sources and tokenizer overwrites the files it wrote (e.g.
     after an interrupted run, or when the data changed).
     """
-    from jaxscale.data import sources  # noqa: PLC0415 — imports JAX; after the flags
-    from jaxscale.data.tokenizers import tokenizer_from_config  # noqa: PLC0415
+    from jaxscale.data import sources
+    from jaxscale.data.tokenizers import tokenizer_from_config
 
     tokenizer = tokenizer_from_config(config)
     specs = sources.source_specs(config)

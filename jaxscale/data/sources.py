@@ -23,12 +23,11 @@ import grain
 import ml_collections
 import numpy as np
 
-from jaxscale.kinds import real
 from jaxscale.data import chat, formats, packing, token_files
 from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.runtime.storage import (check_bucket, filesystem, in_bucket, reason,
-                                      storage_error)
+from jaxscale.kinds import real
+from jaxscale.runtime.storage import check_bucket, filesystem, in_bucket, reason, storage_error
 
 SPLITS = ("train", "eval")
 

@@ -122,7 +122,8 @@ def conversations(seed: int, count: int = 0) -> list[dict]:
     count = count or len(pairs)
     if count > len(pairs):
         raise JaxscaleError(f"--pairs={count}: this Python's standard library gives "
-                            f"{len(pairs)} pairs; ask for at most {len(pairs)}, or --pairs=0 for all")
+                            f"{len(pairs)} pairs; ask for at most {len(pairs)}, or --pairs=0 "
+                            "for all")
     random.Random(seed).shuffle(pairs)
     return [{"messages": [{"role": "user", "content": question},
                           {"role": "assistant", "content": answer}]}

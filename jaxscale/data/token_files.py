@@ -15,8 +15,15 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxscale.data.formats import (MalformedRecord, RecordReader, file_size, open_file,
-                                   open_for_reading, read_at, read_failed)
+from jaxscale.data.formats import (
+    MalformedRecord,
+    RecordReader,
+    file_size,
+    open_file,
+    open_for_reading,
+    read_at,
+    read_failed,
+)
 from jaxscale.errors import JaxscaleError, json_object
 
 FORMAT = "jaxscale-tokens-v1"

@@ -61,7 +61,7 @@ def _file_name(kind: str, path: str) -> str:
 
 class SentencePieceTokenizer:
     def __init__(self, path: str, bos_token: str, eos_token: str):
-        import sentencepiece  # noqa: PLC0415 — optional dependency, only for this tokenizer
+        import sentencepiece
 
         self._model = sentencepiece.SentencePieceProcessor(model_file=path)
         self.name = _file_name("sentencepiece", path)
@@ -87,7 +87,7 @@ class SentencePieceTokenizer:
 
 class HuggingFaceTokenizer:
     def __init__(self, path: str, bos_token: str, eos_token: str):
-        import tokenizers  # noqa: PLC0415 — optional dependency, only for this tokenizer
+        import tokenizers
 
         self._tokenizer = tokenizers.Tokenizer.from_file(path)
         self.name = _file_name("huggingface", path)
@@ -166,7 +166,7 @@ def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tok
                           "pip install 'jaxscale[data]'") from None
     except ConfigError:
         raise
-    except Exception as e:  # noqa: BLE001 — the libraries raise RuntimeError, OSError or bare
+    except Exception as e:
         # Exception for a file they cannot parse; any of them means a bad file.
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         what, fix = _KINDS[package]
@@ -177,7 +177,7 @@ def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tok
 def _check_json(path: str, name: str) -> None:
     """A clear message for a tokenizer.json that is not a JSON object (tokenizers' own message
     reads like a Rust parser's)."""
-    import json  # noqa: PLC0415
+    import json
 
     fix = "give a tokenizer.json as tokenizers' Tokenizer.save writes it, or use 'byte'"
     try:

@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors, weights
-from jaxscale.models.hf_layout import HfTensor
 from jaxscale.models.decoder import DecoderConfig
+from jaxscale.models.hf_layout import HfTensor
 from jaxscale.models.lora import ADAPTER_SUFFIX
 
 CONFIG_FILE = "adapter_config.json"

@@ -21,8 +21,8 @@ from jax.experimental import multihost_utils
 from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.hf import safetensors
 from jaxscale.hf.config import INDEX_FILE, SINGLE_FILE
-from jaxscale.models.hf_layout import HfTensor
 from jaxscale.models.decoder import DecoderConfig
+from jaxscale.models.hf_layout import HfTensor
 from jaxscale.models.spec import family_module
 from jaxscale.runtime.storage import reason, storage_error
 

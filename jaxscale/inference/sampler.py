@@ -21,10 +21,10 @@ from jax.sharding import Mesh
 from jaxscale.checkpoint import lora_base, restore_params
 from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.mesh import build_mesh, resolve_mesh_shape
-from jaxscale.parallel.sharding import Rules, tree_shardings, use_rules
 from jaxscale.models.lora import join_adapters
 from jaxscale.models.spec import model_spec, params_on_mesh
+from jaxscale.parallel.mesh import build_mesh, resolve_mesh_shape
+from jaxscale.parallel.sharding import Rules, tree_shardings, use_rules
 
 
 def next_token(logits, key, temperature: float, top_p: float, vocab_size: int):

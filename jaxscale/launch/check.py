@@ -14,10 +14,10 @@ import os
 import sys
 import time
 
-from jaxscale.runtime import distributed
 from jaxscale.cli import ArgumentParser, fail, fail_with
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.launch.cli import nonnegative_float, positive
+from jaxscale.runtime import distributed
 
 
 def make_parser() -> ArgumentParser:

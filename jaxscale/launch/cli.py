@@ -10,8 +10,9 @@ import signal
 import sys
 
 from jaxscale.cli import fail, number_flag, parse_train_flags
-from jaxscale.kinds import real, whole
 from jaxscale.errors import JaxscaleError
+from jaxscale.kinds import real, whole
+
 
 class StopRequest:
     """What a launcher has been told by signals: the first SIGTERM or SIGINT (`signal`) goes on to

@@ -43,11 +43,15 @@ import math
 import re
 import sys
 
-from jaxscale.runtime.distributed import GKE_COORDINATOR_PORT
-from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE,
-                             USAGE_EXIT_CODE)
 from jaxscale.cli import ArgumentParser, fail
+from jaxscale.errors import (
+    INTERRUPTED_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    TRANSIENT_EXIT_CODE,
+    USAGE_EXIT_CODE,
+)
 from jaxscale.launch.cli import check_train_args, nonnegative, positive
+from jaxscale.runtime.distributed import GKE_COORDINATOR_PORT
 
 CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"

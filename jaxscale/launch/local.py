@@ -47,12 +47,25 @@ import sys
 import threading
 import time
 
-from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE,
-                             USAGE_EXIT_CODE, describe_exit, interrupted, is_crash,
-                             shell_exit_status)
 from jaxscale.cli import ArgumentParser
-from jaxscale.launch.cli import (StopRequest, check_train_args, nonnegative, nonnegative_float,
-                                 parse_launcher_args, positive)
+from jaxscale.errors import (
+    INTERRUPTED_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    TRANSIENT_EXIT_CODE,
+    USAGE_EXIT_CODE,
+    describe_exit,
+    interrupted,
+    is_crash,
+    shell_exit_status,
+)
+from jaxscale.launch.cli import (
+    StopRequest,
+    check_train_args,
+    nonnegative,
+    nonnegative_float,
+    parse_launcher_args,
+    positive,
+)
 
 POLL_S = 0.1
 

@@ -41,8 +41,15 @@ import sys
 import time
 
 from jaxscale.cli import ArgumentParser, fail
-from jaxscale.errors import (INTERRUPTED_EXIT_CODE, RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE,
-                             USAGE_EXIT_CODE, describe_exit, interrupted, shell_exit_status)
+from jaxscale.errors import (
+    INTERRUPTED_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    TRANSIENT_EXIT_CODE,
+    USAGE_EXIT_CODE,
+    describe_exit,
+    interrupted,
+    shell_exit_status,
+)
 from jaxscale.launch.cli import StopRequest, nonnegative, nonnegative_float
 
 # A run that lived this long before crashing was healthy: the next crash starts a fresh backoff.

@@ -25,10 +25,21 @@ from flax import nnx
 
 from jaxscale.errors import JaxscaleError
 from jaxscale.models.hf_layout import LAYER, HfTensor
-from jaxscale.models.layers import (CACHE_AXES, MLP, MLP_CHUNK, WEIGHT_MATMUL, Attention, KVCache,
-                                    RMSNorm, embedding_lookup, fewest_parts,
-                                    float32_accumulating, param, weight_matmul,
-                                    weights_cast_for_use)
+from jaxscale.models.layers import (
+    CACHE_AXES,
+    MLP,
+    MLP_CHUNK,
+    WEIGHT_MATMUL,
+    Attention,
+    KVCache,
+    RMSNorm,
+    embedding_lookup,
+    fewest_parts,
+    float32_accumulating,
+    param,
+    weight_matmul,
+    weights_cast_for_use,
+)
 from jaxscale.models.lora import AdapterDropout, LoraConfig
 from jaxscale.models.moe import MoE, MoEConfig, RouterStats
 from jaxscale.models.rope import RopeScaling

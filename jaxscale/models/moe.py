@@ -46,8 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import param, weight_matmul
-from jaxscale.parallel.experts import (constrain_experts, on_token_shards, to_experts,
-                                       to_tokens)
+from jaxscale.parallel.experts import constrain_experts, on_token_shards, to_experts, to_tokens
 
 BUFFERS = ("batch", "experts", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
 
@@ -245,7 +244,8 @@ class MoE(nnx.Module):
         device's own tokens (`grouped_swiglu`) -> float32 [batch, tokens, d_model]."""
         dt, k = self.dtype, self.cfg.top_k
         # Routing is choice-major per row; the grouped matmuls take [batch, tokens, top_k].
-        per_token = lambda a: jnp.swapaxes(a.reshape(a.shape[0], k, -1), 1, 2)
+        def per_token(a):
+            return jnp.swapaxes(a.reshape(a.shape[0], k, -1), 1, 2)
         tokens = (x, per_token(routing.expert), per_token(routing.weight), per_token(routing.real))
         weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
         return on_token_shards(grouped_swiglu, tokens, weights)

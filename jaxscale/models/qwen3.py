@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from jaxscale.models.hf_layout import LAYER, HfTensor
 from jaxscale.models.decoder import Decoder, DecoderConfig
 from jaxscale.models.decoder import hf_tensors as decoder_tensors
+from jaxscale.models.hf_layout import LAYER, HfTensor
 
 
 @dataclasses.dataclass(frozen=True)

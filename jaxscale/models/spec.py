@@ -22,8 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.models import family
-from jaxscale.models.fp8 import Fp8Meta
 from jaxscale.models.decoder import DecoderConfig
+from jaxscale.models.fp8 import Fp8Meta
 from jaxscale.models.lora import lora_config, split_adapters
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.rope import RopeScaling

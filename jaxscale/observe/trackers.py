@@ -41,8 +41,7 @@ import tensorboardX
 
 from jaxscale.errors import ConfigError, TransientError
 from jaxscale.runtime.storage import writing
-from jaxscale.runtime.workdir import (SAMPLES_FILE, TRACKER_RUN_ID_FILE, WORKDIR_FIX,
-                                      check_writable)
+from jaxscale.runtime.workdir import SAMPLES_FILE, TRACKER_RUN_ID_FILE, WORKDIR_FIX, check_writable
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # Each is also the module the tracker imports and the jaxscale extra that installs it.
@@ -181,7 +180,7 @@ def _within(seconds: float, what: str, probe) -> None:
     def run() -> None:
         try:
             probe()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+        except BaseException as e:
             outcome.set_exception(e)
         else:
             outcome.set_result(None)

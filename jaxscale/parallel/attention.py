@@ -238,7 +238,8 @@ def _context(q, k, v, segment_ids, positions, kernel: str, window: int = 0):
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
 
     def per_shard(q, k, v, positions, segment_ids):
-        gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+        def gather(x):
+            return jax.lax.all_gather(x, axes, axis=1, tiled=True)
         k, v = gather(k), gather(v)
         key_positions, key_segments = gather(positions), gather(segment_ids)
         mask = ((segment_ids[:, :, None] == key_segments[:, None, :])
@@ -275,8 +276,9 @@ def _per_shard(kernel, q, k, v, segment_ids):
 
 def _splash_on_shard(q, k, v, segment_ids, *, interpret):
     """Splash attention on one device's rows and heads (no mesh involved)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (splash_attention_kernel as
-                                                                  kernel_lib)
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+    )
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     batch, length, heads, head_dim = q.shape
@@ -288,7 +290,8 @@ def _splash_on_shard(q, k, v, segment_ids, *, interpret):
     kernel = kernel_lib.make_splash_mha(causal, block_sizes=sizes, head_shards=1,
                                         q_seq_shards=1, interpret=interpret)
     # The kernel takes [heads, length, head_dim] per sequence and does not scale the queries.
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+    def heads_first(x):
+        return jnp.swapaxes(x, 1, 2)
     q = heads_first(q * np.asarray(head_dim ** -0.5, q.dtype))
     k, v = heads_first(k), heads_first(v)
     if segment_ids is None:

@@ -33,11 +33,11 @@ from typing import Callable, Sequence
 
 import jax
 import ml_collections
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.sharding import (Rules, active_mesh_and_rules, logical_to_mesh,
-                                        spec_axes)
+from jaxscale.parallel.sharding import Rules, active_mesh_and_rules, logical_to_mesh, spec_axes
 
 
 def _expert_first(rules: Rules) -> Rules:
@@ -76,7 +76,8 @@ def _exchange(x: jax.Array, logical: Sequence[str | None], to_experts: bool) -> 
     # Token layout: split experts, gather rows; back: split rows, gather experts.
     split, concat = (expert, batch) if to_experts else (batch, expert)
     in_spec, out_spec = (token_spec, expert_spec) if to_experts else (expert_spec, token_spec)
-    swap = lambda shard: jax.lax.all_to_all(shard, experts, split, concat, tiled=True)
+    def swap(shard):
+        return jax.lax.all_to_all(shard, experts, split, concat, tiled=True)
     return jax.shard_map(swap, mesh=mesh, in_specs=in_spec, out_specs=out_spec)(x)
 
 

@@ -34,7 +34,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.sharding import active_mesh_and_rules, constrain
@@ -134,10 +135,12 @@ def _gpipe(layer_fn, stacked_state, x, per_row, stages, microbatches, repeats):
         # No per-tick indexing: the stage's weights stay loop constants, whose compute-dtype
         # copies autodiff then keeps once, not once per tick.
         per_stage = _per_stage(functools.partial(scan_layers, layer_fn))
-        run_stages = lambda repeat, inputs, *rows: per_stage(stage_state, inputs, *rows)
+        def run_stages(repeat, inputs, *rows):
+            return per_stage(stage_state, inputs, *rows)
     else:
         per_stage = _per_stage(_circular_stage_fn(layer_fn))
-        run_stages = lambda repeat, inputs, *rows: per_stage(stage_state, repeat, inputs, *rows)
+        def run_stages(repeat, inputs, *rows):
+            return per_stage(stage_state, repeat, inputs, *rows)
     per_row = tuple(split_rows(a, microbatches) for a in per_row)
     # One buffer of microbatch activations: stage 0 reads microbatch t % M from it, the last stage
     # writes its output back in the same slot (a later repeat's input, at the end the result). A
@@ -193,8 +196,10 @@ def _forward(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row,
 def _backward(layer_fn, tail_fn, stages, microbatches, residuals, cotangents):
     (state_grad, x_grad, tail_grad), per_row, tail_rows = residuals
     g = cotangents[0]  # the second output (the unscaled loss) is not differentiated
-    scale = lambda tree: jax.tree.map(lambda a: (a * g).astype(a.dtype), tree)
-    none_like = lambda tree: jax.tree.map(lambda _: None, tree)
+    def scale(tree):
+        return jax.tree.map(lambda a: (a * g).astype(a.dtype), tree)
+    def none_like(tree):
+        return jax.tree.map(lambda _: None, tree)
     return (scale(state_grad), scale(x_grad), none_like(per_row), scale(tail_grad),
             none_like(tail_rows), None)
 
@@ -220,7 +225,8 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
     per_row = tuple(split_rows(a, microbatches) for a in per_row)
     tail_rows = tuple(split_rows(a, microbatches) for a in tail_rows)
     activations = jnp.zeros((stages, *x_mb.shape[1:]), x.dtype)
-    f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+    def f32_zeros(tree):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
     padded = jnp.pad(x_mb, [(0, slots * stages - microbatches)] + [(0, 0)] * (x_mb.ndim - 1))
     inputs_by_stage = _on_stages(padded.reshape(slots, stages, *x_mb.shape[1:]).swapaxes(0, 1))
 
@@ -228,8 +234,10 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
         """(acc + the stage's weight gradients where ok, the stage input's gradient): the
         stage's forward keeps what each layer's remat policy keeps, and its backward adds each
         layer's weight gradient into acc in place, never holding the whole stage's at once."""
-        run_layer = lambda layer_state, h: layer_fn(layer_state, h, *rows)
-        forward = lambda h, layer_state: jax.vjp(run_layer, layer_state, h)
+        def run_layer(layer_state, h):
+            return layer_fn(layer_state, h, *rows)
+        def forward(h, layer_state):
+            return jax.vjp(run_layer, layer_state, h)
         _, layer_vjps = jax.lax.scan(forward, stage_input, state)
 
         def add(a, d, layer):
@@ -254,8 +262,10 @@ def _run_1f1b(layer_fn, tail_fn, stages, microbatches, stacked_state, x, per_row
     write_slot_where = jax.vmap(
         lambda buffer, ok, slot, value: buffer.at[slot].set(jnp.where(ok, value, buffer[slot])),
         in_axes=(0, 0, None, None), spmd_axis_name=_stage_axes())
-    keep_where = lambda ok, new, old: jax.tree.map(
-        lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - ok.ndim)), n, o), new, old)
+    def keep_where(ok, new, old):
+        return jax.tree.map(
+            lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - ok.ndim)), n, o),
+            new, old)
 
     def tick(carry, t):
         fwd_in, bwd_in, stash, state_grad, tail_grad, by_stage, total = carry

@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import ml_collections
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.config import LOGICAL_AXES, MESH_AXES
 from jaxscale.errors import ConfigError

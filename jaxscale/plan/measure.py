@@ -3,9 +3,9 @@
 The planner ranks layouts by a model (FLOPs at peak, memory traffic over the HBM bandwidth as one
 roofline over the whole program, collectives over the links), so two layouts within a few
 percent of each other can rank the wrong way round (on an H100, `llama_1b` with remat none was
-predicted 3% faster than save_dots and measured 6% slower; benchmarks/RESULTS.md). When the run's own devices are the target, a few steps of each
-compiled candidate settle it: each is run from random parameters on random tokens, and the
-fastest step wins.
+predicted 3% faster than save_dots and measured 6% slower; benchmarks/RESULTS.md). When the run's
+own devices are the target, a few steps of each compiled candidate settle it: each is run from
+random parameters on random tokens, and the fastest step wins.
 
 A trial is one candidate compiled and timed here (`seconds_per_step`: a warm-up step, then the
 median of `STEPS_TIMED`); `mesh.auto_trials` bounds how many are timed. Which candidates they are

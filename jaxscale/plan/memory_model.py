@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.training.loss import chunk_length, vocab_tiles
-from jaxscale.training.optim import IN_FLIGHT
+from jaxscale.models.spec import ModelSpec
 from jaxscale.parallel.pipeline import Pipeline, config_pipeline
 from jaxscale.parallel.sharding import Rules, spec_axes
-from jaxscale.models.spec import ModelSpec
 from jaxscale.training.layout import StateLayout
+from jaxscale.training.loss import chunk_length, vocab_tiles
+from jaxscale.training.optim import IN_FLIGHT
 from jaxscale.training.step import BATCH_KEYS
 
 

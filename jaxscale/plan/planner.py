@@ -31,18 +31,18 @@ from typing import Callable
 import jax
 import ml_collections
 
+from jaxscale.models.spec import model_spec
+from jaxscale.observe.device_memory import StepMemory
 from jaxscale.parallel.attention import auto_kernel, packed_layout_bound
 from jaxscale.parallel.mesh import MeshLayoutError
 from jaxscale.plan import rank
-from jaxscale.runtime.chips import GIB, Chip
 from jaxscale.plan.collectives import Collective, parse_collectives
-from jaxscale.observe.device_memory import StepMemory
 from jaxscale.plan.compiled import compile_train_step, refused_by_xla
 from jaxscale.plan.memory_model import MemoryEstimate, estimate_memory
 from jaxscale.plan.search import Candidate, candidates, layout
 from jaxscale.plan.targets import Target, target_devices
 from jaxscale.plan.traffic import bytes_accessed
-from jaxscale.models.spec import model_spec
+from jaxscale.runtime.chips import GIB, Chip
 from jaxscale.training.step_settings import StepSettings, choices
 
 FIT_FRACTION = 0.9  # of the chip's memory: the rest is the runtime's, fragmentation, the input

@@ -53,10 +53,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxscale.runtime.chips import Chip
+from jaxscale.models.spec import ModelSpec
 from jaxscale.plan.collectives import Collective
 from jaxscale.plan.search import DCN_AXES, Candidate
-from jaxscale.models.spec import ModelSpec
+from jaxscale.runtime.chips import Chip
 
 # On near-ties (within this fraction of the fastest) the simpler candidate wins: fewer mesh
 # axes, no pipeline, less recomputation, fewer microbatches, no ZeRO-1.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxscale.plan.collectives import KINDS, bytes_by_kind
-from jaxscale.runtime.chips import GIB
 from jaxscale.plan.planner import FIT_FRACTION, Plan, Row
 from jaxscale.runtime import cuda_plugin
+from jaxscale.runtime.chips import GIB
 
 _SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",
           "collective-permute": "CP"}

@@ -27,9 +27,9 @@ import re
 import jax
 
 from jaxscale.errors import ConfigError
-from jaxscale.runtime.chips import CHIPS, GPU_CHIPS, Chip, chip_for_device_kind
 from jaxscale.plan.compiled import refused_by_xla
 from jaxscale.runtime import cuda_plugin
+from jaxscale.runtime.chips import CHIPS, GPU_CHIPS, Chip, chip_for_device_kind
 from jaxscale.runtime.tpu_host import quiet_libtpu
 
 # Chips per slice -> the slice's shape, for the shapes Cloud TPU offers. v4 and v5p slices are 3-D

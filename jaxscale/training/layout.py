@@ -19,7 +19,8 @@ from typing import Any, Mapping, NamedTuple
 
 import jax
 import ml_collections
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.lora import followed_specs
 from jaxscale.models.spec import ModelSpec, model_spec

@@ -193,8 +193,8 @@ def streamed_update(per_parameter: optax.GradientTransformation, updates: Any, s
     operand allows, which for a step's moments (arguments in host memory) is before the backward
     pass (measured: benchmarks/offload.py). Each `updates` leaf is widened to its parameter's dtype
     here, a slice at a time: given the float32 gradient of a stack instead, XLA would make the
-    whole of it before the loop (gigabytes for one of llama3_8b's). Each loop's gradient waits, by an
-    optimization barrier, for the loop before it to end.
+    whole of it before the loop (gigabytes for one of llama3_8b's). Each loop's gradient waits, by
+    an optimization barrier, for the loop before it to end.
 
     The parameters in one slice (the final norm's scale; with a split first dimension, the
     embedding and the head) are updated whole, `IN_FLIGHT` at a time: an optimization barrier

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.fp8 import Fp8Meta
 from jaxscale.models.lora import join_adapters, split_adapters

@@ -16,13 +16,13 @@ import ml_collections
 import optax
 from flax import nnx
 
-from jaxscale.training.loss import summed_cross_entropy
 from jaxscale.models.fp8 import combine_updates, next_meta, step_meta
 from jaxscale.models.layers import weights_cast_for_use
 from jaxscale.models.lora import AdapterDropout, dropout_key, join_adapters
 from jaxscale.models.moe import RouterStats
-from jaxscale.training.optim import kept, schedule_at, widened_norm
 from jaxscale.parallel.pipeline import Pipeline, one_f_one_b_loss, split_rows
+from jaxscale.training.loss import summed_cross_entropy
+from jaxscale.training.optim import kept, schedule_at, widened_norm
 from jaxscale.training.state import TrainState, uses_dynamic_loss_scale
 
 Batch = dict[str, jax.Array]

@@ -49,8 +49,8 @@ class StepSettings:
 
     def label(self) -> str:
         """The settings in words, for the planner's table and the trainer's start-up line."""
-        loop = {0: "layers unrolled", 1: "a layer loop"}.get(self.scan_unroll,
-                                                            f"{self.scan_unroll} layers a loop turn")
+        loop = {0: "layers unrolled", 1: "a layer loop"}.get(
+            self.scan_unroll, f"{self.scan_unroll} layers a loop turn")
         if self.loss_chunk_len == 0 and self.loss_vocab_tile == 0:
             return f"{loop}, whole logits"
         chunk = f"{self.loss_chunk_len} positions" if self.loss_chunk_len else "whole rows"
@@ -79,9 +79,9 @@ def choices(config: ml_collections.ConfigDict, platform: str) -> list[StepSettin
     m = config.model
     found = []
     for preferred in PREFERENCES.get(platform, (LEAN,)):
-        settings = StepSettings(**{key: preferred_value if getattr(m, key) == AUTO
-                                   else getattr(m, key)
-                                   for key, preferred_value in dataclasses.asdict(preferred).items()})
+        settings = StepSettings(**{
+            key: preferred_value if getattr(m, key) == AUTO else getattr(m, key)
+            for key, preferred_value in dataclasses.asdict(preferred).items()})
         if settings not in found:
             found.append(settings)
     return found
