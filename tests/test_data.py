@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import default_config
 from jaxscale.data import make_input, packing, row_streams, sources
+from jaxscale.data.specs import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer
 from jaxscale.errors import JaxscaleError
 from tests.helpers import model_attention_mask
@@ -213,7 +214,7 @@ def test_eval_files_are_disjoint_from_train_files():
     shuffled = list(reversed(paths[::2] + paths[1::2]))
     assert held_out == {p for p, m in zip(shuffled, sources.held_out(shuffled, [1] * len(paths),
                                                                       0.02)) if m}
-    spec = sources.source_specs(small_config())[0]
+    spec = source_specs(small_config())[0]
     train = sources.source_documents(spec, "train", ByteTokenizer(), small_config())
     evaluation = sources.source_documents(spec, "eval", ByteTokenizer(), small_config())
     assert len(train) + len(evaluation) == len(paths)

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.data import chat, check_data, formats, make_input, row_streams, sources
+from jaxscale.data.specs import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import config_with, one_line_error, resumable_cli_losses
@@ -78,7 +79,7 @@ def chat_config(spec, **data):
 
 
 def encoder(config):
-    spec = sources.source_specs(config)[0]
+    spec = source_specs(config)[0]
     return chat.ChatEncoder(spec, tokenizer_from_config(config), config)
 
 
@@ -247,7 +248,7 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path, caplog):
     spec = dict(write_chat(tmp_path / "c.jsonl", [good] + bad + [good]), template=str(template))
     config = chat_config(spec, max_bad_records=len(bad) - 1)  # the long one is not malformed
     skipped = sources.SkippedRecords()
-    documents = sources.source_documents(sources.source_specs(config)[0], "train", BYTE,
+    documents = sources.source_documents(source_specs(config)[0], "train", BYTE,
                                          config, skipped)
     read = [documents[i] for i in range(len(documents))]
     assert [d is None for d in read] == [False] + [True] * len(bad) + [False]
@@ -266,7 +267,7 @@ def test_only_too_long_conversations_stop_the_run_at_the_first_read(tmp_path):
                              {"role": "assistant", "content": "y"}]}] * 5
     config = chat_config(write_chat(tmp_path / "c.jsonl", records), max_bad_records=2)
     message = one_line_error(JaxscaleError, lambda: sources.source_documents(
-        sources.source_specs(config)[0], "train", BYTE, config))
+        source_specs(config)[0], "train", BYTE, config))
     assert "none of the first 5 train conversations read fits a row" in message
     assert "raise train.seq_len" in message
 
@@ -277,7 +278,7 @@ def test_conversations_without_a_reply_to_learn_stop_the_run_at_the_first_read(t
     records = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(40)]
     config = chat_config(write_chat(tmp_path / "c.jsonl", records))
     message = one_line_error(JaxscaleError, lambda: sources.source_documents(
-        sources.source_specs(config)[0], "train", BYTE, config))
+        source_specs(config)[0], "train", BYTE, config))
     assert message.startswith("data.sources[0] (chat ")
     assert "none of the first 32 train conversations read has a token to learn" in message
 
@@ -291,7 +292,7 @@ def test_a_bad_record_counts_once_however_often_it_is_read(tmp_path, caplog):
     records = [good] * 6 + [{"messages": []}] * 3
     config = chat_config(write_chat(tmp_path / "c.jsonl", records), max_bad_records=3)
     skipped = sources.SkippedRecords()
-    documents = sources.source_documents(sources.source_specs(config)[0], "train", BYTE,
+    documents = sources.source_documents(source_specs(config)[0], "train", BYTE,
                                          config, skipped)
     for _ in range(5):  # five passes
         read = [documents[i] for i in range(len(documents))]
@@ -342,7 +343,7 @@ def test_config_mistakes_are_one_line_errors(tmp_path):
     assert "template=" in message and "cannot be read" in message
     wrong = write_chat(tmp_path / "w.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}] * 3)
     message = one_line_error(JaxscaleError, lambda: sources.source_documents(
-        sources.source_specs(chat_config(wrong))[0], "train", BYTE, chat_config(wrong)))
+        source_specs(chat_config(wrong))[0], "train", BYTE, chat_config(wrong)))
     assert 'role "bot"' in message and 'needs "messages"' in message
 
 

@@ -15,13 +15,14 @@ from ml_collections import config_flags
 from jaxscale.checks import validate
 from jaxscale.cli import DEFAULT_CONFIG
 from jaxscale.data import check_splits, formats, prepare, sources, token_files
+from jaxscale.data.specs import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import TEXTS, config_with, one_line_error
 
 
 def documents_of(config, split="train"):
-    return sources.source_documents(sources.source_specs(config)[0], split, ByteTokenizer(),
+    return sources.source_documents(source_specs(config)[0], split, ByteTokenizer(),
                                     config)
 
 
@@ -69,7 +70,7 @@ def test_a_malformed_first_jsonl_line_is_skipped_as_a_bad_record(tmp_path, caplo
     spec = write_jsonl(tmp_path / "t.jsonl", ['{"text": "cut sho'] + GOOD_LINES)
     config = config_with(dict(spec, eval_fraction=0.01))
     skipped = sources.SkippedRecords()
-    documents = sources.source_documents(sources.source_specs(config)[0], "train",
+    documents = sources.source_documents(source_specs(config)[0], "train",
                                          ByteTokenizer(), config, skipped)  # one bad line: opens
     read = [documents[i] for i in range(len(documents))]
     assert sum(d is None for d in read) == 1
@@ -204,7 +205,7 @@ DOCS_FORMS = [
 @pytest.mark.parametrize("text, expected", DOCS_FORMS)
 def test_sources_given_on_the_command_line_as_in_the_docs(text, expected):
     config = parse_override(f"--config.data.sources={text}")
-    specs = sources.source_specs(config)
+    specs = source_specs(config)
     assert [{k: spec[k] for k in entry} for spec, entry in zip(specs, expected,
                                                                  strict=True)] == expected
     assert [spec["name"] for spec in specs] == [f"data.sources[{i}]"
@@ -230,7 +231,7 @@ def test_the_command_line_example_of_the_docs_trains(tmp_path):
 ])
 def test_sources_text_is_read_safely_and_errors_name_it(text, message):
     config = parse_override(f"--config.data.sources={text}")
-    error = one_line_error(ConfigError, lambda: sources.source_specs(config))
+    error = one_line_error(ConfigError, lambda: source_specs(config))
     assert message in error
     assert "e.g. --config.data.sources=\"(dict(format='jsonl', path='data/*.jsonl'),)\"" in error
 

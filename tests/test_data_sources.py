@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale.checks import validate
 from jaxscale.config import default_config
 from jaxscale.data import make_input, prepare, row_streams, sources, token_files
+from jaxscale.data.specs import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from tests.helpers import TEXTS, config_with, model_attention_mask, one_line_error
@@ -78,7 +79,7 @@ def write_fixture(tmp_path, name):
 
 def decoded(config, split):
     """The texts of the first source's `split`, in order."""
-    documents = sources.source_documents(sources.source_specs(config)[0], split,
+    documents = sources.source_documents(source_specs(config)[0], split,
                                          ByteTokenizer(), config)
     return [ByteTokenizer().decode(d) for d in documents]
 
@@ -103,7 +104,7 @@ def test_separate_eval_path(tmp_path):
 @pytest.mark.parametrize("streams", [1, 2, 8])
 def test_row_stream_shares_of_a_source_hold_each_document_once(tmp_path, streams):
     config = config_with(write_jsonl(tmp_path / "texts.jsonl"))
-    documents = sources.source_documents(sources.source_specs(config)[0], "train",
+    documents = sources.source_documents(source_specs(config)[0], "train",
                                          ByteTokenizer(), config)
     seen = [ByteTokenizer().decode(d)
             for stream in range(streams)
@@ -150,21 +151,21 @@ def test_a_malformed_record_is_skipped_and_counted(tmp_path, caplog):
     path.write_text("\n".join(lines) + "\n")
     config = config_with(dict(spec, eval_fraction=0.01))
     skipped = sources.SkippedRecords()
-    documents = sources.source_documents(sources.source_specs(config)[0], "train",
+    documents = sources.source_documents(source_specs(config)[0], "train",
                                          ByteTokenizer(), config, skipped)
     read = [documents[i] for i in range(len(documents))]
     assert sum(d is None for d in read) == 2
     assert skipped.count == 2  # what the trainer logs
     assert "skipped malformed record 2 of at most 100" in caplog.text
     config.data.max_bad_records = 1
-    documents = sources.source_documents(sources.source_specs(config)[0], "train",
+    documents = sources.source_documents(source_specs(config)[0], "train",
                                          ByteTokenizer(), config)
     with pytest.raises(JaxscaleError, match="2 malformed records.*max_bad_records=1"):
         [documents[i] for i in range(len(documents))]
 
 
 def documents_of(config, split="train"):
-    return sources.source_documents(sources.source_specs(config)[0], split, ByteTokenizer(),
+    return sources.source_documents(source_specs(config)[0], split, ByteTokenizer(),
                                     config)
 
 

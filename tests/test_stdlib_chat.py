@@ -12,6 +12,7 @@ import pytest
 
 from jaxscale.cli import load_config_file
 from jaxscale.data import chat, sources, stdlib_chat
+from jaxscale.data.specs import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer
 from jaxscale.inference.samples import check_samples
 from jaxscale.trainer import Trainer
@@ -64,7 +65,7 @@ def test_the_answers_are_the_librarys_own(data_file):
 
 def test_chat_reader_takes_every_conversation_and_learns_only_the_replies(data_file):
     config = load_config_file(f"{REPO}/configs/tiny_chat.py:{data_file}")
-    spec = sources.source_specs(config)[0]
+    spec = source_specs(config)[0]
     skipped = sources.SkippedRecords()
     read = 0
     records = [json.loads(line) for line in data_file.read_text().splitlines()]
@@ -85,7 +86,7 @@ def test_chat_reader_takes_every_conversation_and_learns_only_the_replies(data_f
 
 def test_the_sample_prompts_are_the_templates_questions(data_file):
     config = load_config_file(f"{REPO}/configs/tiny_chat.py:{data_file}")
-    encode = chat.ChatEncoder(sources.source_specs(config)[0], BYTE, config)
+    encode = chat.ChatEncoder(source_specs(config)[0], BYTE, config)
     questions = [encode.render([{"role": "user", "content": q}], add_generation_prompt=True)
                  for q in ("How do I call json.dumps?", "What does shutil.copyfile do?")]
     assert list(config.train.sample_prompts) == questions

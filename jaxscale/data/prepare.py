@@ -15,6 +15,7 @@ import sys
 import time
 
 from jaxscale.cli import Option, fail, fail_with, parse_config_flags
+from jaxscale.data.specs import source_specs
 from jaxscale.errors import JaxscaleError, TransientError, json_object
 from jaxscale.kinds import whole
 from jaxscale.observe.progress import StatusLine
@@ -100,7 +101,7 @@ def prepare(config, out: str, workers: int) -> list[dict]:
     from jaxscale.data.tokenizers import tokenizer_from_config
 
     tokenizer = tokenizer_from_config(config)
-    specs = sources.source_specs(config)
+    specs = source_specs(config)
     if os.path.exists(out) and not os.path.isdir(out):
         raise JaxscaleError(f"--out={out!r} is a file, not a folder; give a folder for the "
                             "token files (it is created if missing)")

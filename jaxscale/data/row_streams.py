@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from jaxscale.data import packing, sources
+from jaxscale.data.specs import has_chat, source_specs
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import JaxscaleError
 
@@ -76,12 +77,12 @@ def mixture(config: ml_collections.ConfigDict, split: str, stream: int, tokenize
     """
     if split not in sources.SPLITS:
         raise ValueError(f"split={split!r}; use one of {sources.SPLITS}")
-    specs = sources.source_specs(config)
+    specs = source_specs(config)
     if documents is None:
         documents = [sources.source_documents(spec, split, tokenizer, config) for spec in specs]
     frame = packing.NextTokenPairs(tokenizer.bos_id if config.data.add_bos else None,
                                    tokenizer.eos_id if config.data.add_eos else None,
-                                   masked=sources.has_chat(specs))
+                                   masked=has_chat(specs))
     shares = []
     for i, source in enumerate(documents):
         share = stream_share(source, stream, config.train.batch_size)
@@ -122,7 +123,7 @@ def _pass_length(config: ml_collections.ConfigDict, stream: int,
     """Twice the number of documents stream `stream` reads, at the most, before it has read its
     whole share of every source: a source drawn a fraction w of the time passes over its share
     of n documents in n / w draws."""
-    weights = np.asarray([spec["weight"] for spec in sources.source_specs(config)], float)
+    weights = np.asarray([spec["weight"] for spec in source_specs(config)], float)
     shares = [len(stream_share(source, stream, config.train.batch_size)) for source in documents]
     return int(2 * max(n / w for n, w in zip(shares, weights / weights.sum()))) + 1
 
@@ -135,7 +136,7 @@ def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, token
         _SYNCHRONOUS, allow_nones=True)
     pairs = pairs.filter(_NothingInARow(_pass_length(config, stream, documents),
                                         f"{split} row stream {stream}"))
-    chat = sources.has_chat(sources.source_specs(config))
+    chat = has_chat(source_specs(config))
     return packing.pack(pairs, packing.method_for(config.data.packing, chat),
                         config.train.seq_len, rows_at_once=FIRST_FIT_ROWS,
                         max_segments=config.data.max_segments, masked=chat)
@@ -148,7 +149,7 @@ def local_batches(config: ml_collections.ConfigDict, split: str, rows: Sequence[
     state}."""
     tokenizer = tokenizer_from_config(config)
     documents = [sources.source_documents(spec, split, tokenizer, config, skipped)
-                 for spec in sources.source_specs(config)]
+                 for spec in source_specs(config)]
     streams = {row: row_stream(config, split, row, tokenizer, documents) for row in rows}
     batches = _StackedRows(streams, resolved_workers(config, tokenizer))
     return grain.experimental.ThreadPrefetchIterDataset(
