@@ -133,7 +133,7 @@ def launcher(module: str, id: str, *args: str, names, files=None, workdirs=(), c
 
 LOCAL, FIT, GKE, CHECK = ("jaxscale.launch.local", "jaxscale.launch.fit", "jaxscale.launch.gke",
                           "jaxscale.launch.check")
-SUPERVISE, PREPARE = "jaxscale.supervise", "jaxscale.data.prepare"
+SUPERVISE, PREPARE = "jaxscale.launch.supervise", "jaxscale.data.prepare"
 EXPORT = "jaxscale.export_hf"
 SAMPLE = "jaxscale.sample"
 GKE_OK = ("--image=img", "--bucket=bucket", "--nodes=1", "--gpus_per_node=8")

@@ -328,7 +328,7 @@ def test_a_second_ctrl_c_kills_every_process_at_once(tmp_path, start_stand_ins):
 
 
 LAUNCHERS = ["jaxscale.launch.local", "jaxscale.launch.check", "jaxscale.launch.fit",
-             "jaxscale.launch.gke", "jaxscale.supervise"]
+             "jaxscale.launch.gke", "jaxscale.launch.supervise"]
 
 
 @pytest.mark.parametrize("module", LAUNCHERS)

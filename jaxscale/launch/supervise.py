@@ -197,13 +197,8 @@ def main(argv: list[str]) -> int:
     return supervisor.run()
 
 
-def run_as_command() -> None:
-    """Runs `main` on the command line's flags and exits with its status."""
+if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were installed: nothing started yet
         sys.exit(INTERRUPTED_EXIT_CODE)
-
-
-if __name__ == "__main__":
-    run_as_command()
