@@ -36,7 +36,7 @@ CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 def make_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m jaxscale.export_hf",
                             description="Export a run's parameters as a Hugging Face model "
-                                        "folder (Llama, Qwen3).")
+                                        "folder of its family (model.name).")
     parser.add_argument("--workdir", required=True, type=folder_flag,
                         help="The run's workdir (its config.json and checkpoints).")
     parser.add_argument("--out", required=True, help="The folder to write; it must not exist "

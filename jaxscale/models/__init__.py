@@ -3,8 +3,9 @@
 A family is a module of this folder that holds its config (a frozen dataclass, `Config`), its
 Flax module (`Model`), and the Hugging Face tensor each of its parameters is (`hf_tensors`).
 jaxscale/models/spec.py builds any family's model from a run's config; nothing outside this folder
-names a family's classes. A family's Flax module may be another's with its own config: Qwen3 is
-the Llama decoder with per-head q/k norms (jaxscale/models/qwen3.py).
+names a family's classes (tests/test_anatomy.py checks it). Every family is the decoder of
+jaxscale/models/decoder.py with its own config: Qwen3 adds per-head q/k norms, Mistral a sliding
+window.
 
 This module imports no JAX: jaxscale/hf/config.py reads a Hugging Face config.json with the table
 below before JAX starts (a config file, configs/hf.py, does). Adding a family: its module, its row.

@@ -331,8 +331,8 @@ class Decoder(nnx.Module):
         # The recomputation must not be merged with the forward pass it repeats (XLA's CSE),
         # or nothing is recomputed and nothing saved. In a loop over the layers the two run in
         # different loops and need no barrier (one costs speed); with every layer unrolled they
-        # are one program: llama_1b at 4 x 2048 compiled for an H100 took 33.3 GiB under every
-        # policy.
+        # are one program, and every policy compiled to the same memory (benchmarks/RESULTS.md,
+        # "GPU programs compiled on the CPU machine").
         unrolled = self.cfg.scan_unroll == 0 or self.cfg.scan_unroll >= self.stack_units
         return jax.checkpoint(run_block, policy=policy, prevent_cse=unrolled)
 

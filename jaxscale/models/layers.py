@@ -89,8 +89,9 @@ def _matmul_backward(spec, grad_dtype, out_dtype, residuals, grad):
     x, compute_weight = residuals
     # An output made wider than the compute dtype (the float32 logits) has its gradient rounded
     # to the compute dtype for the two products, as PyTorch's autocast does: in float32 they
-    # were a GPU's TF32 GEMMs, at half the bfloat16 rate, on operands twice the size (10 ms of
-    # llama_1b's 190 ms step on one H200). TPUs round float32 operands to bfloat16 by default.
+    # were a GPU's TF32 GEMMs, at half the bfloat16 rate, on operands twice the size (a
+    # twentieth of llama_1b's step on one H200: benchmarks/RESULTS.md). TPUs round float32
+    # operands to bfloat16 by default.
     grad = grad.astype(x.dtype)
     x_axes, rest = spec.split(",")
     weight_axes, out_axes = rest.split("->")
@@ -117,7 +118,7 @@ def gathered(weight: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     The same collectives either way; what changes is that XLA sees one gathered value. With the
     attention weights gathered implicitly, the TPU compiler (v5p-64, llama3_8b) ran their
     gathers twice in the backward pass of a layer once the splash residuals were made early
-    (`jaxscale.parallel.attention`): 40 MiB more all-reduce a layer."""
+    (`jaxscale.parallel.attention`): more all-reduce every layer (benchmarks/RESULTS.md)."""
     return _gathered(axes, weight)
 
 
@@ -163,8 +164,9 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     Left to autodiff, XLA folds the activation's derivative into the matmuls that read the two
     gradients, so `gate` itself stays alive until the last of them (the feed-forward's weight
     gradients, at the end of a layer's backward pass); made here, both gradients can take the
-    place of their inputs. With `MLP`'s down projection gathered first, llama3_8b's peak on
-    v5p-64 is 3.60 -> 3.58 GiB; either alone saves nothing (benchmarks/memory.py)."""
+    place of their inputs. With `MLP`'s down projection gathered first, this lowers llama3_8b's
+    peak on v5p-64; either alone saves nothing (benchmarks/memory.py's figures in
+    benchmarks/RESULTS.md)."""
     return _swiglu(gate, up)
 
 
@@ -195,7 +197,7 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.
     but its rows gathered from the table already cast to `dtype`: the same values.
 
     Autodiff's backward needs only the ids, yet XLA makes the gather's copy of the table (on a
-    TPU, laid out row by row: a float32 copy of llama3_8b's sharded embedding is 63 MiB) and,
+    TPU, laid out row by row: a float32 copy of the sharded embedding) and,
     having it, reads it again in the optimizer's update, so it lives through the whole step.
     A copy in `dtype` is only the gather's, and dies with it."""
     return _lookup(table.shape, jnp.dtype(table.dtype), jnp.dtype(dtype), table, ids)
@@ -466,8 +468,8 @@ class MLP(nnx.Module):
     def in_chunks(self, x: jax.Array) -> jax.Array:
         """The same sum, `hidden_chunks` parts of the hidden units at a time, added in float32: a
         scan whose body the backward pass makes again, so that one chunk's gathered weights,
-        activations and weight gradients are alive at once, not the whole layer's (llama3_8b on
-        v5p-64, remat full: the peak 3.58 -> 3.32 GiB, benchmarks/memory.py). Chunk c holds every
+        activations and weight gradients are alive at once, not the whole layer's (a lower peak
+        for llama3_8b on v5p-64 with remat full: benchmarks/RESULTS.md). Chunk c holds every
         n-th block of up to 128 hidden units, starting at block c (n chunks): a TPU keeps the
         blocks' 128-wide minor dimension, and a hidden dimension split over devices in contiguous
         blocks (tensor parallelism) gives each device its own part of every chunk."""
