@@ -425,7 +425,6 @@ class Checkpoints:
                 "only into the layout that saved it")
 
 
-
 def restore_order(local: Sequence[int], persistent: Sequence[int]) -> list[tuple[int, str]]:
     """The checkpoints a start tries, newest first, as (step, tier): the `local` steps (those
     every process holds) and the `persistent` ones; of a step in both, the local copy first
