@@ -142,7 +142,7 @@ def estimated(models: list[str], targets: list[str], top: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import absl.flags
+    import absl.flags  # the same flag parser as the CLI's options
 
     flags = absl.flags.FlagValues()
     for o in OPTIONS:

@@ -39,7 +39,7 @@ from jaxscale.runtime.chips import CHIPS, GIB
 
 
 def main(argv: list[str]) -> None:
-    import absl.flags
+    import absl.flags  # the same flag parser as the CLI's options
 
     flags = absl.flags.FlagValues()
     absl.flags.DEFINE_string("config", "configs/llama_1b.py", "the config file", flag_values=flags)

@@ -142,7 +142,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
                           "the Python in that line") from None
     except SystemExit as e:  # sys.exit() in the file would end the run silently, with its status
         raise ConfigError(_exited(path, e)) from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - whatever the file raises is the user's to fix
         raise ConfigError(_raised_in(path, e, "failed to load")) from None
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
@@ -154,7 +154,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {spec!r}: {e}") from None
     except SystemExit as e:
         raise ConfigError(_exited(path, e)) from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - e.g. a str assigned to an int key
         raise ConfigError(_raised_in(path, e, "get_config() failed")) from None
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path!r}: get_config() returned a "

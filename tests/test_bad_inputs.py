@@ -693,7 +693,7 @@ def run_in_process(module_name: str, args: list[str], capfd=None) -> tuple[int, 
             status = e.code or 0
         else:
             status, extra_err = 1, f"{e.code}\n"
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - what would end the process with a traceback
         status, extra_err = 1, traceback.format_exc()
     finally:
         sys.argv = saved_argv

@@ -187,7 +187,7 @@ class Tier:
         error = None
         try:
             self._manager.wait_until_finished()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every process learns of it; a bug is re-raised
             error = e
         failure, problem = SaveFailure.NONE, ""
         if error is not None:
@@ -225,7 +225,7 @@ class Tier:
         any other error passes as it is."""
         try:
             yield
-        except Exception as e:
+        except Exception as e:  # sorted by its causes; all but storage re-raised
             own = failure_behind(e)
             failure = (TransientError(f"{what} (another process's save failed)") if own is None
                        else save_failure(own, what))

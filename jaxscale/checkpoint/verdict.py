@@ -221,7 +221,7 @@ def agreed(attempt: Callable[[], Any]) -> Outcome:
     error = None
     try:
         mine = Outcome(Verdict.OK, value=attempt())
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - every process must learn of it before any leaves
         # (else the others wait in the next collective); what is no storage verdict is re-raised.
         error, mine = e, Outcome(*read_verdict(e))
     verdict, problem = _agree(mine.verdict, mine.problem)

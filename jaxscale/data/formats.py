@@ -365,7 +365,7 @@ class ArrayRecords(RecordReader):
 
     @staticmethod
     def _open(path: str):
-        import grain
+        import grain  # array_record loads only for sources that use it
 
         try:
             return grain.sources.ArrayRecordDataSource([path])
@@ -473,7 +473,7 @@ class ParquetRows(RecordReader):
 
 def _pyarrow_parquet():
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: only Parquet sources need it
     except ImportError:
         raise JaxscaleError("Parquet sources need pyarrow; pip install 'jaxscale[data]'") from None
     return pq

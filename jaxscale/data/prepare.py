@@ -97,7 +97,7 @@ def prepare(config, out: str, workers: int) -> list[dict]:
     Running it again with the same sources and tokenizer overwrites the files it wrote (e.g.
     after an interrupted run, or when the data changed).
     """
-    from jaxscale.data import sources
+    from jaxscale.data import sources  # imports JAX; after the flags
     from jaxscale.data.tokenizers import tokenizer_from_config
 
     tokenizer = tokenizer_from_config(config)

@@ -61,7 +61,7 @@ def _file_name(kind: str, path: str) -> str:
 
 class SentencePieceTokenizer:
     def __init__(self, path: str, bos_token: str, eos_token: str):
-        import sentencepiece
+        import sentencepiece  # optional dependency, only for this tokenizer
 
         self._model = sentencepiece.SentencePieceProcessor(model_file=path)
         self.name = _file_name("sentencepiece", path)
@@ -87,7 +87,7 @@ class SentencePieceTokenizer:
 
 class HuggingFaceTokenizer:
     def __init__(self, path: str, bos_token: str, eos_token: str):
-        import tokenizers
+        import tokenizers  # optional dependency, only for this tokenizer
 
         self._tokenizer = tokenizers.Tokenizer.from_file(path)
         self.name = _file_name("huggingface", path)
@@ -166,7 +166,7 @@ def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tok
                           "pip install 'jaxscale[data]'") from None
     except ConfigError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the libraries raise RuntimeError, OSError or bare
         # Exception for a file they cannot parse; any of them means a bad file.
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         what, fix = _KINDS[package]

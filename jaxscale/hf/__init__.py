@@ -16,11 +16,11 @@ _PEFT_API = ("save_adapters",)
 
 def __getattr__(name: str):
     if name in _MODEL_API:
-        from jaxscale.hf import model
+        from jaxscale.hf import model  # JAX only when the weights are wanted
 
         return getattr(model, name)
     if name in _PEFT_API:
-        from jaxscale.hf import peft
+        from jaxscale.hf import peft  # JAX only when the weights are wanted
 
         return getattr(peft, name)
     raise AttributeError(f"module 'jaxscale.hf' has no attribute {name!r}")

@@ -180,7 +180,7 @@ def _within(seconds: float, what: str, probe) -> None:
     def run() -> None:
         try:
             probe()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
             outcome.set_exception(e)
         else:
             outcome.set_result(None)
