@@ -12,7 +12,7 @@ os.environ["XLA_FLAGS"] = (
     " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-
+# After the flags, which must be set before JAX is imported (by any test module, after this).
 import pytest
 
 
