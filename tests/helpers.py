@@ -160,3 +160,17 @@ def loss_and_gradients_on_mesh(config, workdir, batch=None) -> MeshLossAndGradie
     compiled = step.lower(params, batch).compile()
     loss, grads = jax.device_get(compiled(params, batch))
     return MeshLossAndGradients(loss, grads, compiled.as_text())
+
+
+def saved_with_norms_off_one(model, folder) -> str:
+    """`model`, a transformers model, saved to `folder` with every RMSNorm's scale drawn from
+    [0.5, 1.5] (torch's generator as seeded), so that a swapped or missing norm moves its logits;
+    returns the folder."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(str(folder))
+    return str(folder)

@@ -25,7 +25,7 @@ from jaxscale.config import default_config
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.mistral import MistralConfig
 from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
-from tests.helpers import REPO, relative_error
+from tests.helpers import REPO, relative_error, saved_with_norms_off_one
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -63,13 +63,7 @@ def hf_folder(tmp_path_factory) -> str:
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
         rms_norm_eps=1e-5, sliding_window=WINDOW, initializer_range=0.3))
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, transformers.models.mistral.modeling_mistral.MistralRMSNorm):
-                module.weight.uniform_(0.5, 1.5)
-    folder = str(tmp_path_factory.mktemp("mistral") / "model")
-    model.save_pretrained(folder)
-    return folder
+    return saved_with_norms_off_one(model, tmp_path_factory.mktemp("mistral") / "model")
 
 
 def test_imported_logits_equal_transformers(hf_folder):

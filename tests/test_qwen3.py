@@ -26,7 +26,7 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.qwen3 import Qwen3Config
 from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
-from tests.helpers import relative_error
+from tests.helpers import relative_error, saved_with_norms_off_one
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -97,13 +97,7 @@ def hf_folder(request, tmp_path_factory) -> str:
     swapped or missing norm (q_norm, k_norm included) shows."""
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(small_hf_config(tied=request.param))
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm):
-                module.weight.uniform_(0.5, 1.5)
-    folder = str(tmp_path_factory.mktemp("qwen3") / "model")
-    model.save_pretrained(folder)
-    return folder
+    return saved_with_norms_off_one(model, tmp_path_factory.mktemp("qwen3") / "model")
 
 
 def test_imported_logits_equal_transformers(hf_folder):
