@@ -174,3 +174,23 @@ def saved_with_norms_off_one(model, folder) -> str:
                 module.weight.uniform_(0.5, 1.5)
     model.save_pretrained(str(folder))
     return str(folder)
+
+
+def exported_like_a_trained_model(config, folder) -> tuple[Any, Any, str, dict]:
+    """(model, its config, folder, the exported config.json) for `config`'s model in float32,
+    its init scaled up (the norms away from 1) as a trained model's weights are, and exported by
+    jaxscale.hf.save_model to `folder`."""
+    import jax
+    from flax import nnx
+
+    from jaxscale import hf
+    from jaxscale.models.spec import create_model, model_config
+
+    config.precision.compute_dtype = "float32"
+    cfg = model_config(config)
+    graphdef, state = nnx.split(create_model(cfg, 0))
+    state = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x * 0.75, state)
+    model = nnx.merge(graphdef, state)
+    hf.save_model(model, cfg, str(folder), "float32")
+    with open(os.path.join(str(folder), "config.json"), encoding="utf-8") as f:
+        return model, cfg, str(folder), json.load(f)

@@ -24,8 +24,13 @@ from jaxscale.cli import load_config_file
 from jaxscale.config import default_config
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.mistral import MistralConfig
-from jaxscale.models.spec import abstract_model, create_model, model_config, model_spec
-from tests.helpers import REPO, relative_error, saved_with_norms_off_one
+from jaxscale.models.spec import abstract_model, model_spec
+from tests.helpers import (
+    REPO,
+    exported_like_a_trained_model,
+    relative_error,
+    saved_with_norms_off_one,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -103,15 +108,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path):
     config.model.update(name="mistral", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
                         n_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=4096,
                         sliding_window=WINDOW)
-    config.precision.compute_dtype = "float32"
-    cfg = model_config(config)
-    graphdef, state = nnx.split(create_model(cfg, 0))
-    # Scaled up from the init (and the norms away from 1), as a trained model's weights are.
-    state = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x * 0.75, state)
-    model = nnx.merge(graphdef, state)
-    out = str(tmp_path / "out")
-    hf.save_model(model, cfg, out, "float32")
-    exported = json.loads(open(os.path.join(out, "config.json"), encoding="utf-8").read())
+    model, cfg, out, exported = exported_like_a_trained_model(config, tmp_path / "out")
     assert (exported["architectures"], exported["model_type"], exported["sliding_window"]) == (
         ["MistralForCausalLM"], "mistral", WINDOW)
     _, info = transformers.MistralForCausalLM.from_pretrained(out, output_loading_info=True)
