@@ -2,6 +2,7 @@
 processes, and the guard that turns JAX's abort on a lost peer into exit status 75."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -315,7 +316,7 @@ def test_a_peer_that_came_back_is_welcome(earlier_closed, monkeypatch):
 def test_process_0_listens_where_jax_binds_its_coordinator(monkeypatch):
     port = free_port()
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", f"127.0.0.1:{port}")
-    assert _run_processes(2, [0, 1], 10, port) == {0: None, 1: None}
+    assert _run_processes(2, [0, 1], 10, port) == {0: (0, 2), 1: (1, 2)}
     with rendezvous._listen(f"127.0.0.1:{port}") as server:
         assert server.getsockname() == ("127.0.0.1", port)
     with rendezvous._listen(f"[::]:{port}") as server:  # JAX's default: every interface
@@ -440,3 +441,15 @@ def test_only_processes_that_join_others_are_guarded(monkeypatch):
     assert distributed.needs_guard(EXPLICIT_1)
     monkeypatch.setenv(distributed.GUARDED_ENV, "1")  # the guarded child itself
     assert not distributed.needs_guard(EXPLICIT_1)
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("0", "JAXSCALE_MIN_PROCESSES=0 is outside 1..4 for 4 processes"),
+    ("5", "JAXSCALE_MIN_PROCESSES=5 is outside 1..4 for 4 processes"),
+    ("some", "JAXSCALE_MIN_PROCESSES='some' must be an integer")])
+def test_an_elastic_minimum_outside_the_count_is_named(value, problem):
+    spec = ClusterSpec("explicit", "localhost:1", 4, 0)
+    with pytest.raises(JaxscaleError, match=re.escape(problem)):
+        distributed.min_processes({"JAXSCALE_MIN_PROCESSES": value}, spec)
+    assert distributed.min_processes({"JAXSCALE_MIN_PROCESSES": "3"}, spec) == 3
+    assert distributed.min_processes({}, spec) == 4
