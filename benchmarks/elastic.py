@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,6 +115,9 @@ def run(workdir: str, cache: str, kill_at: int | None, elastic: bool,
         return_after_s: float) -> Run:
     """One run to STEPS in `workdir`: uninterrupted (`kill_at` None), or losing VICTIM once
     process 0 has logged step `kill_at`, elastic or waiting."""
+    shutil.rmtree(workdir, ignore_errors=True)  # afresh: a workdir left holds checkpoints
+    if os.path.exists(f"{workdir}.log"):
+        os.remove(f"{workdir}.log")
     watcher, started, killed = Watcher(workdir), time.monotonic(), None
     flags = ([f"--min_processes={PROCESSES - 1}", f"--return_after_s={return_after_s}"]
              if elastic else [])
