@@ -121,3 +121,17 @@ def test_a_minimum_above_the_count_is_one_error_line(tmp_path):
     assert result.stderr.splitlines() == [
         "error: --min_processes=4 is above --processes=3; pass a minimum no larger than the "
         "process count"]
+
+
+def test_a_range_whose_minimum_the_mesh_cannot_run_on_is_refused_before_anything_starts(tmp_path):
+    """fsdp=4 fixed: 3 processes of 1 device could not go on."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.launch.local", "--processes=4", "--min_processes=3",
+         "--devices_per_process=1", "--", "--config=configs/tiny.py", "--config.mesh.data=1",
+         "--config.mesh.fsdp=4", f"--workdir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "run").exists()
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no mesh of the axes {"), lines
+    assert lines[0].endswith("(checked for 3 devices, as the run would go on after losing hosts; "
+                             "raise the range's minimum or change the mesh)")

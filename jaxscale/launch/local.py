@@ -363,13 +363,15 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     args, module_args = parse_args(argv)
-    if args.module == "jaxscale.train":
-        check_train_args(module_args, args.processes * args.devices_per_process, args.processes)
     minimum = args.min_processes or args.processes
     if minimum > args.processes:
         print(f"error: --min_processes={minimum} is above --processes={args.processes}; pass a "
               "minimum no larger than the process count", file=sys.stderr)
         return USAGE_EXIT_CODE
+    if args.module == "jaxscale.train":
+        check_train_args(module_args, args.processes * args.devices_per_process, args.processes,
+                         fewer_devices=tuple(n * args.devices_per_process
+                                             for n in range(minimum, args.processes)))
     if pending:  # told to stop before anything started: start nothing
         name = signal.Signals(pending[0]).name
         print(f"launch.local: got {name} before any process started; not starting them; run the "

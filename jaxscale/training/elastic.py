@@ -18,6 +18,7 @@ import math
 
 import ml_collections
 
+from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
 from jaxscale.parallel.mesh import resolve_mesh_shape
 
@@ -60,8 +61,9 @@ def fitted(config: ml_collections.ConfigDict, devices: list, full_devices: int
         if k is not None:
             break
     else:
-        raise ConfigError(f"no mesh of config.mesh {dict(config.mesh)} on at most {len(devices)} "
-                          f"devices splits train.batch_size={t.batch_size}; set a -1 axis")
+        axes = {axis: config.mesh[axis] for axis in MESH_AXES}
+        raise ConfigError(f"no mesh of the axes {axes} on at most {len(devices)} devices splits "
+                          f"train.batch_size={t.batch_size}; set one axis to -1")
     fit = config.copy_and_resolve_references()
     fit.train.microbatches = k
     idle = len(devices) - used
