@@ -59,6 +59,7 @@ def main(argv: list[str]) -> None:
         from jaxscale.runtime import cuda_plugin, xla_flags
         from jaxscale.runtime.tpu_host import quiet_libtpu
         from jaxscale.trainer import Trainer
+        from jaxscale.training import elastic
 
         try:
             # Before JAX starts a backend, which reads XLA_FLAGS once.
@@ -68,10 +69,17 @@ def main(argv: list[str]) -> None:
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu(), cuda_plugin.kept_out():
+                # An elastic run restarted on fewer hosts keeps its global batch.
+                max_processes = int(os.environ.get(distributed.MAX_PROCESSES_VAR,
+                                                   jax.process_count()))
+                config, devices, note = elastic.fitted(
+                    config, jax.devices(), max_processes * jax.local_device_count())
+                if note and jax.process_index() == 0:
+                    print(f"jaxscale: {note}", flush=True)
                 planned_step = None
                 if config.mesh.auto:  # the planner chooses the layout and compiles its step
-                    config, planned_step = planned_config(config, jax.devices())
-                Trainer(config, workdir, planned_step=planned_step).run()
+                    config, planned_step = planned_config(config, devices)
+                Trainer(config, workdir, devices, planned_step=planned_step).run()
         except (JaxscaleError, TransientError) as e:
             fail_with(e)
         except RunStopped as e:  # the trainer has said where it stopped

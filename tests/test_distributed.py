@@ -2,6 +2,7 @@
 processes, and the guard that turns JAX's abort on a lost peer into exit status 75."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -180,16 +181,17 @@ def test_every_tpu_that_jax_knows_is_known_here():
 
 
 def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
-                   claimed_count=None) -> dict:
-    """Runs the rendezvous of processes `ids` in threads; returns id -> None or the error."""
+                   claimed_count=None, min_processes=None) -> dict:
+    """Runs the rendezvous of processes `ids` in threads; returns id -> (new id, count) or the
+    error."""
     results = {}
 
     def one(process_id):
         count = num_processes if process_id == 0 else claimed_count or num_processes
         spec = ClusterSpec("explicit", f"localhost:{port}", count, process_id)
         try:
-            rendezvous.rendezvous(spec, time.monotonic() + timeout_s)
-            results[process_id] = None
+            results[process_id] = rendezvous.rendezvous(spec, time.monotonic() + timeout_s,
+                                                        min_processes)
         except (JaxscaleError, TransientError) as e:
             results[process_id] = e
 
@@ -203,7 +205,22 @@ def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
 
 def test_rendezvous_when_everyone_arrives():
     port = free_port()
-    assert _run_processes(3, [0, 1, 2], 10, port) == {0: None, 1: None, 2: None}
+    assert _run_processes(3, [0, 1, 2], 10, port) == {0: (0, 3), 1: (1, 3), 2: (2, 3)}
+
+
+def test_an_elastic_rendezvous_admits_those_that_came_when_they_reach_the_minimum():
+    """4 at most, 2 at least; 0, 1 and 3 come: they start as 0, 1, 2 of 3 at the deadline."""
+    start = time.monotonic()
+    results = _run_processes(4, [0, 1, 3], 1.5, free_port(), min_processes=2)
+    assert results == {0: (0, 3), 1: (1, 3), 3: (2, 3)}
+    assert 1.5 <= time.monotonic() - start < 10  # it waited for process 2 until the deadline
+
+
+def test_an_elastic_rendezvous_below_its_minimum_names_who_is_missing():
+    results = _run_processes(4, [0, 2], 1.5, free_port(), min_processes=3)
+    assert all(isinstance(results[i], TransientError) for i in (0, 2)), results
+    assert "process(es) [1, 3] never arrived" in str(results[0])
+    assert "[1,3] of 4 never arrived" in str(results[2])
 
 
 def test_rendezvous_names_the_missing_process_instead_of_hanging():
@@ -257,7 +274,7 @@ def test_a_silent_or_foreign_connection_holds_up_nobody(stranger_says):
         results.update(_run_processes(2, [1], 20, port))
         coordinator.join()
         assert time.monotonic() - start < rendezvous.HELLO_TIMEOUT_S / 2
-    assert results == {0: None, 1: None}
+    assert results == {0: (0, 2), 1: (1, 2)}
 
 
 @pytest.mark.parametrize("earlier_closed", [True, False])
@@ -293,13 +310,13 @@ def test_a_peer_that_came_back_is_welcome(earlier_closed, monkeypatch):
         coordinator.join()
         if not earlier_closed:  # told why it is dropped
             assert first_start.recv(1024).startswith(b"error process 1 reported again")
-    assert results == {0: None, 1: None, 2: None}
+    assert results == {0: (0, 3), 1: (1, 3), 2: (2, 3)}
 
 
 def test_process_0_listens_where_jax_binds_its_coordinator(monkeypatch):
     port = free_port()
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", f"127.0.0.1:{port}")
-    assert _run_processes(2, [0, 1], 10, port) == {0: None, 1: None}
+    assert _run_processes(2, [0, 1], 10, port) == {0: (0, 2), 1: (1, 2)}
     with rendezvous._listen(f"127.0.0.1:{port}") as server:
         assert server.getsockname() == ("127.0.0.1", port)
     with rendezvous._listen(f"[::]:{port}") as server:  # JAX's default: every interface
@@ -424,3 +441,15 @@ def test_only_processes_that_join_others_are_guarded(monkeypatch):
     assert distributed.needs_guard(EXPLICIT_1)
     monkeypatch.setenv(distributed.GUARDED_ENV, "1")  # the guarded child itself
     assert not distributed.needs_guard(EXPLICIT_1)
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("0", "JAXSCALE_MIN_PROCESSES=0 is outside 1..4 for 4 processes"),
+    ("5", "JAXSCALE_MIN_PROCESSES=5 is outside 1..4 for 4 processes"),
+    ("some", "JAXSCALE_MIN_PROCESSES='some' must be an integer")])
+def test_an_elastic_minimum_outside_the_count_is_named(value, problem):
+    spec = ClusterSpec("explicit", "localhost:1", 4, 0)
+    with pytest.raises(JaxscaleError, match=re.escape(problem)):
+        distributed.min_processes({"JAXSCALE_MIN_PROCESSES": value}, spec)
+    assert distributed.min_processes({"JAXSCALE_MIN_PROCESSES": "3"}, spec) == 3
+    assert distributed.min_processes({}, spec) == 4

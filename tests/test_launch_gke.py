@@ -256,6 +256,16 @@ def test_pods_detect_the_gke_mode_and_agree_on_the_coordinator(gpu_jobset):
     assert spec == ClusterSpec("gke", "tiny-workers-0-0.tiny:8476", 2, 1)
 
 
+def test_an_elastic_jobset_tells_every_pod_the_minimum_it_starts_with():
+    """Every pod reads the minimum (runtime.distributed); without --min_processes, none does."""
+    jobset = render([*GPU_ARGS, "--nodes=4", "--min_processes=3", "--config.train.batch_size=32"])
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["JAXSCALE_MIN_PROCESSES"] == "3" and env["PROCESSES_IN_JOB"] == "4"
+    plain = render(GPU_ARGS)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert "JAXSCALE_MIN_PROCESSES" not in {e["name"] for e in plain["containers"][0]["env"]}
+
+
 def test_kueue_setup_defines_the_default_queue_and_priority_classes():
     with open(os.path.join(REPO, "deploy", "gke", "kueue.yaml")) as f:
         docs = list(yaml.safe_load_all(f))
@@ -289,6 +299,8 @@ def test_kueue_setup_defines_the_default_queue_and_priority_classes():
     # Pods that could never be scheduled: no node pool has such a label, or such a node.
     ([*GPU_ARGS, "--gpu_type=nvidia-h100"], "--gpu_type='nvidia-h100' is not a GKE GPU "
                                             "accelerator; use one of "),
+    ([*GPU_ARGS, "--min_processes=3"], "--min_processes=3 is above --nodes=2"),
+    ([*TPU_ARGS, "--min_processes=1"], "--min_processes is for GPU node pools"),
     ([*GPU_ARGS, "--gpus_per_node=9"], "--gpus_per_node=9: a nvidia-h100-80gb node has at most "
                                        "8 GPUs"),
     ([*GPU_ARGS, "--gpu_type=nvidia-tesla-t4", "--gpus_per_node=8"],

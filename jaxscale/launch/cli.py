@@ -64,15 +64,18 @@ def parse_launcher_args(parser: argparse.ArgumentParser, argv: list[str], passed
 
 
 def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
-                     gpu: str = "") -> None:
+                     gpu: str = "", fewer_devices: tuple[int, ...] = ()) -> None:
     """Loads the config named by `train_args` (as `jaxscale.train` would, overrides included) and
     validates it for `num_devices` devices in `num_granules` DCN-connected granules (TPU slices, or
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
     is started for a run that would fail at once. With `gpu` (h100, h200, a100: the granules are
-    nodes of those GPUs) the train step is also compiled for them (`check_compiled_fit`)."""
+    nodes of those GPUs) the train step is also compiled for them (`check_compiled_fit`).
+    `fewer_devices`: the counts an elastic range may go on with (one granule), each checked as the
+    run refits the config for it (jaxscale/training/elastic.py)."""
     # Imported here: they import JAX, which supervise's start does not need.
     from jaxscale.checks import validate
     from jaxscale.parallel.mesh import asks_for_dcn
+    from jaxscale.training.elastic import fitted
 
     config, _ = parse_train_flags([sys.argv[0], *train_args])  # a bad flag exits here
     # Granules count only when the config asks for DCN factors, as in parallel.mesh.dcn_granules.
@@ -81,6 +84,13 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
         validate(config, num_devices, granules)
     except JaxscaleError as e:
         fail(f"{e} (checked for {num_devices} devices in {num_granules} hosts/slices)")
+    for fewer in fewer_devices:
+        try:
+            fit, devices, _ = fitted(config, list(range(fewer)), num_devices)
+            validate(fit, len(devices))
+        except JaxscaleError as e:
+            fail(f"{e} (checked for {fewer} devices, as the run would go on after losing hosts; "
+                 "raise the range's minimum or change the mesh)")
     if gpu:
         check_compiled_fit(config, f"{gpu}:{num_granules}x{num_devices // num_granules}")
 

@@ -23,6 +23,12 @@ How the manifest maps jaxscale's contract onto Kubernetes:
   the pod is replaced in place without counting as a failure. 2 (a usage error) and 130
   (interrupted): the JobSet fails at once; restarting cannot fix it. Any other failure: the whole
   JobSet restarts from its last checkpoint, at most --max_restarts times.
+- Elastic (--min_processes, GPU node pools): every pod gets JAXSCALE_MIN_PROCESSES; pods still
+  Pending at the rendezvous deadline (distributed.init_timeout_s) fail nothing: the pods that came
+  start without them when they are at least the minimum (pod 0, the coordinator, among them), with
+  the global batch kept (jaxscale/training/elastic.py); fewer exit 75, and the pod is replaced in
+  place. A pod that arrives after the others started finds no rendezvous, exits 75 and is started
+  again until the run restarts (a lost pod's 75 or a preemption), which then takes it in.
 - SIGTERM on preemption gets `--grace_period_s` to save a checkpoint before SIGKILL.
 - Checkpoints on a bucket (--bucket) go to gs://BUCKET/NAME/checkpoints through Orbax's own GCS
   path, which commits a checkpoint with a marker file; GCS FUSE, which cannot rename a folder
@@ -51,7 +57,7 @@ from jaxscale.errors import (
     USAGE_EXIT_CODE,
 )
 from jaxscale.launch.cli import check_train_args, nonnegative, positive
-from jaxscale.runtime.distributed import GKE_COORDINATOR_PORT
+from jaxscale.runtime.distributed import GKE_COORDINATOR_PORT, MIN_PROCESSES_VAR
 
 CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"
@@ -148,6 +154,9 @@ def make_parser() -> ArgumentParser:
                         help="Kueue LocalQueue to submit to (default jaxscale).")
     parser.add_argument("--priority_class", default="jaxscale-normal",
                         help="PriorityClass of the pods (default jaxscale-normal).")
+    parser.add_argument("--min_processes", type=positive, default=None,
+                        help="Elastic, GPU node pools: the fewest pods the run starts with when "
+                             "the others are Pending at the rendezvous deadline (default: all).")
     parser.add_argument("--max_restarts", type=nonnegative, default=10,
                         help="JobSet restarts after crashes; preemptions (exit 42) and transient "
                              "failures (75) don't count (default 10).")
@@ -183,6 +192,9 @@ def check_args(args) -> None:
         if args.nodes is not None:
             fail("--nodes is for GPUs; on TPUs the hosts follow from --tpu_topology and "
                  "--chips_per_node")
+        if args.min_processes is not None:
+            fail("--min_processes is for GPU node pools: a TPU slice cannot run without one of "
+                 "its hosts (its ICI needs them all)")
         if not args.tpu_topology or not re.fullmatch(r"\d+(x\d+)+", args.tpu_topology):
             fail(f"--tpu_topology={args.tpu_topology!r} must look like 2x2x2 or 4x4")
         chips = math.prod(int(d) for d in args.tpu_topology.split("x"))
@@ -198,6 +210,9 @@ def check_args(args) -> None:
             fail(f"--gpu_type={args.gpu_type!r} is not a GKE GPU accelerator; use one of "
                  f"{', '.join(GKE_GPUS)} (the node pool's cloud.google.com/gke-accelerator "
                  "label): no node would match")
+        if args.min_processes is not None and args.min_processes > args.nodes:
+            fail(f"--min_processes={args.min_processes} is above --nodes={args.nodes}; pass a "
+                 "minimum no larger than the node count")
         most = GKE_GPUS[args.gpu_type][0]
         if args.gpus_per_node > most:
             fail(f"--gpus_per_node={args.gpus_per_node}: a {args.gpu_type} node has at most "
@@ -244,6 +259,8 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         # The root filesystem is read-only: JAX, XLA and CUDA keep their caches under HOME.
         "HOME": "/tmp",
         **({} if args.tpu_accelerator else A3_NCCL_ENV),
+        **({} if args.min_processes is None
+           else {MIN_PROCESSES_VAR: str(args.min_processes)}),
     }
     container = {
         "name": CONTAINER,

@@ -26,6 +26,16 @@ that crashed while the others exited 75 because their peer was gone makes the ru
 crashed pod does on GKE: the 75s are what the survivors saw, the crash is why, and a crash that
 repeats must use up `jaxscale.supervise`'s --max_restarts rather than be retried forever.
 
+Elastic (a host range): with `--min_processes=M` (below --processes, the range's maximum), a lost
+process (killed by SIGKILL) does not end the run while at least M remain: the launcher kills the
+others at once (they can neither save nor go on without their peer: JAX's process count is fixed in
+a live process) and starts the run again on the survivors' count, ids 0..n-1, from the last
+checkpoint (not a crash; the trainer keeps the global batch, jaxscale/training/elastic.py); below
+M it exits 75 naming who is missing. With `--return_after_s=S` a lost slot comes back S seconds
+after the loss: once the narrower run is training, the launcher sends it SIGTERM (it saves and
+exits 42) and starts it again on the full count, a planned restart. The processes learn the range's
+maximum from JAXSCALE_MAX_PROCESSES.
+
 Signals: the processes run in sessions of their own, so a Ctrl-C in the terminal reaches the
 launcher only. The first SIGTERM or SIGINT it gets is passed on to every process, once (a SIGTERM:
 they save and exit 42; a Ctrl-C: they finish the step in flight, save and exit 130). When they have
@@ -66,6 +76,7 @@ from jaxscale.launch.cli import (
     parse_launcher_args,
     positive,
 )
+from jaxscale.runtime.distributed import MAX_PROCESSES_VAR
 
 POLL_S = 0.1
 
@@ -79,6 +90,12 @@ def make_parser() -> ArgumentParser:
                "--config=configs/tiny.py --workdir=runs/local")
     parser.add_argument("--processes", type=positive, default=2,
                         help="Number of processes to start (default 2).")
+    parser.add_argument("--min_processes", type=positive, default=None,
+                        help="Elastic: the fewest processes the run goes on with after losing "
+                             "some (default: --processes, not elastic).")
+    parser.add_argument("--return_after_s", type=nonnegative_float, default=None,
+                        help="Elastic: seconds after a loss when the lost processes come back "
+                             "and the run restarts on the full count (default: never).")
     parser.add_argument("--devices_per_process", type=positive, default=4,
                         help="Simulated CPU devices in each process (default 4).")
     parser.add_argument("--module", default="jaxscale.train",
@@ -117,9 +134,9 @@ def free_port() -> int:
 
 
 def process_env(base: dict[str, str], process_id: int, num_processes: int, devices: int,
-                port: int) -> dict[str, str]:
+                port: int, max_processes: int | None = None) -> dict[str, str]:
     """The environment of process `process_id`: its simulated devices and its identity in the run
-    (jaxscale.runtime.distributed's explicit mode)."""
+    (jaxscale.runtime.distributed's explicit mode); `max_processes`: an elastic range's maximum."""
     # Replace, not add to, any device count the caller set (tests run under 8 simulated devices).
     xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                        base.get("XLA_FLAGS", ""))
@@ -131,6 +148,7 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
         "JAX_NUM_PROCESSES": str(num_processes),
         "JAX_PROCESS_ID": str(process_id),
         "PYTHONUNBUFFERED": "1",  # lines reach the prefixer as they are written
+        MAX_PROCESSES_VAR: str(max_processes or num_processes),
     }
 
 
@@ -155,6 +173,8 @@ def decisiveness(status: int) -> int:
 
 # The gloo lines every process prints once its collectives are connected; shown with --verbose.
 GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# A trainer's step line: the run is in its training loop, where a SIGTERM saves and exits 42.
+STEP_LINE = re.compile(rb"step \d+ \|")
 
 
 class Launcher:
@@ -164,8 +184,16 @@ class Launcher:
     every process once; a later SIGINT (a second Ctrl-C) kills them all at once."""
 
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], grace_s: float,
-                 *, verbose: bool = False):
+                 *, verbose: bool = False, widen_at: float = float("inf"),
+                 min_processes: int | None = None):
+        """`widen_at`: when (time.monotonic()) to stop the run, once it trains, for a planned
+        restart on more processes; `min_processes`: the run goes on after a loss with at least
+        this many (main() restarts it; a loss is then no error)."""
         self.grace_s = grace_s
+        self.min_processes = min_processes or len(commands)
+        self.widen_at = widen_at
+        self.widened = False  # the planned stop was sent
+        self.training = threading.Event()  # a process has logged a step
         self.verbose = verbose
         self.output_lock = threading.Lock()
         self.stop = StopRequest()
@@ -189,6 +217,8 @@ class Launcher:
         for line in iter(stream.readline, b""):
             if not self.verbose and GLOO_CONNECTED.match(line):
                 continue
+            if STEP_LINE.match(line):
+                self.training.set()
             with self.output_lock:
                 sys.stdout.write(f"[{process_id}] {line.decode(errors='replace')}")
                 sys.stdout.flush()
@@ -231,6 +261,11 @@ class Launcher:
         self.ended += [i for i, s in enumerate(statuses) if s is not None and i not in self.ended]
         return None in statuses
 
+    def lost(self) -> list[int]:
+        """The processes killed by SIGKILL not by the launcher: lost hosts."""
+        return [i for i, p in enumerate(self.procs)
+                if p.returncode == -signal.SIGKILL and i not in self.stopped]
+
     def _expected(self, code: int) -> bool:
         """Whether a process ending with `code` is doing what it was asked: finishing, or stopping
         for a Ctrl-C the launcher passed on."""
@@ -253,6 +288,12 @@ class Launcher:
                     # step; a failure they all saw): the others get the grace period to reach it.
                     self.say(f"process {i} {describe_exit(code)}; waiting up to "
                              f"{self.grace_s:g} s for the others")
+                elif code == -signal.SIGKILL and self.min_processes < len(self.procs):
+                    # Elastic: the run goes on without it, from the last checkpoint; the others
+                    # can neither save (every save needs the lost peer) nor go on in this JAX.
+                    self.say(f"process {i} {describe_exit(code)}; stopping the others at once "
+                             "to go on without it")
+                    self.stop_the_others(signal.SIGKILL)
                 else:
                     self.say(f"process {i} {describe_exit(code)}; stopping the others")
                     self.stop_the_others(signal.SIGTERM)
@@ -261,6 +302,13 @@ class Launcher:
                 # After a Ctrl-C the processes stop at the same step; one has: the others get the
                 # grace period to follow.
                 kill_at = time.monotonic() + self.grace_s
+            elif (not self.widened and self.training.is_set()
+                  and time.monotonic() > self.widen_at and self.stop.signal is None):
+                # The lost processes are back: the run saves and exits 42 (planned; the
+                # processes' own verdicts, so not `stopped`), and main() starts it wider.
+                self.widened = True
+                for p in self.procs:
+                    self._send(p, signal.SIGTERM)
             elif time.monotonic() > kill_at and not self.stop.killed:
                 self.say(f"processes still running after {self.grace_s:g} s; killing them")
                 self.stop_the_others(signal.SIGKILL)
@@ -285,7 +333,8 @@ class Launcher:
             return INTERRUPTED_EXIT_CODE
         if code in (RESTART_EXIT_CODE, TRANSIENT_EXIT_CODE) and all(
                 verdict(codes[j]) == code for j in own):
-            if codes[i] == -signal.SIGKILL:  # the survivors said what they saw; this is why
+            if codes[i] == -signal.SIGKILL and len(codes) - len(self.lost()) < self.min_processes:
+                # The survivors said what they saw; this is why.
                 print(f"error: process {i} was killed by SIGKILL (a lost host); all {len(codes)} "
                       f"processes have stopped (transient: exit {code}, retry with backoff)",
                       file=sys.stderr)
@@ -314,21 +363,51 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     args, module_args = parse_args(argv)
+    minimum = args.min_processes or args.processes
+    if minimum > args.processes:
+        print(f"error: --min_processes={minimum} is above --processes={args.processes}; pass a "
+              "minimum no larger than the process count", file=sys.stderr)
+        return USAGE_EXIT_CODE
     if args.module == "jaxscale.train":
-        check_train_args(module_args, args.processes * args.devices_per_process, args.processes)
-    port = args.port or free_port()
-    commands = [[sys.executable, "-m", args.module, *module_args]] * args.processes
-    envs = [process_env(dict(os.environ), i, args.processes, args.devices_per_process, port)
-            for i in range(args.processes)]
+        check_train_args(module_args, args.processes * args.devices_per_process, args.processes,
+                         fewer_devices=tuple(n * args.devices_per_process
+                                             for n in range(minimum, args.processes)))
     if pending:  # told to stop before anything started: start nothing
         name = signal.Signals(pending[0]).name
         print(f"launch.local: got {name} before any process started; not starting them; run the "
               "same command again to start", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE if signal.SIGINT in pending else RESTART_EXIT_CODE
-    launcher = Launcher(commands, envs, args.grace_s, verbose=args.verbose)
-    for signum in pending:  # came while the processes were starting
-        launcher.on_signal(signum, None)
-    return launcher.wait()
+    count, widen_at = args.processes, float("inf")
+    while True:  # one pass per start of the run: more than one only for an elastic range
+        port = args.port or free_port()
+        commands = [[sys.executable, "-m", args.module, *module_args]] * count
+        envs = [process_env(dict(os.environ), i, count, args.devices_per_process, port,
+                            args.processes) for i in range(count)]
+        launcher = Launcher(commands, envs, args.grace_s, verbose=args.verbose,
+                            widen_at=widen_at, min_processes=minimum)
+        for signum in pending:  # came while the processes were starting
+            launcher.on_signal(signum, None)
+        pending = []
+        code = launcher.wait()
+        if launcher.stop.signal is not None:  # the user's stop ends the run, elastic or not
+            return code
+        if launcher.widened and code == RESTART_EXIT_CODE:
+            launcher.say(f"taking back the lost process(es): restarting on {args.processes}")
+            count, widen_at = args.processes, float("inf")
+            continue
+        lost = launcher.lost()
+        if code != TRANSIENT_EXIT_CODE or not lost or minimum == args.processes:
+            return code
+        if count - len(lost) < minimum:
+            print(f"error: process(es) {lost} of {count} lost and {count - len(lost)} left, "
+                  f"below --min_processes={minimum}; exit 75: start the run again once the "
+                  "hosts are back", file=sys.stderr)
+            return code
+        launcher.say(f"process(es) {lost} lost (SIGKILL); going on with {count - len(lost)} "
+                     f"of {args.processes} processes")
+        count -= len(lost)
+        if args.return_after_s is not None:
+            widen_at = time.monotonic() + args.return_after_s
 
 
 if __name__ == "__main__":

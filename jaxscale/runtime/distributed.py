@@ -13,6 +13,8 @@
 `initialize` then meets every peer at a small TCP rendezvous on the coordinator's own port
 (runtime/rendezvous.py), before `jax.distributed.initialize` binds that port: JAX's start-up, when
 a peer never arrives, aborts every process after its timeout without saying who is missing.
+With JAXSCALE_MIN_PROCESSES (an elastic host range, every launcher: the count is the range's
+maximum) the run starts with those that came by the deadline, at least that many, numbered 0..n-1.
 
 Once running, JAX's processes share fate: when one dies (or the coordinator goes away, or a peer
 restarts), JAX's distributed runtime aborts every other one from C++ (SIGABRT, which no Python
@@ -114,6 +116,23 @@ def _int(environ: Mapping[str, str], name: str) -> int:
         return int(environ[name])
     except ValueError:
         raise JaxscaleError(f"{name}={environ[name]!r} must be an integer") from None
+
+
+MIN_PROCESSES_VAR = "JAXSCALE_MIN_PROCESSES"
+# An elastic range's maximum: the count the config's batch layout is for (jaxscale/training/
+# elastic.py fits it to fewer). Set by the launcher; the process count when unset.
+MAX_PROCESSES_VAR = "JAXSCALE_MAX_PROCESSES"
+
+
+def min_processes(environ: Mapping[str, str], spec: ClusterSpec) -> int:
+    """The fewest processes the run starts with (an elastic range's minimum); all by default."""
+    if MIN_PROCESSES_VAR not in environ:
+        return spec.num_processes
+    minimum = _int(environ, MIN_PROCESSES_VAR)
+    if not 1 <= minimum <= spec.num_processes:
+        raise JaxscaleError(f"{MIN_PROCESSES_VAR}={minimum} is outside 1..{spec.num_processes} "
+                            f"for {spec.num_processes} processes; pass a minimum within the count")
+    return minimum
 
 
 def _require(environ: Mapping[str, str], names: tuple[str, ...], what: str, fix: str) -> None:
@@ -251,7 +270,9 @@ def initialize(timeout_s: float | None = None,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + (timeout_s or DEFAULT_INIT_TIMEOUT_S)
     if spec.coordinator_address is not None:
-        rendezvous(spec, deadline)
+        # An elastic range starts with those that came (ids 0..n-1), at least the minimum.
+        process_id, num_processes = rendezvous(spec, deadline, min_processes(os.environ, spec))
+        spec = dataclasses.replace(spec, process_id=process_id, num_processes=num_processes)
     jax.distributed.initialize(
         coordinator_address=spec.coordinator_address,
         num_processes=spec.num_processes,

@@ -13,6 +13,12 @@ opened, and this one carries nothing but process ids (JAX's coordinator, like it
 unauthenticated: "gRPC insecure server credentials are used"). Connections are served together
 (select), and one that says nothing within `HELLO_TIMEOUT_S` is dropped, so a port scanner or a
 health check cannot hold up the run.
+
+A host range (elastic runs): with `min_processes` below the count, process 0 waits until every
+process has reported or the deadline passes, and then admits those that came when they are at
+least the minimum: it numbers them 0..n-1 in the order of their ids (it stays 0) and tells each
+its new id and n, with which JAX then starts. Fewer than the minimum by the deadline is a
+TransientError naming who is missing (exit 75: retry once the hosts are back).
 """
 
 from __future__ import annotations
@@ -33,17 +39,19 @@ MAX_LINE = 256
 ANSWER_GRACE_S = 5.0
 
 
-def rendezvous(spec, deadline: float) -> None:
-    """Returns once all `spec.num_processes` processes have reported in. Raises TransientError
-    naming who did not by `deadline` (a time.monotonic() value), or the coordinator when it
-    cannot be reached; JaxscaleError when the processes disagree (counts, ids). `spec` is a
-    distributed.ClusterSpec."""
+def rendezvous(spec, deadline: float, min_processes: int | None = None) -> tuple[int, int]:
+    """Returns (this process's id, the process count) JAX starts with, once all
+    `spec.num_processes` processes have reported in, or at `deadline` (a time.monotonic() value)
+    once at least `min_processes` have (default: all). Raises TransientError naming who did not
+    arrive by then, or the coordinator when it cannot be reached; JaxscaleError when the processes
+    disagree (counts, ids). `spec` is a distributed.ClusterSpec."""
     if spec.process_id == 0:
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS",
                               "[::]:" + spec.coordinator_address.rsplit(":", 1)[1])
-        _gather(spec.num_processes, bind, deadline)
-    else:
-        _report(spec, deadline)
+        admitted = _gather(spec.num_processes, min_processes or spec.num_processes, bind,
+                           deadline)
+        return 0, admitted
+    return _report(spec, deadline)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -51,7 +59,8 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _gather(num_processes: int, bind: str, deadline: float) -> None:
+def _gather(num_processes: int, min_processes: int, bind: str, deadline: float) -> int:
+    """Gathers the peers; returns how many processes were admitted (process 0 among them)."""
     server = _listen(bind)
     hellos: dict[socket.socket, tuple[bytes, float]] = {}  # not yet identified: (read, drop at)
     peers: dict[int, socket.socket] = {}
@@ -59,6 +68,8 @@ def _gather(num_processes: int, bind: str, deadline: float) -> None:
     try:
         while len(peers) < num_processes - 1:
             now = time.monotonic()
+            if now >= deadline and len(peers) + 1 >= min_processes:
+                break  # the range's minimum came: start with those that did
             if now >= deadline:
                 missing = sorted(set(range(1, num_processes)) - set(peers))
                 _send_all(peers.values(), f"missing {','.join(map(str, missing))}")
@@ -84,7 +95,9 @@ def _gather(num_processes: int, bind: str, deadline: float) -> None:
                     for gone in [i for i, conn in peers.items() if conn is sock]:
                         del peers[gone]
                     sock.close()
-        _send_all(peers.values(), "ok")
+        for new_id, peer_id in enumerate(sorted(peers), start=1):
+            _send_all([peers[peer_id]], f"ok {new_id} {len(peers) + 1}")
+        return len(peers) + 1
     finally:
         for conn in [*hellos, *peers.values()]:
             conn.close()
@@ -155,7 +168,7 @@ def _listen(bind: str) -> socket.socket:
                             "JAX_COORDINATOR_PORT") from None
 
 
-def _report(spec, deadline: float) -> None:
+def _report(spec, deadline: float) -> tuple[int, int]:
     host, port = _split(spec.coordinator_address)
     where = spec.coordinator_address
     while True:
@@ -177,8 +190,9 @@ def _report(spec, deadline: float) -> None:
             answer = _read_line(conn)
         except OSError:
             answer = ""
-    if answer == "ok":
-        return
+    words = answer.split()
+    if len(words) == 3 and words[0] == "ok" and words[1].isdigit() and words[2].isdigit():
+        return int(words[1]), int(words[2])
     if answer.startswith("missing "):
         raise TransientError(
             f"process 0 gave up waiting: process(es) [{answer.split(' ', 1)[1]}] of "

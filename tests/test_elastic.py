@@ -1,0 +1,137 @@
+"""An elastic run on fewer devices keeps its global batch: the microbatches chosen, idle devices
+said, and the config left alone on the full count (jaxscale/training/elastic.py); launch.local's
+host range with stand-in processes: going on after a loss, exit 75 below the minimum, a planned
+restart taking a process back."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxscale.config import default_config
+from jaxscale.errors import ConfigError
+from jaxscale.training.elastic import fitted
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config(batch: int, microbatches: int = 1, **mesh):
+    c = default_config()
+    c.train.batch_size, c.train.microbatches = batch, microbatches
+    for axis, size in mesh.items():
+        c.mesh[axis] = size
+    return c
+
+
+def test_the_full_count_changes_nothing():
+    c = config(12)
+    assert fitted(c, list(range(4)), 4) == (c, list(range(4)), None)
+
+
+def test_fewer_devices_raise_accumulation_to_keep_the_global_batch_and_the_rows_per_device():
+    """12 rows on 4 devices: 3 each. On 3: 4 each would not fit, so 2 microbatches of 2 rows."""
+    fit, devices, note = fitted(config(12), list(range(3)), 4)
+    assert (fit.train.batch_size, fit.train.microbatches, devices) == (12, 2, [0, 1, 2])
+    assert note == ("elastic: 3 of 4 devices, global batch 12 kept: data-parallel width 4 -> 3, "
+                    "train.microbatches 1 -> 2")
+
+
+def test_a_width_that_divides_the_batch_with_rows_to_spare_keeps_the_microbatches():
+    """16 rows in 2 microbatches on 8 devices: 1 row each; on 4 devices, 4 microbatches."""
+    fit, devices, _ = fitted(config(16, 2), list(range(4)), 8)
+    assert (fit.train.microbatches, len(devices)) == (4, 4)
+
+
+def test_devices_are_left_idle_when_no_width_divides_the_batch_and_it_is_said():
+    """8 rows: 3 devices cannot split them; 2 can (2 microbatches of 2 rows each), one idles."""
+    fit, devices, note = fitted(config(8), list(range(3)), 4)
+    assert (fit.train.microbatches, devices) == (2, [0, 1])
+    assert note.endswith("; 1 device(s) left idle: no width of the 3 present divides 8")
+
+
+def test_fixed_axes_are_kept_and_only_the_minus_one_axis_refilled():
+    """tensor=2 fixed, data=-1: 8 -> 6 devices is data 4 -> 3; 24 rows: 6 -> 8 per data shard."""
+    fit, devices, note = fitted(config(24, tensor=2), list(range(6)), 8)
+    assert (fit.train.microbatches, len(devices)) == (2, 6)
+    assert "data-parallel width 4 -> 3" in note
+
+
+def test_no_layout_at_all_is_a_config_error():
+    """tensor=2 needs two devices; one is left."""
+    with pytest.raises(ConfigError, match="on at most 1 devices splits train.batch_size=4"):
+        fitted(config(4, tensor=2), [0], 4)
+
+
+# --- launch.local's host range, with stand-in processes ------------------------------------------
+
+STAND_IN = '''
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))  # saved; restart me
+n, i = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+print(f"{i} of {n}, at most {os.environ['JAXSCALE_MAX_PROCESSES']}", flush=True)
+narrow_ran = os.path.join(os.environ["MARKS"], "narrow_ran")
+if n < int(os.environ["JAXSCALE_MAX_PROCESSES"]):
+    open(narrow_ran, "w").close()
+elif os.path.exists(narrow_ran):
+    sys.exit(0)  # back on the full count: done
+if f"{n}:{i}" in os.environ["LOSE"].split(","):
+    os.kill(os.getpid(), signal.SIGKILL)  # a lost host
+# A step line once every process has its handler, as a real step is taken by all together.
+open(os.path.join(os.environ["MARKS"], f"started_{n}_{i}"), "w").close()
+while not all(os.path.exists(os.path.join(os.environ["MARKS"], f"started_{n}_{j}"))
+              for j in range(n)):
+    time.sleep(0.05)
+print("step 1 | loss 1.0", flush=True)
+time.sleep(60)
+'''
+
+
+def launch_stand_ins(tmp_path, lose: str, *flags: str):
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO]),
+           "MARKS": str(tmp_path), "LOSE": lose}
+    return subprocess.run([sys.executable, "-m", "jaxscale.launch.local", "--processes=3",
+                           "--devices_per_process=1", "--module=stand_in", *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_loss_below_the_minimum_exits_75_naming_who_is_missing(tmp_path):
+    """Process 2 of 3 lost: the run goes on at once on 2 (ids 0, 1); then process 1 of those."""
+    result = launch_stand_ins(tmp_path, "3:2,2:1", "--min_processes=2")
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "[1] 1 of 2, at most 3" in result.stdout  # renumbered, told the range's maximum
+    assert ("launch.local: process(es) [2] lost (SIGKILL); going on with 2 of 3 processes"
+            in result.stderr)
+    assert result.stderr.splitlines()[-1] == (
+        "error: process(es) [1] of 2 lost and 1 left, below --min_processes=2; exit 75: start "
+        "the run again once the hosts are back")
+
+
+def test_a_lost_process_is_taken_back_by_a_planned_restart(tmp_path):
+    result = launch_stand_ins(tmp_path, "3:2", "--min_processes=2", "--return_after_s=0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[1] 1 of 2, at most 3" in result.stdout and "[2] 2 of 3" in result.stdout
+    assert "launch.local: taking back the lost process(es): restarting on 3" in result.stderr
+
+
+def test_a_minimum_above_the_count_is_one_error_line(tmp_path):
+    result = launch_stand_ins(tmp_path, "", "--min_processes=4")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: --min_processes=4 is above --processes=3; pass a minimum no larger than the "
+        "process count"]
+
+
+def test_a_range_whose_minimum_the_mesh_cannot_run_on_is_refused_before_anything_starts(tmp_path):
+    """fsdp=4 fixed: 3 processes of 1 device could not go on."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.launch.local", "--processes=4", "--min_processes=3",
+         "--devices_per_process=1", "--", "--config=configs/tiny.py", "--config.mesh.data=1",
+         "--config.mesh.fsdp=4", f"--workdir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "run").exists()
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no mesh of the axes {"), lines
+    assert lines[0].endswith("(checked for 3 devices, as the run would go on after losing hosts; "
+                             "raise the range's minimum or change the mesh)")

@@ -1,0 +1,35 @@
+"""An elastic run (launch.local, 4 processes x 1 CPU device, --min_processes=3) loses process 2
+(SIGKILL, a lost host) after step 3: it goes on with 3 processes at the same global batch (in 2
+microbatches), takes the 4th back once the 3 train (--return_after_s=0: a planned stop, saved),
+and every step's loss equals an uninterrupted 4-process run's to 1e-5 relative (float32): the same
+documents in the same order, the same schedule. The runs are benchmarks/elastic.py's."""
+
+import pytest
+
+from tests.helpers import benchmark_module
+
+pytestmark = pytest.mark.slow
+
+elastic = benchmark_module("elastic")
+
+
+def test_a_lost_host_is_gone_on_without_then_taken_back_and_the_losses_are_unchanged(tmp_path):
+    cache = str(tmp_path / "compilation_cache")
+    whole = elastic.run(str(tmp_path / "whole"), cache, None, elastic=False, return_after_s=0)
+    assert whole.status == 0, whole.output[-3000:]
+    lost = elastic.run(str(tmp_path / "lost"), cache, 3, elastic=True, return_after_s=0)
+    assert lost.status == 0, lost.output[-3000:]
+    output = lost.output
+    went_on = output.index("launch.local: process(es) [2] lost (SIGKILL); going on with 3 of 4")
+    narrow = output.index("[0] jaxscale: elastic: 3 of 4 devices, global batch 12 kept: "
+                          "data-parallel width 4 -> 3, train.microbatches 1 -> 2", went_on)
+    wide = output.index("launch.local: taking back the lost process(es): restarting on 4", narrow)
+    assert "[0] step " in output[narrow:wide]  # the 3 trained before the 4th came back
+    assert "[0] preempted at step " in output[narrow:wide]  # and saved for it
+    assert lost.seconds_to_resume() < elastic.RESUME_BOUND_S
+    expected = elastic.metrics(str(tmp_path / "whole"))
+    got = elastic.metrics(str(tmp_path / "lost"))
+    assert sorted(got) == sorted(expected) == list(range(1, elastic.STEPS + 1))
+    for step in expected:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert got[step]["lr"] == expected[step]["lr"], step
