@@ -9,8 +9,12 @@ the Python 3.12 CI venv skips this file).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,13 +22,14 @@ from flax import nnx
 
 from jaxscale import hf
 from jaxscale.cli import load_config_file
-from jaxscale.config import default_config
+from jaxscale.config import MESH_AXES, default_config
 from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.mixtral import MixtralConfig
 from jaxscale.models.moe import MoEConfig
 from jaxscale.models.qwen3_moe import Qwen3MoeConfig
 from jaxscale.models.spec import model_spec
+from jaxscale.parallel.mesh import build_mesh
 from tests.helpers import (
     REPO,
     assert_imports_back_bit_for_bit,
@@ -73,12 +78,17 @@ def jaxscale_logits(model, cfg) -> np.ndarray:
     return np.asarray(model(jnp.asarray(TOKENS), jnp.asarray(POSITIONS)))[..., :cfg.vocab_size]
 
 
+def saved_hf_model(name: str, tmp_path_factory) -> str:
+    """A random float32 model of the family `name` saved by transformers, its norms away from
+    1."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[name]())
+    return saved_with_norms_off_one(model, tmp_path_factory.mktemp(name) / "model")
+
+
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
 def hf_folder(request, tmp_path_factory) -> str:
-    """A random float32 model of the family saved by transformers, its norms away from 1."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[request.param]())
-    return saved_with_norms_off_one(model, tmp_path_factory.mktemp(request.param) / "model")
+    return saved_hf_model(request.param, tmp_path_factory)
 
 
 def test_imported_logits_equal_transformers(hf_folder):
@@ -100,6 +110,49 @@ def test_the_comparison_sees_dropped_tokens(hf_folder):
     tight = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: type(model)(
         dropping, nnx.Rngs(0)))), params)
     assert relative_error(jaxscale_logits(tight, cfg), transformers_logits(hf_folder)) > 1e-2
+
+
+def test_import_onto_an_expert_mesh_reads_each_devices_experts(hf_folder):
+    """expert=4 x fsdp=2 under the default rules: each device holds a quarter of the experts,
+    read from their own tensors, and the parameters are the one-device import's, bit for bit."""
+    axes = dict.fromkeys(MESH_AXES, 1)
+    mesh = build_mesh({**axes, "expert": 4, "fsdp": 2}, axes, jax.devices())
+    one, _ = hf.load_model(hf_folder, compute_dtype="float32")
+    sharded, _ = hf.load_model(hf_folder, compute_dtype="float32", mesh=mesh)
+    gate = nnx.to_pure_dict(nnx.state(sharded, nnx.Param))["blocks"]["layers"][0]["mlp"]["gate"]
+    assert {shard.data.shape[1] for shard in gate.addressable_shards} == {EXPERTS // 4}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 *(nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (one, sharded)))
+
+
+@pytest.mark.slow
+def test_an_imported_model_fine_tunes_alike_on_an_expert_mesh(tmp_path_factory, tmp_path):
+    """configs/hf.py on a Qwen3-MoE folder for 2 steps (dropless, as imported), with every
+    expert on every device (data=8) and with a quarter of them on each (expert=4 x data=2): the
+    same losses. (Qwen3-MoE alone, the CLI's runs being slow: Mixtral's layers are the same
+    MoE layers, which tests/test_moe.py trains on expert meshes.)"""
+    folder = saved_hf_model("qwen3_moe", tmp_path_factory)
+    losses = [cli_losses(folder, tmp_path / str(i), **mesh)
+              for i, mesh in enumerate((dict(fsdp=1, data=8), dict(fsdp=1, expert=4, data=2)))]
+    assert losses[0].keys() == losses[1].keys() == {1, 2}
+    for step in (1, 2):
+        assert losses[1][step] == pytest.approx(losses[0][step], rel=1e-5)
+
+
+def cli_losses(folder: str, workdir, **mesh) -> dict[int, float]:
+    """The losses by step of configs/hf.py fine-tuning `folder` in float32 on `mesh`."""
+    flags = {"train.steps": 2, "train.seq_len": 32, "train.batch_size": 8, "train.log_every": 1,
+             "train.eval_every": 0, "precision.compute_dtype": "float32",
+             "checkpoint.every_steps": 0, "checkpoint.compilation_cache": False,
+             **{f"mesh.{axis}": size for axis, size in mesh.items()}}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", f"--config=configs/hf.py:{folder}",
+         f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
