@@ -101,6 +101,18 @@ def test_imported_logits_equal_transformers(hf_folder):
     assert relative_error(jaxscale_logits(model, cfg), transformers_logits(hf_folder)) < 1e-5
 
 
+def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
+    """A prefill of 16 tokens, then a token at a time (the sampler's path, routed dropless
+    whatever the capacity): the logits of the first row, whose positions start at 0."""
+    model, cfg = hf.load_model(hf_folder, compute_dtype="float32")
+    cache, got = model.init_cache(2, TOKENS.shape[1]), []
+    for begin, end in [(0, 16)] + [(i, i + 1) for i in range(16, TOKENS.shape[1])]:
+        features, cache = model.decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
+        got.append(np.asarray(model.logits(features))[..., :VOCAB])
+    want = transformers_logits(hf_folder)[:1]
+    assert relative_error(np.concatenate(got, axis=1)[:1], want) < 1e-5
+
+
 def test_the_comparison_sees_dropped_tokens(hf_folder):
     """The same weights routed with too few expert slots (tokens dropped) miss transformers'
     logits by far: the test above can fail on the routing."""
