@@ -10,6 +10,9 @@ Defaults to FSDP over all devices with full rematerialisation. With `--config.me
 each device holds one expert of each MoE layer (FSDP-split over the fsdp axis, which takes the
 other devices) and tokens reach their experts by all-to-all (docs/parallelism.md).
 
+The model is a `mixtral` (jaxscale/models/mixtral.py), so an export is a MixtralForCausalLM;
+to fine-tune the published weights, use configs/hf.py (docs/huggingface.md).
+
 Mixtral's own router_aux_loss_coef (0.02) weighs a load-balancing loss top_k times this one's
 (its expert loads sum to top_k, here to 1), hence aux_loss_weight 0.04.
 """
@@ -19,8 +22,8 @@ from jaxscale.config import default_config
 
 def get_config():
     c = default_config()
-    c.model.update(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                   head_dim=128, mlp_dim=14336, max_seq_len=32768, rope_theta=1e6,
+    c.model.update(name="mixtral", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                   n_kv_heads=8, head_dim=128, mlp_dim=14336, max_seq_len=32768, rope_theta=1e6,
                    tie_embeddings=False, remat="full")
     c.model.moe.update(experts=8, top_k=2, every=1, capacity_factor=1.25, aux_loss_weight=0.04)
     c.train.update(steps=10000, batch_size=256, seq_len=4096, log_every=10, eval_every=1000)

@@ -194,3 +194,23 @@ def exported_like_a_trained_model(config, folder) -> tuple[Any, Any, str, dict]:
     hf.save_model(model, cfg, str(folder), "float32")
     with open(os.path.join(str(folder), "config.json"), encoding="utf-8") as f:
         return model, cfg, str(folder), json.load(f)
+
+
+def assert_imports_back_bit_for_bit(model, cfg, folder) -> None:
+    """`folder`, an export of `model` (config `cfg`) in float32, imports back by
+    jaxscale.hf.load_model as the same config and the same parameters, bit for bit (the padded
+    vocabulary rows aside: they are not exported)."""
+    import jax
+    from flax import nnx
+
+    from jaxscale import hf
+
+    again, cfg_again = hf.load_model(str(folder), compute_dtype="float32")
+    assert cfg_again == cfg
+    ours, back = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (model, again))
+    for params in (ours, back):
+        params["embed"] = params["embed"][:cfg.vocab_size]
+        if "head" in params:
+            params["head"] = params["head"][:, :cfg.vocab_size]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 ours, back)

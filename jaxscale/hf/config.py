@@ -14,6 +14,7 @@ import ml_collections
 
 from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.models import FAMILIES, Family
+from jaxscale.models.hf_layout import check_moe_in_every_layer
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -98,15 +99,33 @@ def model_section(path: str) -> dict[str, Any]:
             n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
-            mlp_dim=int(hf["intermediate_size"]),
+            mlp_dim=int(hf[family.hf_mlp_dim]),
             max_seq_len=int(hf.get("max_position_embeddings", 2048)),
             rope_theta=theta, rope_scaling=rope_scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            **{key: int(hf.get(hf_key) or 0) for hf_key, key in family.hf_keys.items()})
+            **{key: int(hf.get(hf_key) or 0) for hf_key, key in family.hf_keys.items()},
+            **_moe(hf, family, file))
     except KeyError as e:
         raise JaxscaleError(f"{file} lacks {e.args[0]!r}; a {family.name} config.json has it "
                             f"(see transformers' {family.hf_architecture})") from None
+
+
+def _moe(hf: dict[str, Any], family: Family, file: str) -> dict[str, Any]:
+    """{"moe": model.moe's keys} for a family with experts in every layer, routed dropless
+    (capacity_factor 0) as transformers routes them; {} for a dense family."""
+    if not family.hf_experts:
+        return {}
+    # transformers reads either name (Qwen3-MoE's config maps num_experts to num_local_experts).
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    if experts is None:
+        raise KeyError(family.hf_experts)
+    top_k = int(hf["num_experts_per_tok"])
+    if top_k == 1:
+        # transformers then weighs the one expert by 1; jaxscale by its router probability.
+        raise JaxscaleError(f"{file}: num_experts_per_tok=1 is not supported; jaxscale's "
+                            f"{family.name} routes each token to 2 experts or more")
+    return dict(moe=dict(experts=int(experts), top_k=top_k, every=1, capacity_factor=0.0))
 
 
 # The model keys that decide the weights' shapes (vocab_size aside: jaxscale may pad it).
@@ -127,6 +146,7 @@ def apply_model_section(config: ml_collections.ConfigDict, section: dict[str, An
     config's validation expects)."""
     section = dict(section)
     config.model.rope_scaling.update(section.pop("rope_scaling"))
+    config.model.moe.update(section.pop("moe", dict(every=0)))
     config.model.update(section)
 
 
@@ -144,6 +164,16 @@ def update_config(config: ml_collections.ConfigDict, path: str) -> None:
             config.data[f"{key}_token"] = token or ""
             config.data[f"add_{key}"] = token is not None
     config.checkpoint.restore_from = path
+
+
+def _moe_keys(c, family: Family) -> dict[str, Any]:
+    """config.json's mixture-of-experts entries for `c` (a `DecoderConfig`); {} for a dense
+    family."""
+    if not family.hf_experts:
+        return {}
+    check_moe_in_every_layer(c)
+    return {family.hf_experts: c.moe.experts, "num_experts_per_tok": c.moe.top_k,
+            family.hf_mlp_dim: c.mlp_dim}
 
 
 def _token(tokenizer: str, token_id: int | list[int] | None) -> str | None:
@@ -189,6 +219,7 @@ def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
         rope_scaling=rope_scaling, tie_word_embeddings=c.tie_embeddings, **family.hf_settings,
         **{hf_key: getattr(c, key) or None for hf_key, key in family.hf_keys.items()},
         torch_dtype=dtype)
+    config.update(_moe_keys(c, family))
     config.update({k: v for k, v in (("bos_token_id", bos_token_id),
                                      ("eos_token_id", eos_token_id)) if v is not None})
     return config

@@ -78,7 +78,7 @@ def _check_params(params: Any, cfg: DecoderConfig) -> None:
         node = params
         for key in t.path:
             node = node.get(key) if isinstance(node, dict) else None
-        name = "/".join(t.path)
+        name = "/".join(map(str, t.path))
         if node is None:
             raise JaxscaleError(f"the params have no {name!r}, which the model config needs; "
                                 "pass the model config the params were made with")
@@ -86,7 +86,7 @@ def _check_params(params: Any, cfg: DecoderConfig) -> None:
         vocab_dim = {("embed",): 0, ("head",): 1}.get(t.path)
         if vocab_dim is not None:  # the embedding and head have the padded rows
             ours[vocab_dim] = cfg.padded_vocab_size
-        expected = ((cfg.n_layers,) if t.stacked else ()) + tuple(ours)
+        expected = t.lead_shape(cfg.n_layers) + tuple(ours)
         if tuple(np.shape(node)) != expected:
             raise JaxscaleError(f"parameter {name!r} is {list(np.shape(node))} but the model "
                                 f"config needs {list(expected)}; pass the model config the params "

@@ -8,6 +8,7 @@ so no process reads (or holds) more than its devices' part, one tensor at a time
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -145,14 +146,15 @@ def check_tensors(cfg: DecoderConfig, tensors: dict[str, safetensors.TensorInfo]
 def _reader(tensor: HfTensor, infos: list[safetensors.TensorInfo], shape: tuple[int, ...],
             dtype: np.dtype):
     """`make_array_from_callback`'s callback for one parameter of global `shape`: the requested
-    slice, read layer by layer, with the padding (vocabulary rows past the file's) zero."""
-    stacked = tensor.stacked
-    layer_shape = shape[1:] if stacked else shape  # padded
+    slice, read file tensor by file tensor (one per layer, or per layer and expert: `infos` in
+    `HfTensor.names` order), with the padding (vocabulary rows past the file's) zero."""
+    lead = len(shape) - len(tensor.view)  # the stacked axes: layers, then experts
+    one_shape = shape[lead:]  # padded
     ours = tuple(tensor.view[p] for p in tensor.perm)  # unpadded
     inverse = np.argsort(tensor.perm)
 
-    def one_layer(info, index):
-        bounds = [s.indices(n)[:2] for s, n in zip(index, layer_shape)]
+    def one_tensor(info, index):
+        bounds = [s.indices(n)[:2] for s, n in zip(index, one_shape)]
         out = np.zeros([stop - start for start, stop in bounds], dtype)
         in_file = [slice(min(start, m), min(stop, m)) for (start, stop), m in zip(bounds, ours)]
         block = safetensors.read_slice(info, tensor.view, tuple(in_file[i] for i in inverse))
@@ -161,10 +163,12 @@ def _reader(tensor: HfTensor, infos: list[safetensors.TensorInfo], shape: tuple[
         return out
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-        if not stacked:
-            return one_layer(infos[0], index)
-        layers = range(*index[0].indices(shape[0]))
-        return np.stack([one_layer(infos[i], index[1:]) for i in layers])
+        ranges = [range(*s.indices(n)) for s, n in zip(index[:lead], shape[:lead])]
+        blocks = [one_tensor(infos[int(np.ravel_multi_index(at, shape[:lead]))], index[lead:])
+                  for at in itertools.product(*ranges)]
+        if not lead:
+            return blocks[0]
+        return np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape)
 
     return read
 
@@ -203,17 +207,17 @@ def save_params(params: Any, cfg: DecoderConfig, path: str, dtype: str,
     save_pretrained; returns the file names. Every process must call it (a parameter split over
     processes is gathered); process 0 writes."""
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    tensors = {}  # hf name -> (Tensor, layer)
+    tensors = {}  # hf name -> (Tensor, its place along the stacked axes: layers, experts)
     for t in layout(cfg):
-        for layer, name in enumerate(t.names(cfg.n_layers)):
-            tensors[name] = (t, layer if t.stacked else None)
+        for index, name in zip(t.indices(cfg.n_layers), t.names(cfg.n_layers)):
+            tensors[name] = (t, index)
 
     def produce(name: str) -> np.ndarray:
-        t, layer = tensors[name]
+        t, index = tensors[name]
         array = params
         for key in t.path:
             array = array[key]
-        ours = to_host(array if layer is None else array[layer])
+        ours = to_host(array[index] if index else array)
         unpadded = ours[tuple(slice(0, n) for n in (t.view[p] for p in t.perm))]
         return unpadded.transpose(np.argsort(t.perm)).reshape(t.hf_shape).astype(np_dtype)
 

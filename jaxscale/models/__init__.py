@@ -5,7 +5,7 @@ Flax module (`Model`), and the Hugging Face tensor each of its parameters is (`h
 jaxscale/models/spec.py builds any family's model from a run's config; nothing outside this folder
 names a family's classes (tests/test_anatomy.py checks it). Every family is the decoder of
 jaxscale/models/decoder.py with its own config: Qwen3 adds per-head q/k norms, Mistral a sliding
-window.
+window; Mixtral and Qwen3-MoE have a mixture of experts in every layer.
 
 This module imports no JAX: jaxscale/hf/config.py reads a Hugging Face config.json with the table
 below before JAX starts (a config file, configs/hf.py, does). Adding a family: its module, its row.
@@ -31,6 +31,11 @@ class Family:
     # The config.json entries that are `model` keys of the family's own, beyond those every
     # decoder has ({config.json key: model key}; a null or absent entry is the key's 0, none).
     hf_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # A mixture of experts in every layer: the config.json key of the expert count, which
+    # jaxscale/hf/config.py writes (it reads HF's other name for it too); "": a dense family.
+    hf_experts: str = ""
+    # The config.json key of the feed-forward's (with experts, each expert's) hidden width.
+    hf_mlp_dim: str = "intermediate_size"
 
 
 FAMILIES = {family.name: family for family in (
@@ -40,6 +45,15 @@ FAMILIES = {family.name: family for family in (
            {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
     Family("mistral", "jaxscale.models.mistral", "MistralForCausalLM", "mistral",
            {"hidden_act": "silu"}, hf_keys={"sliding_window": "sliding_window"}),
+    # transformers' Mixtral has sliding-window attention too; the published models have none.
+    Family("mixtral", "jaxscale.models.mixtral", "MixtralForCausalLM", "mixtral",
+           {"hidden_act": "silu", "sliding_window": None}, hf_experts="num_local_experts"),
+    # Every layer sparse (no dense layers between), top-k weights renormalised, as in the
+    # published Qwen3-30B-A3B and 235B-A22B.
+    Family("qwen3_moe", "jaxscale.models.qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe",
+           {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+           hf_experts="num_experts", hf_mlp_dim="moe_intermediate_size"),
 )}
 
 

@@ -240,7 +240,7 @@ def _layer_bytes(config: ml_collections.ConfigDict, cfg, shards, compute: int,
         # all-to-all (an all-to-all's gradient is another, of the gradient); save_dots keeps
         # attention's weight-matmul outputs, the router's float32 logits and, per slot of the
         # experts' buffers, their gate, up and down outputs.
-        slots = cfg.moe.experts * cfg.moe.capacity(seq_len)
+        slots = _expert_slots(cfg.moe, seq_len, tokens)
         kept_moe = {"none": moe - exchanged, "full": d * compute * tokens,
                     "save_dots": ((3 * d + q + 2 * kv) * compute + cfg.moe.experts * 4) * tokens
                     + slots * (2 * mlp + d) * compute}[m.remat]
@@ -258,10 +258,19 @@ def _moe_row(moe, seq_len: int, tokens: int, d: int, mlp: int,
     input of the router, its logits and probabilities, and the top_k outputs gathered back in
     float32 and weighted. The buffers' capacity is the whole row's and no mesh axis splits it: a
     context axis leaves every device all of its rows' slots."""
-    slots = moe.experts * moe.capacity(seq_len)
+    slots = _expert_slots(moe, seq_len, tokens)
     per_slot = 4 * d * compute + mlp * (3 * compute + 4)
     per_token = d * 4 + 2 * moe.experts * 4 + 2 * moe.top_k * d * 4
     return slots * per_slot + tokens * per_token, slots * 2 * d * compute
+
+
+def _expert_slots(moe, seq_len: int, tokens: int) -> int:
+    """The rows the experts run on for a device's `tokens` of a row: the [experts, capacity]
+    buffers' slots, or dropless (capacity_factor 0) the device's own assignments, top_k a token,
+    which it groups by expert and runs itself (jaxscale/models/moe.py `grouped_swiglu`)."""
+    if moe.capacity_factor == 0:
+        return tokens * moe.top_k
+    return moe.experts * moe.capacity(seq_len)
 
 
 def _is_expert_weight(logical: P) -> bool:
@@ -286,6 +295,7 @@ def _compute_weights(spec: ModelSpec, param_specs, rules: Rules, mesh_shape: Map
         whole = dict(mesh_shape) | {a: 1 for a in (*embed_axes, *rules.get("layers", ()))}
         units = jax.tree.leaves(abstract)[0].shape[0]  # the stacked `layers` axis
         gathered = 2 * _tree_shard_elements(blocks, abstract, whole) // units
+    gathered += _dropless_experts(spec, blocks, abstract, rules, mesh_shape)
     if not converted:
         return gathered
     experts = jax.tree.leaves(jax.tree.map(
@@ -293,6 +303,24 @@ def _compute_weights(spec: ModelSpec, param_specs, rules: Rules, mesh_shape: Map
         if _is_expert_weight(logical) else 0,
         spec.logical_specs["blocks"], blocks, abstract, is_leaf=lambda x: isinstance(x, P)))
     return gathered + sum(experts)
+
+
+def _dropless_experts(spec: ModelSpec, blocks, abstract, rules: Rules,
+                      mesh_shape: Mapping[str, int]) -> int:
+    """Elements per device of the expert weights that dropless routing with the experts split
+    over devices brings whole to the tokens (jaxscale/parallel/experts.py `on_token_shards`):
+    every MoE layer's, kept for the backward, and one layer's gradient before it is split back
+    (seen in configs/tiny_moe.py's compiled step on data=2 x expert=4)."""
+    moe, expert_axes = spec.config.moe, tuple(rules.get("experts", ()))
+    if not moe or moe.capacity_factor or math.prod(mesh_shape[a] for a in expert_axes) == 1:
+        return 0
+    whole = dict(mesh_shape) | {a: 1 for a in expert_axes}
+    experts = sum(jax.tree.leaves(jax.tree.map(
+        lambda logical, p, a: _shard_elements(a.shape, p, whole)
+        if _is_expert_weight(logical) else 0,
+        spec.logical_specs["blocks"], blocks, abstract, is_leaf=lambda x: isinstance(x, P))))
+    units = jax.tree.leaves(abstract)[0].shape[0]  # the stacked `layers` axis
+    return experts + experts // units
 
 
 def _pipeline_activations(pipeline: Pipeline, stage_layers: int, layer_kept: int,
