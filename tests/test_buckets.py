@@ -11,15 +11,25 @@ import sys
 
 import fsspec
 import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checkpoint import Checkpoints
+from jaxscale.data.row_streams import resolved_workers
+from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, TransientError
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
 from tests.storage_servers import free_port, gcs, gcs_variables, s3, s3_variables  # noqa: F401 (fixtures)
-from tests.test_data_sources import decoded, write_fixture
+from tests.test_data import assert_same, take
+from tests.test_data_sources import (  # noqa: F401 (fixtures)
+    decoded,
+    huggingface_tokenizer,
+    sentencepiece_model,
+    write_fixture,
+)
 
 
 def test_bucket_path_without_its_library_names_the_extra(tmp_path):
@@ -50,7 +60,7 @@ def test_servers_hold_what_is_written(server, request):
 
 
 @pytest.mark.parametrize("server", ["gcs", "s3"])
-@pytest.mark.parametrize("name", ["jsonl", "text_lines", "text_files", "tokens"])
+@pytest.mark.parametrize("name", ["jsonl", "text_lines", "text_files", "tokens", "parquet"])
 def test_sources_in_a_bucket_read_as_from_local_disk(server, name, request, tmp_path,
                                                      monkeypatch):
     local = write_fixture(tmp_path, name)
@@ -70,6 +80,50 @@ def test_sources_in_a_bucket_read_as_from_local_disk(server, name, request, tmp_
         assert decoded(config_with(dict(in_bucket, eval_fraction=0.1)), split) == expected
     # Listed once for both splits: an object store bills (and may throttle) every listing.
     assert len(listings) == (1 if name == "text_files" else 0), listings
+
+
+def uploaded(local: str, server) -> str:
+    """The local file or folder `local` copied into `server`'s bucket; its URL there."""
+    url = f"{server.bucket}/{os.getpid()}/{os.path.basename(local)}"
+    fs, root = filesystem(url, "test")
+    fs.put(local, root, recursive=os.path.isdir(local))
+    return url
+
+
+def test_array_record_in_a_bucket_is_refused_in_one_line(gcs, tmp_path):
+    # array_record's reader takes local paths only: refused at start, saying what to do.
+    url = uploaded(str(write_fixture(tmp_path, "array_record")["path"]), gcs)
+    message = one_line_error(
+        ConfigError, lambda: decoded(config_with(dict(format="array_record", path=url)), "train"))
+    assert message.startswith(f"ArrayRecord file {url!r} is in a bucket") and "prepare" in message
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+@pytest.mark.parametrize("kind", ["sentencepiece_model", "huggingface_tokenizer"])
+def test_a_tokenizer_file_in_a_bucket_is_the_local_one(server, kind, request):
+    local = request.getfixturevalue(kind)
+    url = uploaded(local, request.getfixturevalue(server))
+    special = dict(bos_token="<s>", eos_token="</s>") if kind == "huggingface_tokenizer" else {}
+    tokenizers = [tokenizer_from_config(config_with(dict(format="synthetic"), tokenizer=path,
+                                                    **special)) for path in (local, url)]
+    # The name (a hash of the content) is what token files are checked against.
+    assert tokenizers[0].name == tokenizers[1].name
+    text = "document 3: the same ids from either"
+    np.testing.assert_array_equal(tokenizers[1].encode(text), tokenizers[0].encode(text))
+
+
+def test_reads_in_flight_keep_the_order_of_local_disk(s3, tmp_path):
+    # A bucket source reads with several streams' ranged GETs in flight (data.workers=-1): the
+    # batches, and so an exact resume, are those of local disk read one document at a time.
+    local = write_fixture(tmp_path, "tokens")
+    bucket = f"{s3.bucket}/in-flight-{os.getpid()}"
+    fs, root = filesystem(bucket, "test")
+    fs.put(f"{tmp_path}/", f"{root}/", recursive=True)
+    in_bucket = dict(local, path=local["path"].replace(str(tmp_path), bucket))
+    ahead, one_at_a_time = config_with(in_bucket), config_with(local, workers=0)
+    assert resolved_workers(ahead, ByteTokenizer()) > 1
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+    assert_same(take(ahead, "train", sharding, 6), take(one_at_a_time, "train", sharding, 6))
 
 
 @pytest.mark.parametrize("server", ["gcs", "s3"])
