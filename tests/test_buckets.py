@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checkpoint import Checkpoints
+from jaxscale.data import prepare
 from jaxscale.data.row_streams import resolved_workers
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
-from jaxscale.errors import ConfigError, TransientError
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
@@ -110,6 +111,28 @@ def test_a_tokenizer_file_in_a_bucket_is_the_local_one(server, kind, request):
     assert tokenizers[0].name == tokenizers[1].name
     text = "document 3: the same ids from either"
     np.testing.assert_array_equal(tokenizers[1].encode(text), tokenizers[0].encode(text))
+
+
+# Each prepare spawns its tokenizing processes (tens of seconds here): one server by default.
+@pytest.mark.parametrize("server", [pytest.param("gcs", marks=pytest.mark.slow), "s3"])
+def test_prepare_writes_token_files_into_a_bucket(server, request, tmp_path):
+    # `python -m jaxscale.data.prepare --out=gs://...` runs this: the files it writes into the
+    # bucket, and the sources it prints, train on the documents the local files hold.
+    config = config_with(write_fixture(tmp_path, "jsonl"))
+    out = f"{request.getfixturevalue(server).bucket}/prepared-{os.getpid()}"
+    in_bucket = prepare.prepare(config, out, workers=1)
+    local = prepare.prepare(config, str(tmp_path / "local"), workers=1)
+    assert [s["path"] for s in in_bucket] == [f"{out}/source0.train.bin"]
+    for split in ("train", "eval"):
+        assert decoded(config_with(*in_bucket), split) == decoded(config_with(*local), split)
+    fs, root = filesystem(out, "test")
+    for name in ("source0.train.bin", "source0.train.idx.npy", "prepare.json"):
+        assert fs.cat_file(f"{root}/{name}") == (tmp_path / "local" / name).read_bytes()
+    # The bucket's manifest is read back: another tokenizer is refused, nothing overwritten.
+    other = config_with(*config.data.sources, tokenizer=request.getfixturevalue(
+        "sentencepiece_model"))
+    assert "already holds token files of another config" in one_line_error(
+        JaxscaleError, lambda: prepare.prepare(other, out, workers=1))
 
 
 def test_reads_in_flight_keep_the_order_of_local_disk(s3, tmp_path):
