@@ -20,6 +20,7 @@ from jaxscale.data import prepare
 from jaxscale.data.row_streams import resolved_workers
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
+from jaxscale.export_hf import export
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
@@ -293,3 +294,24 @@ def test_tiny_from_buckets_trains_and_resumes_as_from_local_disk(gcs, s3, tmp_pa
     if failed:
         pytest.xfail(f"resumed bitwise; then the GCS emulator failed the save: "
                      f"{EMULATOR_GENERATIONS}")
+
+
+@pytest.mark.slow
+def test_export_hf_writes_the_folder_into_a_bucket(gcs, s3, tmp_path, monkeypatch):
+    # `python -m jaxscale.export_hf --out=gs://...` (or s3://): the folder a local export
+    # writes, file for file, byte for byte.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    resumable_cli_losses(tmp_path / "run", 2)
+    local = tmp_path / "local"
+    export(str(tmp_path / "run"), str(local), None, "float32")
+    for server in (gcs, s3):
+        out = f"{server.bucket}/export-{os.getpid()}"
+        assert out in export(str(tmp_path / "run"), out, None, "float32")
+        fs, root = filesystem(out, "test")
+        assert sorted(os.path.basename(p) for p in fs.ls(root, detail=False)) == \
+            sorted(os.listdir(local))
+        for name in os.listdir(local):
+            assert fs.cat_file(f"{root}/{name}") == (local / name).read_bytes(), name
+        # A folder that holds files is refused, as on a local disk.
+        assert "is not an empty folder" in one_line_error(
+            JaxscaleError, lambda: export(str(tmp_path / "run"), out, None, "float32"))
