@@ -106,10 +106,31 @@ def gcs_server(bucket: str):
                     gcs_variables, _gcs_bucket, "gs", bucket)
 
 
+_S3_COMMAND = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p"]
+
+
 def s3_server(bucket: str):
     """A context: moto's S3 server holding `bucket`."""
-    return _serving([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p"], "/",
-                    s3_variables, _s3_bucket, "s3", bucket)
+    return _serving(_S3_COMMAND, "/", s3_variables, _s3_bucket, "s3", bucket)
+
+
+@contextlib.contextmanager
+def s3_server_refusing_credentials():
+    """moto's S3 server checking every request's signature against its own accounts
+    (INITIAL_NO_AUTH_ACTION_COUNT=0: from the first request), with the variables pointing at it
+    and giving an access key it does not know: refused with HTTP 403, as AWS refuses one."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")
+        process, url = _started(_S3_COMMAND, "/")
+        try:
+            for name, value in s3_variables(url).items():
+                mp.setenv(name, value)
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
+            yield url
+        finally:
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="module")

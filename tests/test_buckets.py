@@ -24,7 +24,14 @@ from jaxscale.export_hf import export
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
-from tests.storage_servers import free_port, gcs, gcs_variables, s3, s3_variables  # noqa: F401 (fixtures)
+from tests.storage_servers import (  # noqa: F401 (fixtures)
+    free_port,
+    gcs,
+    gcs_variables,
+    s3,
+    s3_server_refusing_credentials,
+    s3_variables,
+)
 from tests.test_data import assert_same, take
 from tests.test_data_sources import (  # noqa: F401 (fixtures)
     decoded,
@@ -180,6 +187,17 @@ def test_a_server_that_does_not_answer_is_transient_at_start(server, request, mo
     finally:
         fsspec.get_filesystem_class(scheme).clear_instance_cache()
     assert f"bucket {bucket} cannot be reached" in message and "127.0.0.1" in message, message
+
+
+def test_credentials_the_server_refuses_are_named_at_start():
+    # The server's own refusal (403 for an access key it does not know), not one made up here:
+    # exit 2 before anything is read, naming the bucket, the account and the fix.
+    source = dict(format="jsonl", path="s3://refusing-bucket/texts.jsonl")
+    with s3_server_refusing_credentials():
+        message = one_line_error(ConfigError, lambda: decoded(config_with(source), "train"))
+    assert message.startswith(f"data.sources[0].path={source['path']!r}: bucket "
+                              "s3://refusing-bucket refused AWS access key test (Forbidden)")
+    assert "grant that account access to the bucket" in message and "s3:GetObject" in message
 
 
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):

@@ -50,11 +50,38 @@ def check_bucket(path: str, key: str) -> None:
         raise ConfigError(f"{key}={path!r}: bucket {url} does not exist, or this account cannot "
                           "see it; create it, or fix the path") from e
     except OSError as e:
+        if access_denied(e):
+            raise ConfigError(
+                f"{key}={path!r}: bucket {url} refused {account(fs)} ({reason(e)}); grant that "
+                "account access to the bucket (GCS: roles/storage.objectUser; S3: s3:ListBucket, "
+                "s3:GetObject, s3:PutObject, s3:DeleteObject; see docs/launch.md), or run with "
+                "credentials that have it") from e
         raise storage_error(e, f"{key}={path!r}: bucket {url} cannot be reached ({reason(e)})",
                             "fix the path") from e
     except _unreachable_errors() as e:
         raise TransientError(f"{key}={path!r}: bucket {url} cannot be reached "
                              f"({' '.join(str(e).split())}): the storage is failing") from e
+
+
+def account(fs: fsspec.AbstractFileSystem) -> str:
+    """Who the bucket's library asked as, in words, as far as it can tell: the AWS access key
+    s3fs signed with, the Google service account gcsfs presented, else what is known."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if "s3" in protocols:
+        import botocore.session  # s3fs is installed, so botocore is
+
+        # s3fs takes its credentials from botocore's chain (variables, ~/.aws, the instance's
+        # role) when given none, as jaxscale's filesystems are.
+        credentials = botocore.session.Session().get_credentials()
+        return (f"AWS access key {credentials.access_key}" if credentials
+                else "a request without AWS credentials")
+    google = getattr(getattr(fs, "credentials", None), "credentials", None)
+    email = getattr(google, "service_account_email", None)
+    if email and email != "default":  # "default": the metadata server's, not yet asked
+        return f"service account {email}"
+    if google is not None:
+        return "the Google Application Default Credentials' account"
+    return "a request without Google credentials"
 
 
 def in_bucket(path: str) -> bool:
