@@ -23,6 +23,7 @@ from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.export_hf import export
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
+from tests.fault_proxy import FaultProxy
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
 from tests.storage_servers import (  # noqa: F401 (fixtures)
     free_port,
@@ -198,6 +199,49 @@ def test_credentials_the_server_refuses_are_named_at_start():
     assert message.startswith(f"data.sources[0].path={source['path']!r}: bucket "
                               "s3://refusing-bucket refused AWS access key test (Forbidden)")
     assert "grant that account access to the bucket" in message and "s3:GetObject" in message
+
+
+@pytest.mark.parametrize("status", [503, 429, 500])
+def test_a_server_answering_5xx_or_429_at_start_is_transient(s3, status, monkeypatch):
+    # Answered by a proxy in front of the live server (moto cannot be made to): botocore retries
+    # (5 requests in all, seconds), then exit 75 naming the bucket; the launcher retries later.
+    with FaultProxy(s3.url) as proxy:
+        for name, value in s3_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        fsspec.get_filesystem_class("s3").clear_instance_cache()  # made with the live endpoint
+        try:
+            source = dict(format="jsonl", path=f"{s3.bucket}/data/texts.jsonl")
+            proxy.status = status
+            message = one_line_error(TransientError,
+                                     lambda: decoded(config_with(source), "train"))
+        finally:
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
+    assert message.startswith(f"data.sources[0].path={source['path']!r}: bucket {s3.bucket} "
+                              "cannot be reached (") and message.endswith("the storage is failing")
+    assert proxy.requests > 1  # the library's own retries came first
+
+
+# gcsfs retries a 503 for about 30 s (its own backoff) before it gives up: with the slow tests.
+@pytest.mark.parametrize("status", [403, pytest.param(503, marks=pytest.mark.slow)])
+def test_what_a_gcs_server_answers_at_start_is_classified(gcs, status, monkeypatch):
+    # 403: refused (exit 2, the account named); 503 after gcsfs' retries: failing (exit 75).
+    with FaultProxy(gcs.url) as proxy:
+        for name, value in gcs_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        fsspec.get_filesystem_class("gs").clear_instance_cache()  # made with the live endpoint
+        try:
+            source = dict(format="jsonl", path=f"{gcs.bucket}/data/texts.jsonl")
+            proxy.status = status
+            message = one_line_error(ConfigError if status == 403 else TransientError,
+                                     lambda: decoded(config_with(source), "train"))
+        finally:
+            fsspec.get_filesystem_class("gs").clear_instance_cache()
+    where = f"data.sources[0].path={source['path']!r}: bucket {gcs.bucket} "
+    if status == 403:
+        assert message.startswith(where + "refused ") and "roles/storage.objectUser" in message
+    else:
+        assert message.startswith(where + "answered HTTP 503 (")
+        assert message.endswith("the storage is failing") and proxy.requests > 1
 
 
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):

@@ -27,6 +27,16 @@ from jaxscale.errors import ConfigError, TransientError
 CLOUD_EXTRA = "pip install 'jaxscale[cloud]'"
 
 
+def _http_error() -> tuple[type[Exception], ...]:
+    """gcsfs' error for an HTTP status it has no OSError for (5xx and 429 once its retries are
+    spent, 401): no OSError, with the status as `code` (seen from a server answering 503)."""
+    try:
+        from gcsfs.retry import HttpError
+    except ImportError:  # no gcsfs
+        return ()
+    return (HttpError,)
+
+
 def _unreachable_errors() -> tuple[type[Exception], ...]:
     """What a bucket's library raises when its server cannot be reached and that is no OSError
     (gcsfs' aiohttp errors are OSErrors): botocore's connection errors, under s3fs."""
@@ -35,6 +45,11 @@ def _unreachable_errors() -> tuple[type[Exception], ...]:
     except ImportError:  # no s3fs: no botocore
         return ()
     return (EndpointUnreachable,)
+
+
+_GRANT = ("grant that account access to the bucket (GCS: roles/storage.objectUser; S3: "
+          "s3:ListBucket, s3:GetObject, s3:PutObject, s3:DeleteObject; see docs/launch.md), or "
+          "run with credentials that have it")
 
 
 def check_bucket(path: str, key: str) -> None:
@@ -51,13 +66,17 @@ def check_bucket(path: str, key: str) -> None:
                           "see it; create it, or fix the path") from e
     except OSError as e:
         if access_denied(e):
-            raise ConfigError(
-                f"{key}={path!r}: bucket {url} refused {account(fs)} ({reason(e)}); grant that "
-                "account access to the bucket (GCS: roles/storage.objectUser; S3: s3:ListBucket, "
-                "s3:GetObject, s3:PutObject, s3:DeleteObject; see docs/launch.md), or run with "
-                "credentials that have it") from e
+            raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} "
+                              f"({reason(e)}); {_GRANT}") from e
         raise storage_error(e, f"{key}={path!r}: bucket {url} cannot be reached ({reason(e)})",
                             "fix the path") from e
+    except _http_error() as e:
+        words = " ".join(str(e).split())
+        if getattr(e, "code", None) in (401, 403):
+            raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} ({words}); "
+                              f"{_GRANT}") from e
+        raise TransientError(f"{key}={path!r}: bucket {url} answered HTTP {e.code} ({words}): "
+                             "the storage is failing") from e
     except _unreachable_errors() as e:
         raise TransientError(f"{key}={path!r}: bucket {url} cannot be reached "
                              f"({' '.join(str(e).split())}): the storage is failing") from e
@@ -108,7 +127,8 @@ _USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIS
 # A refusal: no retry grants a permission or makes a read-only mount writable.
 _DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 # gcsfs raises HTTP 403 as an OSError without errno whose words start "Forbidden: " (its
-# retry.validate_response: no type of its own); s3fs raises PermissionError.
+# retry.validate_response: no type of its own; seen from a server answering 403 in
+# tests/test_buckets.py); s3fs raises PermissionError (seen from moto refusing an access key).
 _DENIED_HTTP_WORDS = ("Forbidden", "Unauthorized")
 # TensorStore raises a ValueError whose words start with its absl status code.
 _DENIED_STATUSES = ("PERMISSION_DENIED: ", "UNAUTHENTICATED: ")
