@@ -16,8 +16,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checkpoint import Checkpoints
-from jaxscale.data import prepare
+from jaxscale.data import prepare, sources
 from jaxscale.data.row_streams import resolved_workers
+from jaxscale.data.sources import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.export_hf import export
@@ -242,6 +243,33 @@ def test_what_a_gcs_server_answers_at_start_is_classified(gcs, status, monkeypat
     else:
         assert message.startswith(where + "answered HTTP 503 (")
         assert message.endswith("the storage is failing") and proxy.requests > 1
+
+
+# gcsfs retries a 503 for about 30 s before it gives up: with the slow tests.
+@pytest.mark.parametrize("server", [pytest.param("gcs", marks=pytest.mark.slow), "s3"])
+def test_a_server_failing_mid_run_stops_the_read_as_transient(server, request, tmp_path,
+                                                              monkeypatch):
+    # The sources were listed and opened; then every request is answered 503: the document's
+    # read raises exit 75 (the launcher retries), never a skipped record or a traceback.
+    live = request.getfixturevalue(server)
+    local = write_fixture(tmp_path, "tokens")
+    url = uploaded(str(tmp_path), live)
+    source = dict(local, path=local["path"].replace(str(tmp_path), url))
+    scheme = live.bucket.split(":")[0]
+    variables = gcs_variables if scheme == "gs" else s3_variables
+    with FaultProxy(live.url) as proxy:
+        for name, value in variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        fsspec.get_filesystem_class(scheme).clear_instance_cache()
+        try:
+            documents = sources.source_documents(source_specs(config_with(source))[0], "train",
+                                                 ByteTokenizer(), config_with(source))
+            proxy.status = 503
+            message = one_line_error(TransientError, lambda: documents[0])
+        finally:
+            fsspec.get_filesystem_class(scheme).clear_instance_cache()
+    assert message.startswith(f"cannot read {source['path']!r} (") and proxy.requests > 1
+    assert message.endswith("the storage is failing"), message
 
 
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):

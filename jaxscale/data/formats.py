@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError, json_object
-from jaxscale.runtime.storage import filesystem, in_bucket, reason, storage_error
+from jaxscale.runtime.storage import (
+    filesystem,
+    in_bucket,
+    library_error,
+    library_errors,
+    reason,
+    storage_error,
+)
 
 _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
 
@@ -47,6 +54,9 @@ def read_at(handle, size: int, offset: int, path: str) -> bytes:
         return fs.cat_file(inner, start=offset, end=offset + size)
     except OSError as e:
         raise read_failed(e, path) from e
+    except library_errors() as e:  # gcsfs' 5xx after its retries: no OSError
+        raise library_error(e, f"cannot read {path!r}",
+                            "make it readable again, or leave it out of the source's path") from e
 
 
 def open_for_reading(path: str):

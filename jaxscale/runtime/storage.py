@@ -103,6 +103,22 @@ def account(fs: fsspec.AbstractFileSystem) -> str:
     return "a request without Google credentials"
 
 
+def library_errors() -> tuple[type[Exception], ...]:
+    """What the buckets' libraries raise for a failed request that is no OSError (an OSError
+    goes to `storage_error`): gcsfs' HttpError, botocore's connection errors."""
+    return (*_http_error(), *_unreachable_errors())
+
+
+def library_error(error: Exception, what: str, fix: str) -> ConfigError | TransientError:
+    """What to raise when a request for `what` failed with one of `library_errors()`: a refusal
+    (HTTP 401/403) is the user's to resolve, anything else (5xx, 429 once retried, no answer)
+    the storage failing for now."""
+    words = " ".join(str(error).split())
+    if getattr(error, "code", None) in (401, 403):
+        return ConfigError(f"{what} ({words}); {grant_or(fix)}")
+    return TransientError(f"{what} ({words}): the storage is failing")
+
+
 def in_bucket(path: str) -> bool:
     """Whether `path` is a URL (gs://, s3://) rather than a local path."""
     return "://" in path
