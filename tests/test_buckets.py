@@ -241,7 +241,7 @@ def test_what_a_gcs_server_answers_at_start_is_classified(gcs, status, monkeypat
     if status == 403:
         assert message.startswith(where + "refused ") and "roles/storage.objectUser" in message
     else:
-        assert message.startswith(where + "answered HTTP 503 (")
+        assert message.startswith(where + "cannot be reached (") and "503" in message
         assert message.endswith("the storage is failing") and proxy.requests > 1
 
 

@@ -70,16 +70,12 @@ def check_bucket(path: str, key: str) -> None:
                               f"({reason(e)}); {_GRANT}") from e
         raise storage_error(e, f"{key}={path!r}: bucket {url} cannot be reached ({reason(e)})",
                             "fix the path") from e
-    except _http_error() as e:
-        words = " ".join(str(e).split())
+    except library_errors() as e:  # gcsfs' 5xx/429 once retried, 401; botocore's no answer
         if getattr(e, "code", None) in (401, 403):
-            raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} ({words}); "
-                              f"{_GRANT}") from e
-        raise TransientError(f"{key}={path!r}: bucket {url} answered HTTP {e.code} ({words}): "
-                             "the storage is failing") from e
-    except _unreachable_errors() as e:
-        raise TransientError(f"{key}={path!r}: bucket {url} cannot be reached "
-                             f"({' '.join(str(e).split())}): the storage is failing") from e
+            raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} "
+                              f"({' '.join(str(e).split())}); {_GRANT}") from e
+        raise library_error(e, f"{key}={path!r}: bucket {url} cannot be reached",
+                            "fix the path") from e
 
 
 def account(fs: fsspec.AbstractFileSystem) -> str:
