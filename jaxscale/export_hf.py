@@ -18,13 +18,14 @@ jaxscale/hf/peft.py) for `peft.PeftModel.from_pretrained(base, DIR)`.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
+import tempfile
 
 from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import whole
 from jaxscale.models import FAMILIES
+from jaxscale.runtime.storage import check_bucket, filesystem, in_bucket, writing
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.runtime.workdir import check_writable, read_config
 
@@ -39,8 +40,8 @@ def make_parser() -> ArgumentParser:
                                         "folder of its family (model.name).")
     parser.add_argument("--workdir", required=True, type=folder_flag,
                         help="The run's workdir (its config.json and checkpoints).")
-    parser.add_argument("--out", required=True, help="The folder to write; it must not exist "
-                        "or be empty.")
+    parser.add_argument("--out", required=True, help="The folder to write (local, gs:// or "
+                        "s3://); it must not exist or be empty.")
     parser.add_argument("--step", type=number_flag(whole("[0, inf)")), default=None,
                         help="The checkpoint's step (default: the newest).")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
@@ -86,7 +87,24 @@ def check_adapters_only(config, workdir: str) -> None:
 
 def export(workdir: str, out: str, step: int | None, dtype: str,
            adapters_only: bool = False) -> str:
-    """Writes the folder; returns a line saying what was written."""
+    """Writes the folder, on a local disk or in a bucket; returns a line saying what was written.
+
+    A bucket's folder is written on local disk first and then copied up, file by file: the
+    safetensors writer writes each tensor at its offset, which an object store cannot."""
+    if not in_bucket(out):
+        return _export(workdir, out, step, dtype, adapters_only)
+    check_bucket(out, "--out")
+    fs, root = filesystem(out, "--out")
+    if fs.exists(root) and fs.ls(root, detail=False):
+        raise JaxscaleError(f"--out={out!r} exists and is not an empty folder; pass a new folder")
+    with tempfile.TemporaryDirectory(prefix="export_hf-") as staged:
+        written = _export(workdir, staged, step, dtype, adapters_only)
+        with writing(out, "pass --out=<a bucket folder this account can write>"):
+            fs.put(staged + "/", root.rstrip("/") + "/", recursive=True)
+    return written.replace(staged, out)
+
+
+def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only: bool) -> str:
     from jaxscale.checkpoint.manager import checkpoint_dir  # JAX from here on
     from jaxscale.checkpoint.restore_from import lora_base, restore_params
     from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
@@ -136,15 +154,16 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
         files = ["config.json"] + save_model(params, spec.config, out, dtype,
                                              **{k: v for k, v in ids.items() if v >= 0})
     if not isinstance(tokenizer, ByteTokenizer):
-        source = os.path.expanduser(config.data.tokenizer)
+        # The tokenizer's folder may be a bucket's.
+        fs, source = filesystem(os.path.expanduser(config.data.tokenizer), "data.tokenizer")
         target = "tokenizer.json" if source.endswith(".json") else "tokenizer.model"
-        shutil.copyfile(source, os.path.join(out, target))
+        fs.get_file(source, os.path.join(out, target))
         files.append(target)
         # A chat model keeps its chat template: the files transformers reads it from.
         for name in CHAT_TEMPLATE_FILES:
-            beside = os.path.join(os.path.dirname(source), name)
-            if os.path.isfile(beside):
-                shutil.copyfile(beside, os.path.join(out, name))
+            beside = f"{os.path.dirname(source)}/{name}"
+            if fs.isfile(beside):
+                fs.get_file(beside, os.path.join(out, name))
                 files.append(name)
     return f"exported {what}: {', '.join(files)}{then}"
 

@@ -7,6 +7,7 @@ standard variables (no jaxscale switch): what any user's emulator, or a real buc
 Each fixture yields a `Server` whose `bucket` is a bucket made for the module (gs://NAME or
 s3://NAME); the variables hold for the module's tests and the processes they start."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -59,17 +60,18 @@ def _started(command: list[str], probe: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def _serving(command: list[str], probe: str, variables, make_bucket, scheme: str):
+@contextlib.contextmanager
+def _serving(command: list[str], probe: str, variables, make_bucket, scheme: str, bucket: str):
     process, url = _started(command, probe)
     try:
         with pytest.MonkeyPatch.context() as mp:
             for name, value in variables(url).items():
                 mp.setenv(name, value)
-            make_bucket(url, "jaxscale-test")
+            make_bucket(url, bucket)
             # fsspec keeps one filesystem per class and arguments, which read the endpoint when
             # made: one from another module's server would be reused in this process.
             fsspec.get_filesystem_class(scheme).clear_instance_cache()
-            yield Server(process, url, f"{scheme}://jaxscale-test")
+            yield Server(process, url, f"{scheme}://{bucket}")
             fsspec.get_filesystem_class(scheme).clear_instance_cache()
     finally:
         process.kill()
@@ -97,14 +99,47 @@ def s3_variables(url: str) -> dict[str, str]:
             "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def gcs_server(bucket: str):
+    """A context: gcp-storage-emulator serving `bucket` (also for benchmarks/input_pipeline.py)."""
+    return _serving([sys.executable, "-m", "gcp_storage_emulator", "start", "--in-memory",
+                     "--host=127.0.0.1", "--port"], "/storage/v1/b",
+                    gcs_variables, _gcs_bucket, "gs", bucket)
+
+
+_S3_COMMAND = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p"]
+
+
+def s3_server(bucket: str):
+    """A context: moto's S3 server holding `bucket`."""
+    return _serving(_S3_COMMAND, "/", s3_variables, _s3_bucket, "s3", bucket)
+
+
+@contextlib.contextmanager
+def s3_server_refusing_credentials():
+    """moto's S3 server checking every request's signature against its own accounts
+    (INITIAL_NO_AUTH_ACTION_COUNT=0: from the first request), with the variables pointing at it
+    and giving an access key it does not know: refused with HTTP 403, as AWS refuses one."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")
+        process, url = _started(_S3_COMMAND, "/")
+        try:
+            for name, value in s3_variables(url).items():
+                mp.setenv(name, value)
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
+            yield url
+        finally:
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
+            process.kill()
+            process.wait()
+
+
 @pytest.fixture(scope="module")
 def gcs():
-    yield from _serving([sys.executable, "-m", "gcp_storage_emulator", "start", "--in-memory",
-                         "--host=127.0.0.1", "--port"], "/storage/v1/b",
-                        gcs_variables, _gcs_bucket, "gs")
+    with gcs_server("jaxscale-test") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def s3():
-    yield from _serving([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p"], "/",
-                        s3_variables, _s3_bucket, "s3")
+    with s3_server("jaxscale-test") as server:
+        yield server

@@ -11,15 +11,36 @@ import sys
 
 import fsspec
 import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checkpoint import Checkpoints
-from jaxscale.errors import ConfigError, TransientError
+from jaxscale.data import prepare, sources
+from jaxscale.data.row_streams import resolved_workers
+from jaxscale.data.sources import source_specs
+from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
+from jaxscale.errors import ConfigError, JaxscaleError, TransientError
+from jaxscale.export_hf import export
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
+from tests.fault_proxy import FaultProxy
 from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
-from tests.storage_servers import free_port, gcs, gcs_variables, s3, s3_variables  # noqa: F401 (fixtures)
-from tests.test_data_sources import decoded, write_fixture
+from tests.storage_servers import (  # noqa: F401 (fixtures)
+    free_port,
+    gcs,
+    gcs_variables,
+    s3,
+    s3_server_refusing_credentials,
+    s3_variables,
+)
+from tests.test_data import assert_same, take
+from tests.test_data_sources import (  # noqa: F401 (fixtures)
+    decoded,
+    huggingface_tokenizer,
+    sentencepiece_model,
+    write_fixture,
+)
 
 
 def test_bucket_path_without_its_library_names_the_extra(tmp_path):
@@ -50,7 +71,7 @@ def test_servers_hold_what_is_written(server, request):
 
 
 @pytest.mark.parametrize("server", ["gcs", "s3"])
-@pytest.mark.parametrize("name", ["jsonl", "text_lines", "text_files", "tokens"])
+@pytest.mark.parametrize("name", ["jsonl", "text_lines", "text_files", "tokens", "parquet"])
 def test_sources_in_a_bucket_read_as_from_local_disk(server, name, request, tmp_path,
                                                      monkeypatch):
     local = write_fixture(tmp_path, name)
@@ -70,6 +91,72 @@ def test_sources_in_a_bucket_read_as_from_local_disk(server, name, request, tmp_
         assert decoded(config_with(dict(in_bucket, eval_fraction=0.1)), split) == expected
     # Listed once for both splits: an object store bills (and may throttle) every listing.
     assert len(listings) == (1 if name == "text_files" else 0), listings
+
+
+def uploaded(local: str, server) -> str:
+    """The local file or folder `local` copied into `server`'s bucket; its URL there."""
+    url = f"{server.bucket}/{os.getpid()}/{os.path.basename(local)}"
+    fs, root = filesystem(url, "test")
+    fs.put(local, root, recursive=os.path.isdir(local))
+    return url
+
+
+def test_array_record_in_a_bucket_is_refused_in_one_line(gcs, tmp_path):
+    # array_record's reader takes local paths only: refused at start, saying what to do.
+    url = uploaded(str(write_fixture(tmp_path, "array_record")["path"]), gcs)
+    message = one_line_error(
+        ConfigError, lambda: decoded(config_with(dict(format="array_record", path=url)), "train"))
+    assert message.startswith(f"ArrayRecord file {url!r} is in a bucket") and "prepare" in message
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+@pytest.mark.parametrize("kind", ["sentencepiece_model", "huggingface_tokenizer"])
+def test_a_tokenizer_file_in_a_bucket_is_the_local_one(server, kind, request):
+    local = request.getfixturevalue(kind)
+    url = uploaded(local, request.getfixturevalue(server))
+    special = dict(bos_token="<s>", eos_token="</s>") if kind == "huggingface_tokenizer" else {}
+    tokenizers = [tokenizer_from_config(config_with(dict(format="synthetic"), tokenizer=path,
+                                                    **special)) for path in (local, url)]
+    # The name (a hash of the content) is what token files are checked against.
+    assert tokenizers[0].name == tokenizers[1].name
+    text = "document 3: the same ids from either"
+    np.testing.assert_array_equal(tokenizers[1].encode(text), tokenizers[0].encode(text))
+
+
+# Each prepare spawns its tokenizing processes (tens of seconds here): one server by default.
+@pytest.mark.parametrize("server", [pytest.param("gcs", marks=pytest.mark.slow), "s3"])
+def test_prepare_writes_token_files_into_a_bucket(server, request, tmp_path):
+    # `python -m jaxscale.data.prepare --out=gs://...` runs this: the files it writes into the
+    # bucket, and the sources it prints, train on the documents the local files hold.
+    config = config_with(write_fixture(tmp_path, "jsonl"))
+    out = f"{request.getfixturevalue(server).bucket}/prepared-{os.getpid()}"
+    in_bucket = prepare.prepare(config, out, workers=1)
+    local = prepare.prepare(config, str(tmp_path / "local"), workers=1)
+    assert [s["path"] for s in in_bucket] == [f"{out}/source0.train.bin"]
+    for split in ("train", "eval"):
+        assert decoded(config_with(*in_bucket), split) == decoded(config_with(*local), split)
+    fs, root = filesystem(out, "test")
+    for name in ("source0.train.bin", "source0.train.idx.npy", "prepare.json"):
+        assert fs.cat_file(f"{root}/{name}") == (tmp_path / "local" / name).read_bytes()
+    # The bucket's manifest is read back: another tokenizer is refused, nothing overwritten.
+    other = config_with(*config.data.sources, tokenizer=request.getfixturevalue(
+        "sentencepiece_model"))
+    assert "already holds token files of another config" in one_line_error(
+        JaxscaleError, lambda: prepare.prepare(other, out, workers=1))
+
+
+def test_reads_in_flight_keep_the_order_of_local_disk(s3, tmp_path):
+    # A bucket source reads with several streams' ranged GETs in flight (data.workers=-1): the
+    # batches, and so an exact resume, are those of local disk read one document at a time.
+    local = write_fixture(tmp_path, "tokens")
+    bucket = f"{s3.bucket}/in-flight-{os.getpid()}"
+    fs, root = filesystem(bucket, "test")
+    fs.put(f"{tmp_path}/", f"{root}/", recursive=True)
+    in_bucket = dict(local, path=local["path"].replace(str(tmp_path), bucket))
+    ahead, one_at_a_time = config_with(in_bucket), config_with(local, workers=0)
+    assert resolved_workers(ahead, ByteTokenizer()) > 1
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+    assert_same(take(ahead, "train", sharding, 6), take(one_at_a_time, "train", sharding, 6))
 
 
 @pytest.mark.parametrize("server", ["gcs", "s3"])
@@ -102,6 +189,87 @@ def test_a_server_that_does_not_answer_is_transient_at_start(server, request, mo
     finally:
         fsspec.get_filesystem_class(scheme).clear_instance_cache()
     assert f"bucket {bucket} cannot be reached" in message and "127.0.0.1" in message, message
+
+
+def test_credentials_the_server_refuses_are_named_at_start():
+    # The server's own refusal (403 for an access key it does not know), not one made up here:
+    # exit 2 before anything is read, naming the bucket, the account and the fix.
+    source = dict(format="jsonl", path="s3://refusing-bucket/texts.jsonl")
+    with s3_server_refusing_credentials():
+        message = one_line_error(ConfigError, lambda: decoded(config_with(source), "train"))
+    assert message.startswith(f"data.sources[0].path={source['path']!r}: bucket "
+                              "s3://refusing-bucket refused AWS access key test (Forbidden)")
+    assert "grant that account access to the bucket" in message and "s3:GetObject" in message
+
+
+@pytest.mark.parametrize("status", [503, 429, 500])
+def test_a_server_answering_5xx_or_429_at_start_is_transient(s3, status, monkeypatch):
+    # Answered by a proxy in front of the live server (moto cannot be made to): botocore retries
+    # (5 requests in all, seconds), then exit 75 naming the bucket; the launcher retries later.
+    with FaultProxy(s3.url) as proxy:
+        for name, value in s3_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        fsspec.get_filesystem_class("s3").clear_instance_cache()  # made with the live endpoint
+        try:
+            source = dict(format="jsonl", path=f"{s3.bucket}/data/texts.jsonl")
+            proxy.status = status
+            message = one_line_error(TransientError,
+                                     lambda: decoded(config_with(source), "train"))
+        finally:
+            fsspec.get_filesystem_class("s3").clear_instance_cache()
+    assert message.startswith(f"data.sources[0].path={source['path']!r}: bucket {s3.bucket} "
+                              "cannot be reached (") and message.endswith("the storage is failing")
+    assert proxy.requests > 1  # the library's own retries came first
+
+
+# gcsfs retries a 503 for about 30 s (its own backoff) before it gives up: with the slow tests.
+@pytest.mark.parametrize("status", [403, pytest.param(503, marks=pytest.mark.slow)])
+def test_what_a_gcs_server_answers_at_start_is_classified(gcs, status, monkeypatch):
+    # 403: refused (exit 2, the account named); 503 after gcsfs' retries: failing (exit 75).
+    with FaultProxy(gcs.url) as proxy:
+        for name, value in gcs_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        fsspec.get_filesystem_class("gs").clear_instance_cache()  # made with the live endpoint
+        try:
+            source = dict(format="jsonl", path=f"{gcs.bucket}/data/texts.jsonl")
+            proxy.status = status
+            message = one_line_error(ConfigError if status == 403 else TransientError,
+                                     lambda: decoded(config_with(source), "train"))
+        finally:
+            fsspec.get_filesystem_class("gs").clear_instance_cache()
+    where = f"data.sources[0].path={source['path']!r}: bucket {gcs.bucket} "
+    if status == 403:
+        assert message.startswith(where + "refused ") and "roles/storage.objectUser" in message
+    else:
+        assert message.startswith(where + "cannot be reached (") and "503" in message
+        assert message.endswith("the storage is failing") and proxy.requests > 1
+
+
+# gcsfs retries a 503 for about 30 s before it gives up: with the slow tests.
+@pytest.mark.parametrize("server", [pytest.param("gcs", marks=pytest.mark.slow), "s3"])
+def test_a_server_failing_mid_run_stops_the_read_as_transient(server, request, tmp_path,
+                                                              monkeypatch):
+    # The sources were listed and opened; then every request is answered 503: the document's
+    # read raises exit 75 (the launcher retries), never a skipped record or a traceback.
+    live = request.getfixturevalue(server)
+    local = write_fixture(tmp_path, "tokens")
+    url = uploaded(str(tmp_path), live)
+    source = dict(local, path=local["path"].replace(str(tmp_path), url))
+    scheme = live.bucket.split(":")[0]
+    variables = gcs_variables if scheme == "gs" else s3_variables
+    with FaultProxy(live.url) as proxy:
+        for name, value in variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        fsspec.get_filesystem_class(scheme).clear_instance_cache()
+        try:
+            documents = sources.source_documents(source_specs(config_with(source))[0], "train",
+                                                 ByteTokenizer(), config_with(source))
+            proxy.status = 503
+            message = one_line_error(TransientError, lambda: documents[0])
+        finally:
+            fsspec.get_filesystem_class(scheme).clear_instance_cache()
+    assert message.startswith(f"cannot read {source['path']!r} (") and proxy.requests > 1
+    assert message.endswith("the storage is failing"), message
 
 
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):
@@ -216,3 +384,24 @@ def test_tiny_from_buckets_trains_and_resumes_as_from_local_disk(gcs, s3, tmp_pa
     if failed:
         pytest.xfail(f"resumed bitwise; then the GCS emulator failed the save: "
                      f"{EMULATOR_GENERATIONS}")
+
+
+@pytest.mark.slow
+def test_export_hf_writes_the_folder_into_a_bucket(gcs, s3, tmp_path, monkeypatch):
+    # `python -m jaxscale.export_hf --out=gs://...` (or s3://): the folder a local export
+    # writes, file for file, byte for byte.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    resumable_cli_losses(tmp_path / "run", 2)
+    local = tmp_path / "local"
+    export(str(tmp_path / "run"), str(local), None, "float32")
+    for server in (gcs, s3):
+        out = f"{server.bucket}/export-{os.getpid()}"
+        assert out in export(str(tmp_path / "run"), out, None, "float32")
+        fs, root = filesystem(out, "test")
+        assert sorted(os.path.basename(p) for p in fs.ls(root, detail=False)) == \
+            sorted(os.listdir(local))
+        for name in os.listdir(local):
+            assert fs.cat_file(f"{root}/{name}") == (local / name).read_bytes(), name
+        # A folder that holds files is refused, as on a local disk.
+        assert "is not an empty folder" in one_line_error(
+            JaxscaleError, lambda: export(str(tmp_path / "run"), out, None, "float32"))

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError, json_object
-from jaxscale.runtime.storage import filesystem, in_bucket, reason, storage_error
+from jaxscale.runtime.storage import (
+    filesystem,
+    in_bucket,
+    library_error,
+    library_errors,
+    reason,
+    storage_error,
+)
 
 _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
 
@@ -47,6 +54,9 @@ def read_at(handle, size: int, offset: int, path: str) -> bytes:
         return fs.cat_file(inner, start=offset, end=offset + size)
     except OSError as e:
         raise read_failed(e, path) from e
+    except library_errors() as e:  # gcsfs' 5xx after its retries: no OSError
+        raise library_error(e, f"cannot read {path!r}",
+                            "make it readable again, or leave it out of the source's path") from e
 
 
 def open_for_reading(path: str):
@@ -360,6 +370,13 @@ class ArrayRecords(RecordReader):
     """One document per ArrayRecord record: its bytes, the document's UTF-8 text."""
 
     def __init__(self, files: Sequence[str], keys: Sequence[str]):
+        if in_bucket_files := [f for f in files if in_bucket(f)]:
+            # array_record's reader opens local files only (its Python module takes a path, not
+            # a file object), so a bucket's file would have to be copied first.
+            raise ConfigError(f"ArrayRecord file {in_bucket_files[0]!r} is in a bucket, which "
+                              "the ArrayRecord reader cannot read; copy the files to local disk, "
+                              "or tokenize them into the bucket with `python -m "
+                              "jaxscale.data.prepare` (token files read from buckets)")
         counts = [len(self._open(f)) for f in files]
         super().__init__(files, keys, counts)
 
@@ -411,11 +428,10 @@ class ParquetRows(RecordReader):
     _CACHED_GROUPS = 4
 
     def __init__(self, files: Sequence[str], keys: Sequence[str], text_field: str):
-        pq = _pyarrow_parquet()
         counts, group_rows = [], []
         for path in files:
             try:
-                metadata = pq.ParquetFile(path).metadata
+                metadata = parquet_file(path).metadata
             except OSError as e:
                 if e.errno is not None:  # a failed system call; pyarrow's others have no errno
                     raise read_failed(e, path) from e
@@ -452,8 +468,8 @@ class ParquetRows(RecordReader):
             if rows is None:
                 path = self.files[file]
                 try:
-                    parquet_file = self.handle(file, _pyarrow_parquet().ParquetFile)
-                    rows = parquet_file.read_row_group(group, columns=[self.text_field]) \
+                    rows = self.handle(file, parquet_file) \
+                        .read_row_group(group, columns=[self.text_field]) \
                         .column(0).to_pylist()
                 except (OSError, ValueError) as e:
                     if isinstance(e, OSError) and e.errno is not None:  # a failed system call
@@ -469,6 +485,13 @@ class ParquetRows(RecordReader):
         state = super().__getstate__()
         state["_groups"] = {}
         return state
+
+
+def parquet_file(path: str):
+    """`path` as a pyarrow ParquetFile: from a local disk, or from a bucket through a file object
+    whose reads are ranged GETs (pyarrow reads the footer, then only the row groups asked for)."""
+    pq = _pyarrow_parquet()
+    return pq.ParquetFile(open_file(path) if in_bucket(path) else path)
 
 
 def _pyarrow_parquet():

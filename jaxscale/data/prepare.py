@@ -2,12 +2,12 @@
 
 Tokenizes every text source of the config once, in parallel, into pre-tokenized files
 (`DIR/source<i>.<split>.bin`, see token_files.py), and prints the `data.sources` that train on
-them. Training then reads token ids memory-mapped instead of parsing and tokenizing text.
+them. Training then reads token ids instead of parsing and tokenizing text. DIR may be in a
+bucket (gs://, s3://; `pip install 'jaxscale[cloud]'`), and the printed sources then read from it.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import multiprocessing
 import os
@@ -19,6 +19,7 @@ from jaxscale.data.specs import source_specs
 from jaxscale.errors import JaxscaleError, TransientError, json_object
 from jaxscale.kinds import whole
 from jaxscale.observe.progress import StatusLine
+from jaxscale.runtime.storage import check_bucket, filesystem, in_bucket
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
 _MANIFEST_FORMAT = "jaxscale-prepare-v1"
@@ -102,17 +103,19 @@ def prepare(config, out: str, workers: int) -> list[dict]:
 
     tokenizer = tokenizer_from_config(config)
     specs = source_specs(config)
-    if os.path.exists(out) and not os.path.isdir(out):
+    if in_bucket(out):
+        check_bucket(out, "--out")
+    fs, root = filesystem(out, "--out")
+    if fs.isfile(root):
         raise JaxscaleError(f"--out={out!r} is a file, not a folder; give a folder for the "
                             "token files (it is created if missing)")
     sources.check_splits(config, sources.SPLITS, eval_optional=False)
     manifest = _manifest(specs, tokenizer.name)
-    _check_out(out, manifest)
+    _check_out(fs, root, out, manifest)
     try:
-        os.makedirs(out, exist_ok=True)
+        fs.makedirs(root, exist_ok=True)
         # First: a rerun of an interrupted prepare finds the files described.
-        with open(os.path.join(out, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2)
+        fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
     except OSError as e:
         raise JaxscaleError(f"--out={out!r} cannot be written ({e.strerror or e}); give a "
                             "folder you can write to") from None
@@ -145,14 +148,15 @@ def _manifest(specs: list[dict], tokenizer_name: str) -> dict:
                                   "sources": described}, default=str))
 
 
-def _check_out(out: str, manifest: dict) -> None:
-    """Refuses a folder holding token files made from other sources or by another tokenizer:
-    overwriting them could break the runs that train on them."""
-    if not os.path.isdir(out):
+def _check_out(fs, root: str, out: str, manifest: dict) -> None:
+    """Refuses a folder (`root` in `fs`, given as `out`) holding token files made from other
+    sources or by another tokenizer: overwriting them could break the runs that train on them."""
+    if not fs.isdir(root):
         return
-    token_files = sorted(glob.glob(os.path.join(glob.escape(out), "source*.*")))
-    manifest_path = os.path.join(out, MANIFEST)
-    if not os.path.exists(manifest_path):
+    token_files = sorted(p for p in fs.ls(root, detail=False)
+                         if os.path.basename(p).startswith("source"))
+    manifest_path = f"{root}/{MANIFEST}"
+    if not fs.exists(manifest_path):
         if token_files:
             raise JaxscaleError(
                 f"--out={out!r} already holds token files ({os.path.basename(token_files[0])}, "
@@ -161,8 +165,7 @@ def _check_out(out: str, manifest: dict) -> None:
         return
     fix = f"give a new folder, or delete its {MANIFEST} and source* files"
     try:
-        with open(manifest_path) as f:
-            before = json.load(f)
+        before = json.loads(fs.cat_file(manifest_path))
     except (OSError, ValueError) as e:
         raise JaxscaleError(f"--out={out!r} has an unreadable {MANIFEST} ({e}); {fix}") from None
     json_object(before, manifest_path, fix)

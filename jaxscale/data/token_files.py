@@ -25,6 +25,7 @@ from jaxscale.data.formats import (
     read_failed,
 )
 from jaxscale.errors import JaxscaleError, json_object
+from jaxscale.runtime.storage import filesystem
 
 FORMAT = "jaxscale-tokens-v1"
 
@@ -35,19 +36,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def write_token_file(stem: str, documents: Iterable[np.ndarray], vocab_size: int,
                      tokenizer: str) -> dict:
-    """Writes `stem`.bin/.idx.npy/.json from token arrays, in order; returns the metadata."""
+    """Writes `stem`.bin/.idx.npy/.json (on a local disk or in a bucket) from token arrays, in
+    order; returns the metadata."""
     dtype = token_dtype(vocab_size)
     offsets = [0]
-    with open(stem + ".bin", "wb") as f:
+    fs, inner = filesystem(stem, "--out")
+    with fs.open(inner + ".bin", "wb") as f:
         for tokens in documents:
             f.write(np.asarray(tokens).astype(dtype).tobytes())
             offsets.append(offsets[-1] + len(tokens))
-    np.save(stem + ".idx.npy", np.asarray(offsets, dtype=np.int64))
+    with fs.open(inner + ".idx.npy", "wb") as f:
+        np.save(f, np.asarray(offsets, dtype=np.int64))
     meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": vocab_size,
             "tokenizer": tokenizer, "documents": len(offsets) - 1, "tokens": offsets[-1]}
     # The metadata goes last: a file set without it is an interrupted write, never read.
-    with open(stem + ".json", "w") as f:
-        json.dump(meta, f, indent=2)
+    fs.pipe_file(inner + ".json", json.dumps(meta, indent=2).encode())
     return meta
 
 

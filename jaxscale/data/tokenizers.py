@@ -1,7 +1,8 @@
 """Tokenizers: text -> token ids, plus the BOS/EOS ids the pipeline frames documents with.
 
 `data.tokenizer` is "byte" (no file, 259 ids), a SentencePiece `.model` file or a Hugging Face
-`tokenizer.json`. Learned tokenizers load from local files only; nothing is downloaded.
+`tokenizer.json`, on a local disk or in a bucket (gs://, s3://: read once, whole); nothing is
+downloaded from a hub.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ml_collections
 import numpy as np
 
 from jaxscale.errors import ConfigError, json_object
+from jaxscale.runtime.storage import filesystem, reason, storage_error
 
 
 class ByteTokenizer:
@@ -53,18 +55,17 @@ def _as_text(text: str | bytes) -> str:
     return text if isinstance(text, str) else text.decode("utf-8", errors="replace")
 
 
-def _file_name(kind: str, path: str) -> str:
+def _content_name(kind: str, content: bytes) -> str:
     """Names a tokenizer by its content, so token files can tell whether they match it."""
-    with open(path, "rb") as f:
-        return f"{kind}:{hashlib.sha256(f.read()).hexdigest()[:16]}"
+    return f"{kind}:{hashlib.sha256(content).hexdigest()[:16]}"
 
 
 class SentencePieceTokenizer:
-    def __init__(self, path: str, bos_token: str, eos_token: str):
+    def __init__(self, content: bytes, bos_token: str, eos_token: str):
         import sentencepiece  # optional dependency, only for this tokenizer
 
-        self._model = sentencepiece.SentencePieceProcessor(model_file=path)
-        self.name = _file_name("sentencepiece", path)
+        self._model = sentencepiece.SentencePieceProcessor(model_proto=content)
+        self.name = _content_name("sentencepiece", content)
         self.vocab_size = self._model.get_piece_size()
         self.bos_id = self._special(bos_token, self._model.bos_id(), "bos_token")
         self.eos_id = self._special(eos_token, self._model.eos_id(), "eos_token")
@@ -86,11 +87,11 @@ class SentencePieceTokenizer:
 
 
 class HuggingFaceTokenizer:
-    def __init__(self, path: str, bos_token: str, eos_token: str):
+    def __init__(self, content: bytes, bos_token: str, eos_token: str):
         import tokenizers  # optional dependency, only for this tokenizer
 
-        self._tokenizer = tokenizers.Tokenizer.from_file(path)
-        self.name = _file_name("huggingface", path)
+        self._tokenizer = tokenizers.Tokenizer.from_str(content.decode("utf-8"))
+        self.name = _content_name("huggingface", content)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         # tokenizer.json does not say which tokens are BOS/EOS; -1 = not given (checked when used).
         self.bos_id = self._special(bos_token, "bos_token")
@@ -130,16 +131,14 @@ def tokenizer_from_config(config: ml_collections.ConfigDict) -> Tokenizer:
         tokenizer = ByteTokenizer()
     else:
         path = os.path.expanduser(d.tokenizer)
-        if not os.path.isfile(path):
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r}: no such file; give 'byte', a "
-                              "SentencePiece .model or a Hugging Face tokenizer.json")
-        if path.endswith(".model"):
-            tokenizer = _load(SentencePieceTokenizer, path, d, "sentencepiece")
-        elif path.endswith(".json"):
-            tokenizer = _load(HuggingFaceTokenizer, path, d, "tokenizers")
-        else:
+        if not path.endswith((".model", ".json")):
             raise ConfigError(f"data.tokenizer={d.tokenizer!r}: unknown kind; a SentencePiece "
                               "model ends in .model, a Hugging Face tokenizer in .json")
+        content = _tokenizer_file(path, d.tokenizer)
+        if path.endswith(".model"):
+            tokenizer = _load(SentencePieceTokenizer, content, d, "sentencepiece")
+        else:
+            tokenizer = _load(HuggingFaceTokenizer, content, d, "tokenizers")
     for wanted, key in ((d.add_bos, "bos"), (d.add_eos, "eos")):
         if wanted and getattr(tokenizer, f"{key}_id") < 0:
             raise ConfigError(f"data.add_{key}=True but tokenizer {d.tokenizer!r} has no "
@@ -156,11 +155,24 @@ _KINDS = {  # package: (what the file should be, the fix)
 }
 
 
-def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tokenizer:
+def _tokenizer_file(path: str, name: str) -> bytes:
+    """The bytes of the tokenizer file `path` (local or in a bucket)."""
+    fs, inner = filesystem(path, "data.tokenizer")
+    try:
+        return fs.cat_file(inner)
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(f"data.tokenizer={name!r}: no such file; give 'byte', a "
+                          "SentencePiece .model or a Hugging Face tokenizer.json") from None
+    except OSError as e:
+        raise storage_error(e, f"cannot read data.tokenizer={name!r} ({reason(e)})",
+                            "make it readable") from e
+
+
+def _load(kind, content: bytes, data: ml_collections.ConfigDict, package: str) -> Tokenizer:
     try:
         if package == "tokenizers":
-            _check_json(path, data.tokenizer)
-        return kind(path, data.bos_token, data.eos_token)
+            _check_json(content, data.tokenizer)
+        return kind(content, data.bos_token, data.eos_token)
     except ImportError:
         raise ConfigError(f"data.tokenizer={data.tokenizer!r} needs the {package} package; "
                           "pip install 'jaxscale[data]'") from None
@@ -174,15 +186,14 @@ def _load(kind, path: str, data: ml_collections.ConfigDict, package: str) -> Tok
                           f"{reason}; {fix}, or use 'byte'") from None
 
 
-def _check_json(path: str, name: str) -> None:
+def _check_json(content: bytes, name: str) -> None:
     """A clear message for a tokenizer.json that is not a JSON object (tokenizers' own message
     reads like a Rust parser's)."""
     import json
 
     fix = "give a tokenizer.json as tokenizers' Tokenizer.save writes it, or use 'byte'"
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        value = json.loads(content.decode("utf-8"))
     except ValueError as e:  # also UnicodeDecodeError: a binary file
         raise ConfigError(f"data.tokenizer={name!r} is not JSON ({e}); {fix}") from None
     json_object(value, f"data.tokenizer={name!r}", fix, ConfigError)

@@ -27,6 +27,16 @@ from jaxscale.errors import ConfigError, TransientError
 CLOUD_EXTRA = "pip install 'jaxscale[cloud]'"
 
 
+def _http_error() -> tuple[type[Exception], ...]:
+    """gcsfs' error for an HTTP status it has no OSError for (5xx and 429 once its retries are
+    spent, 401): no OSError, with the status as `code` (seen from a server answering 503)."""
+    try:
+        from gcsfs.retry import HttpError
+    except ImportError:  # no gcsfs
+        return ()
+    return (HttpError,)
+
+
 def _unreachable_errors() -> tuple[type[Exception], ...]:
     """What a bucket's library raises when its server cannot be reached and that is no OSError
     (gcsfs' aiohttp errors are OSErrors): botocore's connection errors, under s3fs."""
@@ -35,6 +45,11 @@ def _unreachable_errors() -> tuple[type[Exception], ...]:
     except ImportError:  # no s3fs: no botocore
         return ()
     return (EndpointUnreachable,)
+
+
+_GRANT = ("grant that account access to the bucket (GCS: roles/storage.objectUser; S3: "
+          "s3:ListBucket, s3:GetObject, s3:PutObject, s3:DeleteObject; see docs/launch.md), or "
+          "run with credentials that have it")
 
 
 def check_bucket(path: str, key: str) -> None:
@@ -50,11 +65,54 @@ def check_bucket(path: str, key: str) -> None:
         raise ConfigError(f"{key}={path!r}: bucket {url} does not exist, or this account cannot "
                           "see it; create it, or fix the path") from e
     except OSError as e:
+        if access_denied(e):
+            raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} "
+                              f"({reason(e)}); {_GRANT}") from e
         raise storage_error(e, f"{key}={path!r}: bucket {url} cannot be reached ({reason(e)})",
                             "fix the path") from e
-    except _unreachable_errors() as e:
-        raise TransientError(f"{key}={path!r}: bucket {url} cannot be reached "
-                             f"({' '.join(str(e).split())}): the storage is failing") from e
+    except library_errors() as e:  # gcsfs' 5xx/429 once retried, 401; botocore's no answer
+        if getattr(e, "code", None) in (401, 403):
+            raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} "
+                              f"({' '.join(str(e).split())}); {_GRANT}") from e
+        raise library_error(e, f"{key}={path!r}: bucket {url} cannot be reached",
+                            "fix the path") from e
+
+
+def account(fs: fsspec.AbstractFileSystem) -> str:
+    """Who the bucket's library asked as, in words, as far as it can tell: the AWS access key
+    s3fs signed with, the Google service account gcsfs presented, else what is known."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if "s3" in protocols:
+        import botocore.session  # s3fs is installed, so botocore is
+
+        # s3fs takes its credentials from botocore's chain (variables, ~/.aws, the instance's
+        # role) when given none, as jaxscale's filesystems are.
+        credentials = botocore.session.Session().get_credentials()
+        return (f"AWS access key {credentials.access_key}" if credentials
+                else "a request without AWS credentials")
+    google = getattr(getattr(fs, "credentials", None), "credentials", None)
+    email = getattr(google, "service_account_email", None)
+    if email and email != "default":  # "default": the metadata server's, not yet asked
+        return f"service account {email}"
+    if google is not None:
+        return "the Google Application Default Credentials' account"
+    return "a request without Google credentials"
+
+
+def library_errors() -> tuple[type[Exception], ...]:
+    """What the buckets' libraries raise for a failed request that is no OSError (an OSError
+    goes to `storage_error`): gcsfs' HttpError, botocore's connection errors."""
+    return (*_http_error(), *_unreachable_errors())
+
+
+def library_error(error: Exception, what: str, fix: str) -> ConfigError | TransientError:
+    """What to raise when a request for `what` failed with one of `library_errors()`: a refusal
+    (HTTP 401/403) is the user's to resolve, anything else (5xx, 429 once retried, no answer)
+    the storage failing for now."""
+    words = " ".join(str(error).split())
+    if getattr(error, "code", None) in (401, 403):
+        return ConfigError(f"{what} ({words}); {grant_or(fix)}")
+    return TransientError(f"{what} ({words}): the storage is failing")
 
 
 def in_bucket(path: str) -> bool:
@@ -81,7 +139,8 @@ _USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIS
 # A refusal: no retry grants a permission or makes a read-only mount writable.
 _DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 # gcsfs raises HTTP 403 as an OSError without errno whose words start "Forbidden: " (its
-# retry.validate_response: no type of its own); s3fs raises PermissionError.
+# retry.validate_response: no type of its own; seen from a server answering 403 in
+# tests/test_buckets.py); s3fs raises PermissionError (seen from moto refusing an access key).
 _DENIED_HTTP_WORDS = ("Forbidden", "Unauthorized")
 # TensorStore raises a ValueError whose words start with its absl status code.
 _DENIED_STATUSES = ("PERMISSION_DENIED: ", "UNAUTHENTICATED: ")

@@ -1,0 +1,74 @@
+"""A loopback HTTP proxy in front of a storage server (tests/storage_servers.py) that answers
+what a test tells it to instead of forwarding: a status such as 503 or 429 (with the body a
+cloud's front end sends), for every request while set. The storage servers cannot be made to
+answer so themselves; the libraries see a real HTTP exchange either way.
+
+    with FaultProxy(server.url) as proxy:      # point the variables at proxy.url
+        proxy.status = 503                     # every request answered 503 from now on
+"""
+
+import http.client
+import http.server
+import threading
+import urllib.parse
+
+from tests.storage_servers import free_port
+
+# A body in the form each API's clients parse for an error's words.
+_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>' \
+        b'<Message>injected by tests/fault_proxy.py</Message></Error>'
+
+
+class FaultProxy:
+    def __init__(self, upstream: str):
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.status = 0  # 0: forward every request
+        self.requests = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _any(self):
+                proxy.requests += 1
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.status:
+                    self.send_response(proxy.status)
+                    self.send_header("Content-Length", str(len(_BODY)))
+                    self.send_header("Content-Type", "application/xml")
+                    self.end_headers()
+                    if self.command != "HEAD":  # an answer to HEAD has headers only
+                        self.wfile.write(_BODY)
+                    return
+                upstream = http.client.HTTPConnection(proxy.upstream.hostname,
+                                                      proxy.upstream.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                answer = upstream.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for k, v in answer.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", answer.getheader("Content-Length", "0")
+                                 if self.command == "HEAD" else str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = _any
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._server.shutdown()
+        self._server.server_close()
