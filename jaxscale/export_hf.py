@@ -25,6 +25,7 @@ from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import whole
 from jaxscale.models import FAMILIES
+from jaxscale.runtime import cuda_plugin
 from jaxscale.runtime.storage import check_bucket, filesystem, in_bucket, writing
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.runtime.workdir import check_writable, read_config
@@ -186,7 +187,7 @@ def merge_into(base: dict, adapters: dict, cfg) -> dict:
 def main(argv: list[str]) -> None:
     args = make_parser().parse_args(argv)
     try:
-        with quiet_libtpu():
+        with quiet_libtpu(), cuda_plugin.kept_out():
             print(export(args.workdir, args.out, args.step, args.dtype, args.adapters_only),
                   flush=True)
     except (JaxscaleError, TransientError) as e:

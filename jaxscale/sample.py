@@ -19,6 +19,7 @@ from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
 from jaxscale.config import NUMBERS
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.kinds import real, whole
+from jaxscale.runtime import cuda_plugin
 from jaxscale.runtime.tpu_host import quiet_libtpu
 
 PROG = "python -m jaxscale.sample"
@@ -119,7 +120,7 @@ def continuation(args: argparse.Namespace) -> str:
 def main(argv: list[str]) -> None:
     args = make_parser().parse_args(argv)  # before JAX is imported: --help and flag errors are fast
     try:
-        with quiet_libtpu():
+        with quiet_libtpu(), cuda_plugin.kept_out():
             text = continuation(args)
     except (JaxscaleError, TransientError) as e:
         fail_with(e)

@@ -10,6 +10,8 @@ import jax
 import pytest
 
 from jaxscale.runtime import cuda_plugin, tpu_host
+from jaxscale.trainer import Trainer
+from tests.helpers import small_config
 
 START_JAX = "import jax; jax.devices()"
 
@@ -21,9 +23,12 @@ def start_jax(code: str) -> str:
                           timeout=120, check=True).stderr
 
 
-@pytest.mark.skipif(not cuda_plugin.installed() or cuda_plugin.has_nvidia_driver()
-                    or tpu_host.is_tpu_vm(),
-                    reason="needs JAX's CUDA plugin on a host without NVIDIA GPUs or TPUs")
+NO_GPU_HOST_WITH_THE_PLUGIN = pytest.mark.skipif(
+    not cuda_plugin.installed() or cuda_plugin.has_nvidia_driver() or tpu_host.is_tpu_vm(),
+    reason="needs JAX's CUDA plugin on a host without NVIDIA GPUs or TPUs")
+
+
+@NO_GPU_HOST_WITH_THE_PLUGIN
 def test_jax_starts_without_the_plugins_traceback():
     quiet = ("from jaxscale.runtime import cuda_plugin\n"
              "from jaxscale.runtime.tpu_host import quiet_libtpu\n"
@@ -31,6 +36,25 @@ def test_jax_starts_without_the_plugins_traceback():
     assert "xla_cuda" in start_jax("from jaxscale.runtime.tpu_host import quiet_libtpu\n"
                                    "with quiet_libtpu(): " + START_JAX)  # so this can fail
     assert start_jax(quiet) == ""
+
+
+@pytest.mark.slow
+@NO_GPU_HOST_WITH_THE_PLUGIN
+def test_the_commands_that_read_a_run_start_jax_without_the_plugins_traceback(tmp_path):
+    """As `jaxscale.train` does (above): export_hf printed the plugin's cuInit traceback over its
+    own line."""
+    config = small_config()
+    config.train.steps = 1
+    config.checkpoint.compilation_cache = False
+    Trainer(config, str(tmp_path / "run"), devices=jax.devices()[:1]).run()
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    for module, *flags in (("jaxscale.export_hf", f"--out={tmp_path}/hf"),
+                           ("jaxscale.sample", "--prompt=def ", "--max_new_tokens=2")):
+        result = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}/run", *flags],
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "cuInit" not in result.stderr and "Traceback" not in result.stderr, \
+            (module, result.stderr)
 
 
 @pytest.mark.parametrize("installed, driver, tpu, chosen, kept_out", [

@@ -13,8 +13,6 @@ import contextlib
 import importlib.metadata
 import os
 
-import jax
-
 from jaxscale.runtime.tpu_host import is_tpu_vm
 
 # The pip distributions of the plugin, whichever CUDA it was built for.
@@ -46,6 +44,8 @@ def kept_out():
     installed, JAX's platforms were not chosen (JAX_PLATFORMS), and the host has neither an
     NVIDIA driver nor TPU chips; enter it before the first device call. The choice is undone on
     leaving, for what runs in this process later."""
+    import jax  # here, not above: the entry points import this module before parsing their flags
+
     chosen = jax.config.jax_platforms
     keep_out = installed() and not chosen and not has_nvidia_driver() and not is_tpu_vm()
     if keep_out:
