@@ -10,6 +10,7 @@ Needs torch and transformers (the Python 3.12 CI venv skips this file, as test_m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -68,9 +69,17 @@ def transformers_logits(folder: str, tokens=TOKENS, start: int = 0) -> np.ndarra
                      position_ids=positions).logits.numpy()
 
 
+def jitted(model, method: str):
+    """`model.method(*args)` under jit (eager, the scanned layers ran op by op: minutes)."""
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, *args: getattr(nnx.merge(graphdef, state), method)(*args))
+    return functools.partial(run, state)
+
+
 def jaxscale_logits(model, cfg, tokens=TOKENS, start: int = 0) -> np.ndarray:
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
-    return np.asarray(model(jnp.asarray(tokens), positions))[..., :cfg.vocab_size]
+    return np.asarray(jitted(model, "__call__")(jnp.asarray(tokens), positions)
+                      )[..., :cfg.vocab_size]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +109,7 @@ def test_positions_past_4096_equal_transformers(hf_folder):
                           transformers_logits(hf_folder, start=4090)) < 1e-5
 
 
+@pytest.mark.slow
 def test_the_comparison_sees_each_layer_kind(hf_folder):
     """Every layer global, every layer local, the local RoPE base taken for the global one, or
     the default scores' scale: each misses transformers' logits, so the test above can fail on
@@ -118,13 +128,15 @@ def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
     """A prefill of 3 windows, then a token at a time: the local layers see their last WINDOW
     positions, the global one all of them."""
     model, cfg = hf.load_model(hf_folder, compute_dtype="float32")
+    decode, logits = jitted(model, "decode"), jitted(model, "logits")
     cache, got = model.init_cache(2, TOKENS.shape[1]), []
     for begin, end in [(0, 3 * WINDOW)] + [(i, i + 1) for i in range(3 * WINDOW, 40)]:
-        features, cache = model.decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
-        got.append(np.asarray(model.logits(features))[..., :VOCAB])
+        features, cache = decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
+        got.append(np.asarray(logits(features))[..., :VOCAB])
     assert relative_error(np.concatenate(got, axis=1), transformers_logits(hf_folder)) < 1e-5
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_equal_logits(tmp_path):
     """A jaxscale Gemma 3 (random, its norms away from the identity) exported in float32 loads
     as Gemma3ForCausalLM with no missing or unexpected weights and gives jaxscale's logits; it
