@@ -401,11 +401,17 @@ class Decoder(nnx.Module):
         return constrain(x, ("batch", "length", "embed"))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` positions (prompt included)."""
+        """An empty KV cache for `batch` rows of up to `max_len` positions (prompt included):
+        the windowed layers keep only their window (`KVCache`)."""
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-        zeros = constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), CACHE_AXES)
-        return KVCache(k=zeros, v=zeros)
+        windowed = sum(cfg.local_layers()) if cfg.sliding_window else 0
+
+        def zeros(layers, length):
+            shape = (layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+            return constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), CACHE_AXES)
+        whole, ring = zeros(cfg.n_layers - windowed, max_len), zeros(
+            windowed, min(cfg.sliding_window, max_len))
+        return KVCache(k=whole, v=whole, local_k=ring, local_v=ring)
 
     def decode(self, tokens: jax.Array, cache: KVCache,
                start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -413,8 +419,8 @@ class Decoder(nnx.Module):
         (the same in every row), after the `start` positions already in `cache` -> (their
         features, as `features` gives them, and the cache with their keys and values added).
         Prefill is `decode(prompt, init_cache(...), 0)`, each later token
-        `decode(token[:, None], cache, position)`; every call attends to the whole cache, with
-        the positions not yet written masked."""
+        `decode(token[:, None], cache, position)`; every call attends to the whole cache (a
+        windowed layer's: its window), with the positions not yet written masked."""
         x = self.embed_tokens(tokens)
         block_def, block_state = nnx.split(self.blocks)
         per_unit = self.cfg.n_layers // self.stack_units

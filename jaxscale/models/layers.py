@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.models.fp8 import Fp8Site, fp8_matmul, site
 from jaxscale.models.lora import Adapter, AdapterDropout, LoraConfig, adapter
 from jaxscale.models.rope import RopeScaling, apply_rope
-from jaxscale.parallel.attention import attend, has_window
+from jaxscale.parallel.attention import attend
 from jaxscale.parallel.sharding import constrain
 
 # Parameters are created unsharded and placed by the trainer's jit out_shardings; Flax's eager
@@ -364,13 +364,34 @@ class Attention(nnx.Module):
         """Attention for x [batch, length, d_model] at positions start, start + 1, ... (the same
         in every row), after the `start` positions whose keys and values `cache` holds for
         `layer`: writes this layer's new keys and values in, and lets each query see every cached
-        position up to its own (those of its window, with one)."""
+        position up to its own, or in a windowed layer those of its window, whose cache is a
+        ring of the window's length (`KVCache`)."""
         positions = jnp.broadcast_to(start + jnp.arange(x.shape[1]), x.shape[:2])
         q, k, v = self.project(x, positions, layer=layer)
-        cache = cache.write(layer, start, k, v)
         wide = float32_accumulating(self.dtype)
-        out = attend_to_cache(q.astype(wide), cache.k[layer].astype(wide),
-                              cache.v[layer].astype(wide), start, self.layer_window(layer))
+        q = q.astype(wide)
+
+        def whole(cache, index):
+            cache = cache.write(index, start, k, v)
+            return attend_to_cache(q, cache.k[index].astype(wide), cache.v[index].astype(wide),
+                                   start), cache
+
+        def windowed(cache, index):
+            out = attend_through_ring(q, k.astype(wide), v.astype(wide),
+                                      cache.local_k[index].astype(wide),
+                                      cache.local_v[index].astype(wide), start, self.window)
+            return out, cache.write_ring(index, start, k, v)
+
+        # Layers of one kind (the cache holds no other) index their own stack by `layer`.
+        if not cache.local_k.shape[0]:
+            out, cache = whole(cache, layer)
+        elif not cache.k.shape[0]:
+            out, cache = windowed(cache, layer)
+        else:  # the global layers before this one: `layer // global_every`
+            earlier_global = layer // self.global_every
+            out, cache = jax.lax.cond(
+                self.local(layer), lambda c: windowed(c, layer - earlier_global),
+                lambda c: whole(c, earlier_global), cache)
         return self.output(out), cache
 
     def local(self, layer: jax.Array | None) -> jax.Array | None:
@@ -438,33 +459,71 @@ NO_WINDOW = 1 << 30
 
 class KVCache(NamedTuple):
     """Every layer's keys (after RoPE) and values for the positions decoded so far, for sampling
-    one token at a time: k, v [layers, batch, max_len, kv_heads, head_dim] in the compute dtype;
-    slot i holds position i."""
+    one token at a time, in the compute dtype. The layers that see every earlier token (all of
+    them without a window) keep k, v [their count, batch, max_len, kv_heads, head_dim], slot i
+    holding position i; the windowed ones keep only their window, local_k, local_v [their count,
+    batch, ring, kv_heads, head_dim] with ring = min(window, max_len): slot p % ring holds
+    position p, the latest such (`attend_through_ring`). The i-th of each kind is the i-th
+    layer of that kind."""
     k: jax.Array
     v: jax.Array
+    local_k: jax.Array
+    local_v: jax.Array
 
     def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
         """The cache with `layer`'s slots start, start + 1, ... set to k, v [batch, length,
         kv_heads, head_dim]; inside a jitted decode loop XLA writes them in place."""
         at = (layer, 0, start, 0, 0)
-        return KVCache(constrain(jax.lax.dynamic_update_slice(self.k, k[None], at), CACHE_AXES),
-                       constrain(jax.lax.dynamic_update_slice(self.v, v[None], at), CACHE_AXES))
+        return self._replace(
+            k=constrain(jax.lax.dynamic_update_slice(self.k, k[None], at), CACHE_AXES),
+            v=constrain(jax.lax.dynamic_update_slice(self.v, v[None], at), CACHE_AXES))
+
+    def write_ring(self, layer: jax.Array, start: jax.Array, k: jax.Array,
+                   v: jax.Array) -> KVCache:
+        """The cache with windowed `layer`'s ring holding positions start, start + 1, ... of
+        k, v [batch, length, kv_heads, head_dim]: the last `ring` of them, each at its slot
+        position % ring."""
+        ring, length = self.local_k.shape[2], k.shape[1]
+        n = min(length, ring)
+        slots = (start + length - n + jnp.arange(n)) % ring
+        # The scalar layer and the slots are both array indices, parted by a slice: numpy's
+        # rules put their dimension first, [n, batch, ...].
+        return self._replace(
+            local_k=constrain(self.local_k.at[layer, :, slots].set(
+                jnp.moveaxis(k[:, length - n:], 1, 0)), CACHE_AXES),
+            local_v=constrain(self.local_v.at[layer, :, slots].set(
+                jnp.moveaxis(v[:, length - n:], 1, 0)), CACHE_AXES))
 
 
 def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
-                    start: jax.Array, window: int | jax.Array = 0) -> jax.Array:
+                    start: jax.Array) -> jax.Array:
     """q [batch, length, heads, head_dim] at positions start, start + 1, ...; keys, values
     [batch, max_len, kv_heads, head_dim] by slot. A query sees the slots up to its own position:
-    the earlier tokens and itself (the last `window` of them when > 0, or traced: per layer),
-    never the unwritten
-    slots after it. Plain masked XLA attention: a decode step has one query per row; a prefill
-    holds [length, max_len] scores per head, which is fine at a prompt's length."""
+    the earlier tokens and itself, never the unwritten slots after it. Plain masked XLA
+    attention: a decode step has one query per row; a prefill holds [length, max_len] scores
+    per head, which is fine at a prompt's length."""
     slot = jnp.arange(keys.shape[1])
     query = start + jnp.arange(q.shape[1])[:, None]
     visible = slot[None, :] <= query  # [length, max_len]
-    if has_window(window):
-        visible &= slot[None, :] > query - window
     return jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None])
+
+
+def attend_through_ring(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
+                        ring_v: jax.Array, start: jax.Array, window: int) -> jax.Array:
+    """A windowed layer's attention for q, k, v [batch, length, ...] at positions start,
+    start + 1, ..., through its ring (`KVCache`) as it was before them: ring_k, ring_v
+    [batch, ring, kv_heads, head_dim], slot s holding the latest position before `start` that
+    is s modulo ring (none while that is negative). A query sees the positions of its window
+    among the ring's and the new tokens' (a prefill longer than the ring sees its own tokens
+    here, before the ring keeps only its last ones)."""
+    ring = ring_k.shape[1]
+    held = start - 1 - (start - 1 - jnp.arange(ring)) % ring  # each slot's position
+    query = start + jnp.arange(q.shape[1])
+    key = jnp.concatenate([held, query])[None, :]
+    visible = (key >= 0) & (key <= query[:, None]) & (key > query[:, None] - window)
+    return jax.nn.dot_product_attention(q, jnp.concatenate([ring_k, k], axis=1),
+                                        jnp.concatenate([ring_v, v], axis=1),
+                                        mask=visible[None, None])
 
 
 class MLP(nnx.Module):
