@@ -23,6 +23,7 @@ from flax import nnx
 from jaxscale import hf
 from jaxscale.cli import load_config_file
 from jaxscale.config import default_config
+from jaxscale.errors import JaxscaleError
 from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.gemma3 import Gemma3Config
 from jaxscale.models.spec import abstract_model, model_spec
@@ -181,3 +182,16 @@ def test_shipped_1b_config_is_the_published_model(tmp_path):
     assert round(spec.num_params / 1e9, 2) == 1.0
     # The planner's attention FLOPs: 22 local layers' rows span the window, 4 global ones all.
     assert spec.config.keys_seen(4096) == 22 * 512 + 4 * 4096
+
+
+def test_layer_types_no_period_describes_are_refused(tmp_path):
+    """transformers 5's `layer_types` read as model.global_every; a list that is no period of
+    sliding layers ending in a full one is one error naming it, not a model of other layers."""
+    regular = ["sliding_attention"] * 5 + ["full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**PUBLISHED_1B, "num_hidden_layers": 12, "layer_types": regular * 2}))
+    assert model_section(str(tmp_path))["global_every"] == 6
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**PUBLISHED_1B, "num_hidden_layers": 12, "layer_types": regular + regular[::-1]}))
+    with pytest.raises(JaxscaleError, match="are no period of sliding layers"):
+        model_section(str(tmp_path))
