@@ -138,6 +138,14 @@ SCHEMA = {
         "max_seq_len": Key(2048, "the longest context the model is for", _SIZE),
         "sliding_window": Key(0, "the tokens each query attends to, itself included",
                               whole("[0, inf)", {0: "every earlier token"})),
+        # Layers that differ (Gemma 3's local and global ones): jaxscale/models/decoder.py.
+        "global_every": Key(0, "layers (i + 1) a multiple of this are global: every earlier "
+                            "token, rope_theta; the others local: sliding_window, "
+                            "rope_local_theta", whole("[0, inf)", {0: "every layer alike"})),
+        "rope_local_theta": Key(0.0, "the local layers' RoPE base wavelength (global_every)",
+                                real("[0, inf)", {0: "rope_theta"})),
+        "query_pre_attn_scalar": Key(0, "the attention scores are scaled by its -1/2 power",
+                                     whole("[0, inf)", {0: "head_dim"})),
         "rope_theta": Key(10000.0, "RoPE's base wavelength",
                           real("(1, inf)", {10000: "Llama 2", 500000: "Llama 3"})),
         # Hugging Face rope_type "llama3"; the other keys are read for llama3 only, their defaults

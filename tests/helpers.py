@@ -176,6 +176,24 @@ def saved_with_norms_off_one(model, folder) -> str:
     return str(folder)
 
 
+def float64_rotation(rotary, head_dim: int, theta: float | dict[str, float]) -> None:
+    """Gives a transformers model's rotary embedding (`model.model.rotary_emb`) cos/sin computed
+    in float64. transformers forms position x frequency in float32 whatever the model's dtype,
+    ~4e-4 rad off at position 4096 and ~2e-3 at 40000; jaxscale's rotation is checked against
+    float64 on its own (tests/test_hf.py), so a comparison past those positions then compares
+    all the rest. `theta`: the base, or one per layer type (Gemma 3's forward takes the type)."""
+    import torch
+
+    def forward(x, position_ids, layer_type=None):
+        base = theta if layer_type is None else theta[layer_type]
+        inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+        angles = position_ids.numpy()[..., None].astype(np.float64) * inv_freq
+        angles = np.concatenate([angles, angles], axis=-1)
+        return (torch.tensor(np.cos(angles), dtype=x.dtype),
+                torch.tensor(np.sin(angles), dtype=x.dtype))
+    rotary.forward = forward
+
+
 def exported_like_a_trained_model(config, folder) -> tuple[Any, Any, str, dict]:
     """(model, its config, folder, the exported config.json) for `config`'s model in float32,
     its init scaled up (the norms away from 1) as a trained model's weights are, and exported by

@@ -7,6 +7,7 @@ import pytest
 
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
+from jaxscale.models.layers import NO_WINDOW
 from jaxscale.parallel.attention import (
     _residuals_made_at_once,
     attend,
@@ -275,6 +276,34 @@ def test_a_sliding_window_hides_the_keys_before_it_whole_or_split_over_context()
         split = jax.jit(lambda q, k, v, s, p: attend(q, k, v, s, "auto", positions=p,
                                                      window=8))(*permuted)
     np.testing.assert_allclose(split, want[:, order], rtol=0, atol=1e-5)
+
+
+def test_a_window_per_layer_is_a_scanned_input_whole_or_split_over_context():
+    """A window that differs between layers (Gemma 3's local and global ones) comes traced, a
+    scan's input: layer 0's window of 8 and layer 1's NO_WINDOW each equal attention written out
+    with its mask, in XLA's path and in the context path."""
+    q, k, v, _ = qkv(length=64, head_dim=16)
+    index = np.arange(64)
+    segments = jnp.asarray(np.stack([np.where(index < 40, 1, 2), np.ones(64)]), jnp.int32)
+    positions = jnp.asarray(np.stack([np.where(index < 40, index, index - 40), index]), jnp.int32)
+    windows = jnp.asarray([8, NO_WINDOW], jnp.int32)
+    want = [windowed_reference(q, k, v, segments, positions, window=w) for w in (8, NO_WINDOW)]
+    assert np.abs(want[0] - want[1]).max() > 0.1
+
+    def per_layer(q, k, v, segments, positions=None):
+        return jax.lax.map(
+            lambda w: attend(q, k, v, segments, "auto", positions=positions, window=w), windows)
+    got = jax.jit(per_layer)(q, k, v, segments)
+    for layer in range(2):
+        np.testing.assert_allclose(got[layer], want[layer], rtol=0, atol=1e-5)
+
+    mesh = build_mesh(dict(context=4, tensor=2), {}, jax.devices()[:8])
+    order = load_balanced_order(64, 4)
+    permuted = [x[:, order] for x in (q, k, v, segments, positions)]
+    with use_rules(mesh, rules_from_config(default_config().sharding.rules)):
+        split = jax.jit(per_layer)(*permuted)
+    for layer in range(2):
+        np.testing.assert_allclose(split[layer], want[layer][:, order], rtol=0, atol=1e-5)
 
 
 def test_a_sliding_window_runs_on_xla_and_is_refused_by_the_kernels_without_one():

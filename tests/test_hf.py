@@ -193,8 +193,8 @@ def broken_copy(tmp_path, source, *, config=None, remove=()):
 
 @pytest.mark.parametrize("source,change,names", [
     (TIED, dict(remove=["config.json"]), ["config.json"]),
-    (TIED, dict(config=dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])),
-     ["gemma3_text", "llama"]),
+    (TIED, dict(config=dict(model_type="phi3", architectures=["Phi3ForCausalLM"])),
+     ["phi3", "llama"]),
     (TIED, dict(config=dict(intermediate_size=48)),
      ["model.layers.0.mlp.gate_proj.weight", "[64, 32]", "[48, 32]"]),
     (TIED, dict(config=dict(tie_word_embeddings=False)), ["lm_head.weight"]),

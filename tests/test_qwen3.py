@@ -28,6 +28,7 @@ from jaxscale.models.spec import abstract_model, model_spec
 from tests.helpers import (
     assert_imports_back_bit_for_bit,
     exported_like_a_trained_model,
+    float64_rotation,
     relative_error,
     saved_with_norms_off_one,
 )
@@ -65,26 +66,13 @@ def small_hf_config(tied: bool) -> transformers.Qwen3Config:
         initializer_range=0.3)
 
 
-def exact_rotation(model) -> None:
-    """Gives `model` (a Qwen3ForCausalLM) cos/sin computed in float64. transformers forms
-    position x frequency in float32, ~2e-3 rad off at position 40000; jaxscale's rotation is
-    checked against float64 on its own (tests/test_hf.py), so this compares all the rest."""
-    rotary = model.model.rotary_emb
-    inv_freq = 1.0 / THETA ** (np.arange(0, model.config.head_dim, 2) / model.config.head_dim)
-
-    def forward(x, position_ids):
-        angles = position_ids.numpy()[..., None].astype(np.float64) * inv_freq
-        angles = np.concatenate([angles, angles], axis=-1)
-        return (torch.tensor(np.cos(angles), dtype=x.dtype),
-                torch.tensor(np.sin(angles), dtype=x.dtype))
-    rotary.forward = forward
-
-
 def transformers_logits(folder: str) -> np.ndarray:
     """The folder's logits for TOKENS at POSITIONS, computed by transformers in float64."""
     model = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float64)
     model.config._attn_implementation = "eager"
-    exact_rotation(model)
+    # jaxscale's rotation is checked against float64 on its own (tests/test_hf.py): this
+    # compares all the rest.
+    float64_rotation(model.model.rotary_emb, model.config.head_dim, THETA)
     with torch.no_grad():
         return model(input_ids=torch.tensor(TOKENS, dtype=torch.long),
                      position_ids=torch.tensor(POSITIONS, dtype=torch.long)).logits.numpy()

@@ -34,12 +34,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 100  # padded to 128: 28 ids no tokenizer makes
 
 
-def random_model(tie_embeddings=False):
+def random_model(tie_embeddings=False, n_layers=2, **fields):
     """A float32 GQA model whose parameters are scaled up from the init, so that its logits spread
-    as a trained model's do and argmax has no near-ties."""
-    cfg = LlamaConfig(vocab_size=VOCAB, vocab_multiple=64, d_model=32, n_layers=2,
+    as a trained model's do and argmax has no near-ties; `fields`: more of its config's."""
+    cfg = LlamaConfig(vocab_size=VOCAB, vocab_multiple=64, d_model=32, n_layers=n_layers,
                       n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
-                      tie_embeddings=tie_embeddings, dtype="float32", max_seq_len=64)
+                      tie_embeddings=tie_embeddings, dtype="float32", max_seq_len=64, **fields)
     graphdef, state = nnx.split(create_model(cfg, 0))
     return nnx.merge(graphdef, jax.tree.map(lambda x: x * 4, state))
 
@@ -92,6 +92,21 @@ def test_greedy_sampling_is_the_step_by_step_argmax_of_the_full_forward_pass():
     expected = full_forward_greedy(model, prompt, 16)
     np.testing.assert_array_equal(got, expected)
     assert len(np.unique(expected)) > 4  # a real sequence, not one token over and over
+
+
+@pytest.mark.parametrize("layers", [dict(sliding_window=4),
+                                    dict(sliding_window=4, global_every=2, rope_local_theta=100.0)])
+def test_a_windowed_layers_cache_keeps_only_its_window_and_samples_the_same(layers):
+    """Every layer windowed (Mistral's), or local and global layers alternating (Gemma 3's): the
+    windowed layers' cache is a ring of the window's 4 slots, the others' holds every position,
+    and greedy sampling 16 tokens past a 5-token prompt (the ring wrapped many times) is the
+    argmax of the full forward pass, which has no cache."""
+    model, prompt = random_model(n_layers=4, **layers), prompts()
+    cache = model.init_cache(2, 20)
+    windowed = 2 if "global_every" in layers else 4
+    assert (cache.local_k.shape[:3], cache.k.shape[:3]) == ((windowed, 2, 4), (4 - windowed, 2, 20))
+    got = Sampler(model).generate(prompt, max_new_tokens=16, temperature=0.0)
+    np.testing.assert_array_equal(got, full_forward_greedy(model, prompt, 16))
 
 
 def test_a_tiny_top_p_is_greedy():

@@ -67,6 +67,8 @@ def _rope(hf: dict[str, Any], file: str) -> tuple[float, dict[str, Any]]:
     by transformers 4) or `rope_parameters` (transformers 5)."""
     if "rope_parameters" in hf:
         params = dict(hf["rope_parameters"] or {})
+        # Per layer type (Gemma 3 in transformers 5): the global layers' is rope_theta's.
+        params = dict(params.get("full_attention", params))
         theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     else:
         params, theta = dict(hf.get("rope_scaling") or {}), hf.get("rope_theta", 10000.0)
@@ -104,7 +106,7 @@ def model_section(path: str) -> dict[str, Any]:
             rope_theta=theta, rope_scaling=rope_scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            **{key: int(hf.get(hf_key) or 0) for hf_key, key in family.hf_keys.items()},
+            **_family_keys(hf, file, family),
             **_moe(hf, family, file))
     except KeyError as e:
         raise JaxscaleError(f"{file} lacks {e.args[0]!r}; a {family.name} config.json has it "
@@ -126,6 +128,44 @@ def _moe(hf: dict[str, Any], family: Family, file: str) -> dict[str, Any]:
         raise JaxscaleError(f"{file}: num_experts_per_tok=1 is not supported; jaxscale's "
                             f"{family.name} routes each token to 2 experts or more")
     return dict(moe=dict(experts=int(experts), top_k=top_k, every=1, capacity_factor=0.0))
+
+
+def _number(value) -> int | float:
+    """A config.json number as a model key takes it: a null or absent entry is 0."""
+    return float(value) if isinstance(value, float) else int(value or 0)
+
+
+def _family_keys(hf: dict[str, Any], file: str, family: Family) -> dict[str, Any]:
+    """The family's own model keys (`Family.hf_keys`), the layers' kinds read in either form."""
+    keys = {key: _number(hf.get(hf_key)) for hf_key, key in family.hf_keys.items()}
+    if "global_every" in keys:
+        keys.update(_layer_kinds(hf, file, int(hf["num_hidden_layers"])))
+    return keys
+
+
+def _layer_kinds(hf: dict[str, Any], file: str, n_layers: int) -> dict[str, Any]:
+    """model.global_every and model.rope_local_theta from either form: `layer_types` and
+    per-type `rope_parameters` (transformers 5) or `sliding_window_pattern` and
+    `rope_local_base_freq` (transformers 4). JaxscaleError for layers no period describes."""
+    types = hf.get("layer_types")
+    if types is None:
+        return dict(global_every=int(hf["sliding_window_pattern"]),
+                    rope_local_theta=float(hf["rope_local_base_freq"]))
+    every = next((i + 1 for i, kind in enumerate(types) if kind == "full_attention"), 0)
+    want = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+            for i in range(n_layers)]
+    if types != want:
+        raise JaxscaleError(f"{file}: layer_types {types} are no period of sliding layers "
+                            "ending in a full one; jaxscale has layer i global when (i + 1) is "
+                            "a multiple of model.global_every")
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise JaxscaleError(f"{file}: the sliding layers' RoPE type {local['rope_type']!r} is "
+                            "not supported; jaxscale's local layers have the default RoPE")
+    theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
+    if theta is None:
+        raise KeyError("rope_local_base_freq")
+    return dict(global_every=every, rope_local_theta=float(theta))
 
 
 # The model keys that decide the weights' shapes (vocab_size aside: jaxscale may pad it).

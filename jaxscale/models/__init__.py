@@ -5,7 +5,8 @@ Flax module (`Model`), and the Hugging Face tensor each of its parameters is (`h
 jaxscale/models/spec.py builds any family's model from a run's config; nothing outside this folder
 names a family's classes (tests/test_anatomy.py checks it). Every family is the decoder of
 jaxscale/models/decoder.py with its own config: Qwen3 adds per-head q/k norms, Mistral a sliding
-window; Mixtral and Qwen3-MoE have a mixture of experts in every layer.
+window, Gemma 3 local and global layers and its norms; Mixtral and Qwen3-MoE have a mixture
+of experts in every layer.
 
 This module imports no JAX: jaxscale/hf/config.py reads a Hugging Face config.json with the table
 below before JAX starts (a config file, configs/hf.py, does). Adding a family: its module, its row.
@@ -54,6 +55,13 @@ FAMILIES = {family.name: family for family in (
            {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
            hf_experts="num_experts", hf_mlp_dim="moe_intermediate_size"),
+    Family("gemma3", "jaxscale.models.gemma3", "Gemma3ForCausalLM", "gemma3_text",
+           {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False},
+           hf_keys={"sliding_window": "sliding_window", "sliding_window_pattern": "global_every",
+                    "rope_local_base_freq": "rope_local_theta",
+                    "query_pre_attn_scalar": "query_pre_attn_scalar"}),
 )}
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.models.hf_layout import LAYER, HfTensor
 from jaxscale.models.layers import (
     CACHE_AXES,
@@ -74,9 +74,21 @@ class DecoderConfig:
     # max_position_embeddings); positions are exact up to 2^24 whatever it is
     # The tokens a query attends to, itself included (Mistral's sliding window); 0: all before it.
     sliding_window: int = 0
+    # > 0: layers differ (Gemma 3): layer i is global (every earlier token, rope_theta and
+    # rope_scaling) when (i + 1) is a multiple of it, the others local (sliding_window, plain
+    # RoPE of rope_local_theta). 0: every layer has sliding_window and rope_theta.
+    global_every: int = 0
+    rope_local_theta: float = 0.0  # the local layers' RoPE base; 0: rope_theta
+    # The attention scores' scale is query_pre_attn_scalar ** -0.5 (Gemma's); 0: head_dim's.
+    query_pre_attn_scalar: int = 0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qk_norm: bool = False  # an RMSNorm of each head's q and k before RoPE (Qwen3's)
+    # The family's fixed choices (Gemma's, set by its config class, not config keys):
+    norm_offset: float = 0.0  # every RMSNorm multiplies by offset + scale (`RMSNorm`)
+    post_norms: bool = False  # each sub-layer's output is normed before the residual add
+    embed_scale: bool = False  # the embeddings are multiplied by sqrt(d_model)
+    mlp_activation: str = "silu"  # the feed-forward's gate (layers.ACTIVATIONS)
     remat: str = "none"  # a key of REMAT_POLICIES
     attention: str = "auto"  # jaxscale.parallel.attention.IMPLEMENTATIONS
     # The most runs of one segment id a packed row holds (0: unbounded); a bound lets GPU
@@ -92,6 +104,12 @@ class DecoderConfig:
     mlp_chunk: int = MLP_CHUNK  # under remat full, the dense feed-forward's widest chunk
     # Layers per turn of the layer loop (lax.scan's unroll; 0: every layer unrolled, no loop).
     scan_unroll: int = 1
+
+    def __post_init__(self):
+        if self.global_every and self.moe is not None:
+            raise ConfigError(f"model.global_every={self.global_every} (layers that differ) and "
+                              f"model.moe.every={self.moe.every} cannot go together yet; set "
+                              "one of them to 0")
 
     @property
     def mlp_chunks(self) -> int:
@@ -136,12 +154,27 @@ class DecoderConfig:
         matmul_params = self.active_params(num_params) - (0 if self.tie_embeddings else embedding)
         frozen = 0 if trained_params is None else matmul_params - trained_params
         return (6.0 * matmul_params - 2.0 * frozen
-                + 12.0 * self.n_layers * self.n_heads * self.head_dim * self.keys_seen(seq_len))
+                + 12.0 * self.n_heads * self.head_dim * self.keys_seen(seq_len))
 
     def keys_seen(self, seq_len: int) -> int:
-        """The keys a query's row of attention scores spans in a `seq_len` sequence: all of them,
-        or the sliding window's."""
-        return min(seq_len, self.sliding_window or seq_len)
+        """The keys a query's rows of attention scores span in a `seq_len` sequence, summed over
+        the layers: all of them, or in a local layer the sliding window's."""
+        window = min(seq_len, self.sliding_window or seq_len)
+        return sum(window if local else seq_len for local in self.local_layers())
+
+    @property
+    def query_scale(self) -> float:
+        """q's factor, with the scores' 1 / sqrt(head_dim), making query_pre_attn_scalar's."""
+        if not self.query_pre_attn_scalar:
+            return 1.0
+        return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
+
+    def local_layers(self) -> list[bool]:
+        """Whether each layer is local (sliding window, `rope_local_theta`); with no pattern,
+        every layer is as `sliding_window` says."""
+        if not self.global_every:
+            return [bool(self.sliding_window)] * self.n_layers
+        return [(i + 1) % self.global_every != 0 for i in range(self.n_layers)]
 
     @property
     def moe_layers(self) -> int:
@@ -158,37 +191,52 @@ class DecoderConfig:
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); `mlp` is an `MoE` layer
-    when `moe`."""
+    when `moe`. With `post_norms` each sub-layer's output is normed too before it is added
+    (Gemma's x + norm(attn(norm(x))))."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, moe: bool = False):
         dtype = jnp.dtype(cfg.dtype)
         # Residual-branch outputs start small so the residual stream's scale does not grow with
         # depth (GPT-2 / Decoder practice).
         out_stddev = 0.02 / math.sqrt(2 * cfg.n_layers)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        offset = cfg.norm_offset
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               cfg.rope_theta, out_stddev, dtype, cfg.attention, rngs,
                               rope_scaling=cfg.rope_scaling, max_segments=cfg.max_segments,
                               grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
                               lora=cfg.lora, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
-                              window=cfg.sliding_window)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+                              window=cfg.sliding_window, norm_offset=offset,
+                              query_scale=cfg.query_scale, global_every=cfg.global_every,
+                              rope_local_theta=cfg.rope_local_theta)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
+        self.attn_post_norm, self.mlp_post_norm = (
+            (RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset),
+             RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)) if cfg.post_norms else (None, None))
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
         else:
             self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs,
                            grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
-                           lora=cfg.lora, hidden_chunks=cfg.mlp_chunks)
+                           lora=cfg.lora, hidden_chunks=cfg.mlp_chunks,
+                           activation=cfg.mlp_activation)
 
-    def __call__(self, x, positions, segment_ids, dropout: AdapterDropout | None = None
-                 ) -> tuple[jax.Array, RouterStats | None]:
+    def __call__(self, x, positions, segment_ids, dropout: AdapterDropout | None = None,
+                 layer: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
         """(the block's output, its router's statistics; None for a dense block). `dropout`
-        (train step only): on the LoRA adapters' inputs."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, dropout)
+        (train step only): on the LoRA adapters' inputs. `layer`: its index (a per-layer
+        pattern's, `DecoderConfig.global_every`)."""
+        attended = self.attn(self.attn_norm(x), positions, segment_ids, dropout, layer)
+        x = x + self.post_norm(self.attn_post_norm, attended)
         # Padding (segment id 0) is no token to route: it would take real tokens' expert slots.
         valid = None if segment_ids is None else segment_ids != 0
         out, stats = self.feed_forward(self.mlp_norm(x), valid, dropout=dropout)
-        return constrain(x + out, ("batch", "length", "embed")), stats
+        return constrain(x + self.post_norm(self.mlp_post_norm, out),
+                         ("batch", "length", "embed")), stats
+
+    @staticmethod
+    def post_norm(norm: RMSNorm | None, out: jax.Array) -> jax.Array:
+        return out if norm is None else norm(out)
 
     def feed_forward(self, x, valid=None, dropless: bool = False,
                      dropout: AdapterDropout | None = None
@@ -201,8 +249,9 @@ class Block(nnx.Module):
         """The block on tokens at positions start, start + 1, ..., attending through `cache`
         (`Attention.decode`); returns the output and the cache with this layer's new entries."""
         attended, cache = self.attn.decode(self.attn_norm(x), cache, layer, start)
-        x = x + attended
-        x = x + self.feed_forward(self.mlp_norm(x), dropless=True)[0]
+        x = x + self.post_norm(self.attn_post_norm, attended)
+        out = self.feed_forward(self.mlp_norm(x), dropless=True)[0]
+        x = x + self.post_norm(self.mlp_post_norm, out)
         return constrain(x, ("batch", "length", "embed")), cache
 
 
@@ -235,7 +284,7 @@ class Decoder(nnx.Module):
             return BlockGroup(cfg, rngs) if cfg.moe else Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.padded_vocab_size), ("embed", "vocab"), 0.02)
 
@@ -301,28 +350,35 @@ class Decoder(nnx.Module):
         """(the layer function, the stacked state, the per-row inputs) that a `Stack` runs the
         blocks with. With `dropout` each layer's state is the pair (its state, its global
         index): a pipeline stage's slice of the stack then holds its own layers' indices, and
-        the masks are those of one device; the rows' dropout keys go with the rows."""
+        the masks are those of one device; the rows' dropout keys go with the rows. A per-layer
+        pattern (`global_every`) takes the same pairs: the index says which kind a layer is."""
         block_def, block_state = nnx.split(self.blocks)
         block_state = weights_cast_for_use(self.blocks, block_state)
-        if dropout is None:
+        if dropout is None and not self.cfg.global_every:
             return self.block_fn(block_def), block_state, (positions, segment_ids)
         layers = jnp.arange(self.stack_units, dtype=jnp.int32)
-        return (self.block_fn(block_def, dropout.rate), (block_state, layers),
+        if dropout is None:
+            return self.block_fn(block_def, indexed=True), (block_state, layers), (
+                positions, segment_ids)
+        return (self.block_fn(block_def, dropout.rate, indexed=True), (block_state, layers),
                 (positions, segment_ids, dropout.keys))
 
-    def block_fn(self, block_def: nnx.GraphDef, dropout_rate: float = 0.0) -> LayerFn:
+    def block_fn(self, block_def: nnx.GraphDef, dropout_rate: float = 0.0,
+                 indexed: bool = False) -> LayerFn:
         """(one layer's state, x, positions, segment_ids) -> x: a block (with MoE, a
         `BlockGroup`, whose x is the carry (x, statistics)) as a pure function, with the config's
         remat policy applied (what its backward pass keeps). With a `dropout_rate`, the
         `stack_inputs` of dropout: (one layer's (state, index), x, positions, segment_ids, the
-        rows' dropout keys) -> x. Remat recomputes the same masks: they are the keys'."""
+        rows' dropout keys) -> x. Remat recomputes the same masks: they are the keys'. `indexed`
+        (with dropout, or a per-layer pattern): each layer's state comes as (state, index)."""
         def run_block(layer_state, x, positions, segment_ids, *row_keys):
-            if not dropout_rate:
+            if not indexed:
                 out = nnx.merge(block_def, layer_state)(x, positions, segment_ids)
             else:
-                (layer_state, layer), (keys,) = layer_state, row_keys
-                dropout = AdapterDropout(dropout_rate, keys).folded(layer)
-                out = nnx.merge(block_def, layer_state)(x, positions, segment_ids, dropout)
+                layer_state, layer = layer_state
+                dropout = AdapterDropout(dropout_rate, row_keys[0]).folded(layer) \
+                    if dropout_rate else None
+                out = nnx.merge(block_def, layer_state)(x, positions, segment_ids, dropout, layer)
             return out if self.cfg.moe else out[0]  # a Block's router statistics are None
 
         policy = REMAT_POLICIES[self.cfg.remat]
@@ -338,15 +394,24 @@ class Decoder(nnx.Module):
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, length] -> their embeddings in the compute dtype."""
-        x = embedding_lookup(self.embed[...], tokens, jnp.dtype(self.cfg.dtype))
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = embedding_lookup(self.embed[...], tokens, dtype)
+        if self.cfg.embed_scale:  # Gemma's sqrt(d_model), rounded to the compute dtype as HF's
+            x = x * jnp.asarray(math.sqrt(self.cfg.d_model), dtype)
         return constrain(x, ("batch", "length", "embed"))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` positions (prompt included)."""
+        """An empty KV cache for `batch` rows of up to `max_len` positions (prompt included):
+        the windowed layers keep only their window (`KVCache`)."""
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-        zeros = constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), CACHE_AXES)
-        return KVCache(k=zeros, v=zeros)
+        windowed = sum(cfg.local_layers()) if cfg.sliding_window else 0
+
+        def zeros(layers, length):
+            shape = (layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+            return constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), CACHE_AXES)
+        whole, ring = zeros(cfg.n_layers - windowed, max_len), zeros(
+            windowed, min(cfg.sliding_window, max_len))
+        return KVCache(k=whole, v=whole, local_k=ring, local_v=ring)
 
     def decode(self, tokens: jax.Array, cache: KVCache,
                start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -354,8 +419,8 @@ class Decoder(nnx.Module):
         (the same in every row), after the `start` positions already in `cache` -> (their
         features, as `features` gives them, and the cache with their keys and values added).
         Prefill is `decode(prompt, init_cache(...), 0)`, each later token
-        `decode(token[:, None], cache, position)`; every call attends to the whole cache, with
-        the positions not yet written masked."""
+        `decode(token[:, None], cache, position)`; every call attends to the whole cache (a
+        windowed layer's: its window), with the positions not yet written masked."""
         x = self.embed_tokens(tokens)
         block_def, block_state = nnx.split(self.blocks)
         per_unit = self.cfg.n_layers // self.stack_units

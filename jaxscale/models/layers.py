@@ -158,8 +158,14 @@ def _gathered_before_backward(axes, _, grads):
 gathered_before.defvjp(_gathered_before_forward, _gathered_before_backward)
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """`silu(gate) * up`, with autodiff's gradients, each made whole in the backward pass.
+# A gated feed-forward's activations by name: SwiGLU's silu, GeGLU's gelu with the tanh
+# approximation (Gemma's `gelu_pytorch_tanh`).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def swiglu(gate: jax.Array, up: jax.Array, activation: str = "silu") -> jax.Array:
+    """`act(gate) * up` (`activation` a key of ACTIVATIONS: silu, SwiGLU, by default), with
+    autodiff's gradients, each made whole in the backward pass.
 
     Left to autodiff, XLA folds the activation's derivative into the matmuls that read the two
     gradients, so `gate` itself stays alive until the last of them (the feed-forward's weight
@@ -167,24 +173,24 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     place of their inputs. With `MLP`'s down projection gathered first, this lowers llama3_8b's
     peak on v5p-64; either alone saves nothing (benchmarks/memory.py's figures in
     benchmarks/RESULTS.md)."""
-    return _swiglu(gate, up)
+    return _swiglu(activation, gate, up)
 
 
-def _plain_swiglu(gate, up):
-    return jax.nn.silu(gate) * up
+def _plain_swiglu(activation, gate, up):
+    return ACTIVATIONS[activation](gate) * up
 
 
-@jax.custom_vjp
-def _swiglu(gate, up):
-    return _plain_swiglu(gate, up)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _swiglu(activation, gate, up):
+    return _plain_swiglu(activation, gate, up)
 
 
-def _swiglu_forward(gate, up):
-    return _plain_swiglu(gate, up), (gate, up)
+def _swiglu_forward(activation, gate, up):
+    return _plain_swiglu(activation, gate, up), (gate, up)
 
 
-def _swiglu_backward(residuals, grad):
-    _, pullback = jax.vjp(_plain_swiglu, *residuals)
+def _swiglu_backward(activation, residuals, grad):
+    _, pullback = jax.vjp(functools.partial(_plain_swiglu, activation), *residuals)
     return jax.lax.optimization_barrier(pullback(grad))
 
 
@@ -260,16 +266,19 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last axis (logical name `axis`), computed in float32
-    whatever the input dtype."""
+    whatever the input dtype, times `offset + scale`: `offset` 1 is Gemma's form, whose scale
+    starts (and decays towards) 0, the identity."""
 
-    def __init__(self, dim: int, eps: float, axis: str = "embed"):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,))
+    def __init__(self, dim: int, eps: float, axis: str = "embed", offset: float = 0.0):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), out_sharding=(axis,))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        scale = self.scale[...] + self.offset if self.offset else self.scale[...]
+        return (normed * scale).astype(x.dtype)
 
 
 def float32_accumulating(dtype: jnp.dtype) -> jnp.dtype:
@@ -290,8 +299,16 @@ class Attention(nnx.Module):
     four projections are fp8 matmuls with that many steps of amax history (`models/fp8.py`).
     `lora`: the adapters of the projections it targets (`models/lora.py`); `dropout` (train
     step only): on their inputs. `qk_norm_eps` (None: none): each head's q and k go through an
-    RMSNorm over head_dim with this epsilon before RoPE (Qwen3's q_norm and k_norm). `window`
-    > 0: a query sees that many tokens, itself included (a sliding window); 0: all before it."""
+    RMSNorm over head_dim with this epsilon before RoPE (Qwen3's q_norm and k_norm), whose
+    scale has `norm_offset` added (`RMSNorm`). `window` > 0: a query sees that many tokens,
+    itself included (a sliding window); 0: all before it. `query_scale`: q's factor before the
+    scores' 1 / sqrt(head_dim) (Gemma's query_pre_attn_scalar sets the scores' scale apart).
+
+    Per layer (`global_every` > 0): layer i is global when (i + 1) is a multiple of it, seeing
+    every earlier token with RoPE of `rope_theta` (and `rope_scaling`); the others are local,
+    with the window and plain RoPE of `rope_local_theta` (Gemma 3's interleaving). The layer's
+    index is an input (`__call__`'s and `decode`'s `layer`), so one scanned block serves both.
+    """
 
     WEIGHT_AXES = {"q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
                    "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed")}
@@ -301,7 +318,8 @@ class Attention(nnx.Module):
                  rngs: nnx.Rngs, rope_scaling: RopeScaling | None = None, max_segments: int = 0,
                  grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
                  lora: LoraConfig | None = None, qk_norm_eps: float | None = None,
-                 window: int = 0):
+                 window: int = 0, norm_offset: float = 0.0, query_scale: float = 1.0,
+                 global_every: int = 0, rope_local_theta: float = 0.0):
         axes = self.WEIGHT_AXES
         self.q = param(rngs, (d_model, n_heads, head_dim), axes["q"], 0.02)
         self.k = param(rngs, (d_model, n_kv_heads, head_dim), axes["k"], 0.02)
@@ -314,12 +332,16 @@ class Attention(nnx.Module):
         self.implementation = implementation
         self.max_segments = max_segments
         self.window = window
+        self.query_scale = query_scale
+        self.global_every = global_every
+        self.rope_local_theta = rope_local_theta or rope_theta
         self.q_fp8, self.k_fp8, self.v_fp8, self.o_fp8 = (site(fp8_history) for _ in range(4))
         self.q_lora, self.k_lora, self.v_lora = (adapter(lora, name, getattr(self, name), 1, rngs)
                                                  for name in ("q", "k", "v"))
         self.o_lora = adapter(lora, "o", self.o, 2, rngs)  # o contracts heads and head_dim
         self.q_norm, self.k_norm = (None, None) if qk_norm_eps is None else (
-            RMSNorm(head_dim, qk_norm_eps, "head_dim"), RMSNorm(head_dim, qk_norm_eps, "head_dim"))
+            RMSNorm(head_dim, qk_norm_eps, "head_dim", norm_offset),
+            RMSNorm(head_dim, qk_norm_eps, "head_dim", norm_offset))
 
     def weight_dtypes(self) -> dict[str, jnp.dtype]:
         """The weights (by attribute) and the dtype each is cast to where it is used, fp8
@@ -327,12 +349,14 @@ class Attention(nnx.Module):
         return unquantized_weight_dtypes(self, ("q", "k", "v", "o"))
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 dropout: AdapterDropout | None = None) -> jax.Array:
-        q, k, v = self.project(x, positions, dropout)
+                 dropout: AdapterDropout | None = None, layer: jax.Array | None = None
+                 ) -> jax.Array:
+        """`layer`: the layer's index, which a per-layer pattern (`global_every`) needs."""
+        q, k, v = self.project(x, positions, dropout, layer)
         wide = float32_accumulating(self.dtype)
         out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
                      self.implementation, positions=positions, max_segments=self.max_segments,
-                     window=self.window)
+                     window=self.layer_window(layer))
         return self.output(out, dropout)
 
     def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,
@@ -340,29 +364,76 @@ class Attention(nnx.Module):
         """Attention for x [batch, length, d_model] at positions start, start + 1, ... (the same
         in every row), after the `start` positions whose keys and values `cache` holds for
         `layer`: writes this layer's new keys and values in, and lets each query see every cached
-        position up to its own (those of its window, with one)."""
+        position up to its own, or in a windowed layer those of its window, whose cache is a
+        ring of the window's length (`KVCache`)."""
         positions = jnp.broadcast_to(start + jnp.arange(x.shape[1]), x.shape[:2])
-        q, k, v = self.project(x, positions)
-        cache = cache.write(layer, start, k, v)
+        q, k, v = self.project(x, positions, layer=layer)
         wide = float32_accumulating(self.dtype)
-        out = attend_to_cache(q.astype(wide), cache.k[layer].astype(wide),
-                              cache.v[layer].astype(wide), start, self.window)
+        q = q.astype(wide)
+
+        def whole(cache, index):
+            cache = cache.write(index, start, k, v)
+            return attend_to_cache(q, cache.k[index].astype(wide), cache.v[index].astype(wide),
+                                   start), cache
+
+        def windowed(cache, index):
+            out = attend_through_ring(q, k.astype(wide), v.astype(wide),
+                                      cache.local_k[index].astype(wide),
+                                      cache.local_v[index].astype(wide), start, self.window)
+            return out, cache.write_ring(index, start, k, v)
+
+        # Layers of one kind (the cache holds no other) index their own stack by `layer`.
+        if not cache.local_k.shape[0]:
+            out, cache = whole(cache, layer)
+        elif not cache.k.shape[0]:
+            out, cache = windowed(cache, layer)
+        else:  # the global layers before this one: `layer // global_every`
+            earlier_global = layer // self.global_every
+            out, cache = jax.lax.cond(
+                self.local(layer), lambda c: windowed(c, layer - earlier_global),
+                lambda c: whole(c, earlier_global), cache)
         return self.output(out), cache
 
+    def local(self, layer: jax.Array | None) -> jax.Array | None:
+        """Whether `layer` is a local one (traced); None without a per-layer pattern."""
+        if not self.global_every:
+            return None
+        if layer is None:
+            raise ValueError("a per-layer pattern (global_every) needs the layer's index")
+        return (layer + 1) % self.global_every != 0
+
+    def layer_window(self, layer: jax.Array | None) -> int | jax.Array:
+        """The window of `layer`: `window` (an int, 0 none) for every layer alike, else per
+        layer an int32 scalar, NO_WINDOW for a global layer (`attend` takes both)."""
+        local = self.local(layer)
+        if local is None or not self.window:
+            return self.window
+        return jnp.where(local, self.window, NO_WINDOW).astype(jnp.int32)
+
+    def rotate(self, x: jax.Array, positions: jax.Array, layer: jax.Array | None) -> jax.Array:
+        """x [batch, length, heads, head_dim] rotated to `positions` by `layer`'s RoPE."""
+        rotated = apply_rope(x, positions, self.rope_theta, self.rope_scaling)
+        local = self.local(layer)
+        if local is None:
+            return rotated
+        return jnp.where(local, apply_rope(x, positions, self.rope_local_theta), rotated)
+
     def project(self, x: jax.Array, positions: jax.Array,
-                dropout: AdapterDropout | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                dropout: AdapterDropout | None = None, layer: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) in the compute dtype, q and k normed (`qk_norm_eps`) and rotated to their
-        positions."""
+        positions (by `layer`'s RoPE), q times `query_scale`."""
         d = dropout
         q = adapted_matmul("btd,dnh->btnh", x, self.weight("q"), self.q_fp8, self.q_lora, d)
         k = adapted_matmul("btd,dkh->btkh", x, self.weight("k"), self.k_fp8, self.k_lora, d)
         v = adapted_matmul("btd,dkh->btkh", x, self.weight("v"), self.v_fp8, self.v_lora, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(apply_rope(q, positions, self.rope_theta, self.rope_scaling),
-                      ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, self.rope_theta, self.rope_scaling),
-                      ("batch", "length", "kv_heads", "head_dim"))
+        q = self.rotate(q, positions, layer)
+        if self.query_scale != 1.0:
+            q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(self.rotate(k, positions, layer), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
@@ -381,40 +452,83 @@ class Attention(nnx.Module):
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+# A window wider than any position (they are below 2^24): a global layer's, where the window is
+# per layer and so traced.
+NO_WINDOW = 1 << 30
 
 
 class KVCache(NamedTuple):
     """Every layer's keys (after RoPE) and values for the positions decoded so far, for sampling
-    one token at a time: k, v [layers, batch, max_len, kv_heads, head_dim] in the compute dtype;
-    slot i holds position i."""
+    one token at a time, in the compute dtype. The layers that see every earlier token (all of
+    them without a window) keep k, v [their count, batch, max_len, kv_heads, head_dim], slot i
+    holding position i; the windowed ones keep only their window, local_k, local_v [their count,
+    batch, ring, kv_heads, head_dim] with ring = min(window, max_len): slot p % ring holds
+    position p, the latest such (`attend_through_ring`). The i-th of each kind is the i-th
+    layer of that kind."""
     k: jax.Array
     v: jax.Array
+    local_k: jax.Array
+    local_v: jax.Array
 
     def write(self, layer: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
         """The cache with `layer`'s slots start, start + 1, ... set to k, v [batch, length,
         kv_heads, head_dim]; inside a jitted decode loop XLA writes them in place."""
         at = (layer, 0, start, 0, 0)
-        return KVCache(constrain(jax.lax.dynamic_update_slice(self.k, k[None], at), CACHE_AXES),
-                       constrain(jax.lax.dynamic_update_slice(self.v, v[None], at), CACHE_AXES))
+        return self._replace(
+            k=constrain(jax.lax.dynamic_update_slice(self.k, k[None], at), CACHE_AXES),
+            v=constrain(jax.lax.dynamic_update_slice(self.v, v[None], at), CACHE_AXES))
+
+    def write_ring(self, layer: jax.Array, start: jax.Array, k: jax.Array,
+                   v: jax.Array) -> KVCache:
+        """The cache with windowed `layer`'s ring holding positions start, start + 1, ... of
+        k, v [batch, length, kv_heads, head_dim]: the last `ring` of them, each at its slot
+        position % ring."""
+        ring, length = self.local_k.shape[2], k.shape[1]
+        n = min(length, ring)
+        slots = (start + length - n + jnp.arange(n)) % ring
+        # The scalar layer and the slots are both array indices, parted by a slice: numpy's
+        # rules put their dimension first, [n, batch, ...].
+        return self._replace(
+            local_k=constrain(self.local_k.at[layer, :, slots].set(
+                jnp.moveaxis(k[:, length - n:], 1, 0)), CACHE_AXES),
+            local_v=constrain(self.local_v.at[layer, :, slots].set(
+                jnp.moveaxis(v[:, length - n:], 1, 0)), CACHE_AXES))
 
 
 def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array,
-                    start: jax.Array, window: int = 0) -> jax.Array:
+                    start: jax.Array) -> jax.Array:
     """q [batch, length, heads, head_dim] at positions start, start + 1, ...; keys, values
     [batch, max_len, kv_heads, head_dim] by slot. A query sees the slots up to its own position:
-    the earlier tokens and itself (the last `window` of them when > 0), never the unwritten
-    slots after it. Plain masked XLA attention: a decode step has one query per row; a prefill
-    holds [length, max_len] scores per head, which is fine at a prompt's length."""
+    the earlier tokens and itself, never the unwritten slots after it. Plain masked XLA
+    attention: a decode step has one query per row; a prefill holds [length, max_len] scores
+    per head, which is fine at a prompt's length."""
     slot = jnp.arange(keys.shape[1])
     query = start + jnp.arange(q.shape[1])[:, None]
     visible = slot[None, :] <= query  # [length, max_len]
-    if window:
-        visible &= slot[None, :] > query - window
     return jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None])
 
 
+def attend_through_ring(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
+                        ring_v: jax.Array, start: jax.Array, window: int) -> jax.Array:
+    """A windowed layer's attention for q, k, v [batch, length, ...] at positions start,
+    start + 1, ..., through its ring (`KVCache`) as it was before them: ring_k, ring_v
+    [batch, ring, kv_heads, head_dim], slot s holding the latest position before `start` that
+    is s modulo ring (none while that is negative). A query sees the positions of its window
+    among the ring's and the new tokens' (a prefill longer than the ring sees its own tokens
+    here, before the ring keeps only its last ones)."""
+    ring = ring_k.shape[1]
+    held = start - 1 - (start - 1 - jnp.arange(ring)) % ring  # each slot's position
+    query = start + jnp.arange(q.shape[1])
+    key = jnp.concatenate([held, query])[None, :]
+    visible = (key >= 0) & (key <= query[:, None]) & (key > query[:, None] - window)
+    return jax.nn.dot_product_attention(q, jnp.concatenate([ring_k, k], axis=1),
+                                        jnp.concatenate([ring_v, v], axis=1),
+                                        mask=visible[None, None])
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); x in the compute dtype. `grad_dtype`:
+    """Gated feed-forward: down(act(gate(x)) * up(x)), `activation` a key of ACTIVATIONS (silu:
+    SwiGLU; gelu_tanh: GeGLU); x in the compute dtype. `grad_dtype`:
     the dtype the weights' gradients are made and reduced in (`weight_matmul`; None: `dtype`).
     `fp8_history` > 0: the three matmuls are fp8 (`Attention`'s); `lora`: their adapters,
     `dropout` on the adapters' inputs (`Attention`'s). `hidden_chunks` > 1 (a divisor of
@@ -423,8 +537,10 @@ class MLP(nnx.Module):
 
     def __init__(self, d_model: int, mlp_dim: int, out_stddev: float, dtype: jnp.dtype,
                  rngs: nnx.Rngs, grad_dtype: jnp.dtype | None = None, fp8_history: int = 0,
-                 lora: LoraConfig | None = None, hidden_chunks: int = 1):
+                 lora: LoraConfig | None = None, hidden_chunks: int = 1,
+                 activation: str = "silu"):
         self.gate = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
+        self.activation = activation
         self.up = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), 0.02)
         self.down = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), out_stddev)
         self.grad_dtype = jnp.dtype(grad_dtype or dtype)
@@ -462,7 +578,7 @@ class MLP(nnx.Module):
                               self.gate_lora, dropout)
         up = adapted_matmul("btd,df->btf", x, self.up[...].astype(gt), self.up_fp8, self.up_lora,
                             dropout)
-        hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
+        hidden = constrain(swiglu(gate, up, self.activation), ("batch", "length", "mlp"))
         return adapted_matmul("btf,fd->btd", hidden, down, self.down_fp8, self.down_lora, dropout)
 
     def in_chunks(self, x: jax.Array) -> jax.Array:
@@ -486,7 +602,8 @@ class MLP(nnx.Module):
             gate, up, down = (w.astype(gt) for w in weights)
             down, chunk_x = gathered_before(("mlp", "embed"), down, x)
             hidden = constrain(swiglu(weight_matmul("btd,df->btf", chunk_x, gate),
-                                      weight_matmul("btd,df->btf", chunk_x, up)),
+                                      weight_matmul("btd,df->btf", chunk_x, up),
+                                      self.activation),
                                ("batch", "length", "mlp"))
             return total + weight_matmul("btf,fd->btd", hidden, down, jnp.float32), None
 

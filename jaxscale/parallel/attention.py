@@ -29,6 +29,8 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
 A sliding window (a query sees only the last `window` tokens, itself included) is the XLA path's
 local window, and one more term of the context path's mask; splash and cudnn are not given it
 yet, so `auto` takes xla for it and asking for either with a window is refused at config time.
+A window that differs between layers (Gemma 3's local and global layers, one scanned block) comes
+traced, an int32 scalar, and the XLA path then takes it as a mask.
 """
 
 from __future__ import annotations
@@ -56,17 +58,18 @@ CUDNN_PACKED_CAPABILITY = (9, 0)  # Hopper: cuDNN's packed (ragged) layout, head
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
            implementation: str, *, positions: jax.Array | None = None, max_segments: int = 0,
-           window: int = 0, interpret: bool = False) -> jax.Array:
+           window: int | jax.Array = 0, interpret: bool = False) -> jax.Array:
     """Causal attention. q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads,
     head_dim] (grouped-query: heads a multiple of kv_heads); segment_ids [batch, length] or None:
     a token sees only earlier tokens of its own segment; positions [batch, length] or None (the
     array indices): what "earlier" means when the length is split over devices, whose tokens
     may be in any order. `max_segments`: the most segments (contiguous runs of one id, padding
     included) a row holds, 0 if unbounded; the cudnn kernel's packed layout needs it. `window`
-    > 0: a token sees only the last `window` tokens, itself included. `interpret` runs a Pallas
+    > 0 (or traced, an int32 scalar): a token sees only the last `window` tokens, itself
+    included. `interpret` runs a Pallas
     kernel in Python (any backend): for tests."""
     kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments,
-                     windowed=window > 0)
+                     windowed=has_window(window))
     if kernel == "splash":
         return _per_shard(functools.partial(_splash_on_shard, interpret=interpret),
                           q, k, v, segment_ids)
@@ -77,6 +80,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
         return _per_shard(functools.partial(_cudnn_on_shard, max_segments=layout),
                           q, k, v, segment_ids)
     return _xla(q, k, v, segment_ids, window)
+
+
+def has_window(window: int | jax.Array) -> bool:
+    """Whether `window` limits what a query sees: a traced one (per layer) may."""
+    return not isinstance(window, int) or window > 0
 
 
 def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed: bool,
@@ -176,12 +184,17 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
     return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
 
 
-def _xla(q, k, v, segment_ids, window: int = 0):
+def _xla(q, k, v, segment_ids, window: int | jax.Array = 0):
     # Causality comes from `is_causal`, so without packing there is no mask to materialise; the
     # window counts array indices, which within one packed document are its positions.
     mask = None if segment_ids is None else segment_mask(segment_ids)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                        local_window_size=(window - 1, 0) if window else None)
+    if isinstance(window, int):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            local_window_size=(window - 1, 0) if window else None)
+    index = jnp.arange(q.shape[1])
+    in_window = (index[None, :] > index[:, None] - window)[None, None]
+    mask = in_window if mask is None else mask & in_window
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
 def _device():
@@ -223,7 +236,7 @@ def _length_axes() -> tuple[str, ...]:
                  if mesh.shape[a] > 1)
 
 
-def _context(q, k, v, segment_ids, positions, kernel: str, window: int = 0):
+def _context(q, k, v, segment_ids, positions, kernel: str, window: int | jax.Array = 0):
     """Attention with the length split over `_length_axes()`: per device, its queries against
     every key, under the mask "same segment and key position <= query position" (and, with a
     `window`, > query position - window), by XLA or (`kernel` cudnn) cuDNN taking the mask as a
@@ -237,22 +250,27 @@ def _context(q, k, v, segment_ids, positions, kernel: str, window: int = 0):
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
 
-    def per_shard(q, k, v, positions, segment_ids):
+    def per_shard(q, k, v, positions, segment_ids, window):
         def gather(x):
             return jax.lax.all_gather(x, axes, axis=1, tiled=True)
         k, v = gather(k), gather(v)
         key_positions, key_segments = gather(positions), gather(segment_ids)
         mask = ((segment_ids[:, :, None] == key_segments[:, None, :])
                 & (key_positions[:, None, :] <= positions[:, :, None]))
-        if window:
+        if has_window(window):
             mask &= key_positions[:, None, :] > positions[:, :, None] - window
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                             implementation="cudnn" if kernel == "cudnn" else None)
     # check_vma=False: under a pipeline's vmap over stages the output's replication over the
     # stage axis cannot be inferred, though every stage computes its own rows exactly.
-    return jax.shard_map(per_shard, mesh=mesh,
-                         in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
-                         out_specs=q_spec, check_vma=False)(q, k, v, positions, segment_ids)
+    # A static window stays a Python int (no mask term without one); a traced one goes in
+    # replicated.
+    static = isinstance(window, int)
+    run = jax.shard_map(
+        functools.partial(per_shard, window=window) if static else per_shard, mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec) + (() if static else (P(),)),
+        out_specs=q_spec, check_vma=False)
+    return run(q, k, v, positions, segment_ids, *(() if static else (window,)))
 
 
 def _per_shard(kernel, q, k, v, segment_ids):

@@ -93,7 +93,7 @@ def compute_seconds(config: ml_collections.ConfigDict, spec: ModelSpec, candidat
     per_token = m.flops_per_token(spec.num_params, t.seq_len)
     head = 6.0 * m.d_model * m.padded_vocab_size  # the output head's matmuls
     layers = per_token - head
-    attention_forward = 4.0 * m.n_layers * m.n_heads * m.head_dim * m.keys_seen(t.seq_len)
+    attention_forward = 4.0 * m.n_heads * m.head_dim * m.keys_seen(t.seq_len)
     layers += {"none": 0.0, "save_dots": attention_forward, "full": layers / 3}[candidate.remat]
     pipeline = candidate.pipeline
     if pipeline is None:
