@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
 
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.plan.auto import planned_config
-        from jaxscale.runtime import cuda_plugin, xla_flags
+        from jaxscale.runtime import agreement, cuda_plugin, xla_flags
         from jaxscale.runtime.tpu_host import quiet_libtpu
         from jaxscale.trainer import Trainer
 
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> None:
             # Before anything touches a device: every process of a multi-host run must join.
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
+            agreement.exit_on_announced_failure()
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu(), cuda_plugin.kept_out():
                 planned_step = None
@@ -73,7 +74,9 @@ def main(argv: list[str]) -> None:
                     config, planned_step = planned_config(config, jax.devices())
                 Trainer(config, workdir, planned_step=planned_step).run()
         except (JaxscaleError, TransientError) as e:
-            fail_with(e)
+            # At once when the others were told and exit on their own: a clean exit would wait
+            # for them at JAX's shutdown barrier.
+            fail_with(e, exit=os._exit if agreement.failure_announced() else sys.exit)
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
         except jax.errors.JaxRuntimeError as e:
