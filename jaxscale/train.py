@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from jaxscale.cli import fail_with, parse_train_command
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
@@ -64,15 +65,18 @@ def main(argv: list[str]) -> None:
             # Before JAX starts a backend, which reads XLA_FLAGS once.
             xla_flags.apply(config.performance.xla_flags)
             # Before anything touches a device: every process of a multi-host run must join.
+            began = time.perf_counter()
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
+            rendezvous_seconds = time.perf_counter() - began
             agreement.exit_on_announced_failure()
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu(), cuda_plugin.kept_out():
                 planned_step = None
                 if config.mesh.auto:  # the planner chooses the layout and compiles its step
                     config, planned_step = planned_config(config, jax.devices())
-                Trainer(config, workdir, planned_step=planned_step).run()
+                Trainer(config, workdir, planned_step=planned_step,
+                        rendezvous_seconds=rendezvous_seconds).run()
         except (JaxscaleError, TransientError) as e:
             # At once when the others were told and exit on their own: a clean exit would wait
             # for them at JAX's shutdown barrier.
