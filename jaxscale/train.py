@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from jaxscale.cli import fail_with, parse_train_command
 from jaxscale.errors import INTERRUPTED_EXIT_CODE, JaxscaleError, TransientError
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> None:
 
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.plan.auto import planned_config
-        from jaxscale.runtime import cuda_plugin, xla_flags
+        from jaxscale.runtime import agreement, cuda_plugin, xla_flags
         from jaxscale.runtime.tpu_host import quiet_libtpu
         from jaxscale.trainer import Trainer
         from jaxscale.training import elastic
@@ -65,8 +66,11 @@ def main(argv: list[str]) -> None:
             # Before JAX starts a backend, which reads XLA_FLAGS once.
             xla_flags.apply(config.performance.xla_flags)
             # Before anything touches a device: every process of a multi-host run must join.
+            began = time.perf_counter()
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
+            rendezvous_seconds = time.perf_counter() - began
+            agreement.exit_on_announced_failure()
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu(), cuda_plugin.kept_out():
                 # An elastic run restarted on fewer hosts keeps its global batch.
@@ -79,9 +83,12 @@ def main(argv: list[str]) -> None:
                 planned_step = None
                 if config.mesh.auto:  # the planner chooses the layout and compiles its step
                     config, planned_step = planned_config(config, devices)
-                Trainer(config, workdir, devices, planned_step=planned_step).run()
+                Trainer(config, workdir, devices, planned_step=planned_step,
+                        rendezvous_seconds=rendezvous_seconds).run()
         except (JaxscaleError, TransientError) as e:
-            fail_with(e)
+            # At once when the others were told and exit on their own: a clean exit would wait
+            # for them at JAX's shutdown barrier.
+            fail_with(e, exit=os._exit if agreement.failure_announced() else sys.exit)
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
         except jax.errors.JaxRuntimeError as e:

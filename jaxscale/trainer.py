@@ -11,7 +11,8 @@ nothing compiled yet). `run()` then, a method a step:
      `checkpoint.restore_from` (a checkpoint that does not fit the config stops here);
   4. `compile`: compiles the train step once, ahead of time, and prints its memory per device
      next to the device's capacity: a step that does not fit stops here (the memory is also
-     logged on the first metrics line);
+     logged on the first metrics line); the start-up line then says how long the rendezvous,
+     the restore and the compile took, and whether the step came from the compilation cache;
   5. `open_for_writing`: writes the workdir's config.json and run.json, moves the compilation
      cache in and opens the checkpoints for saving;
   6. `train`: starts from the restored state or a fresh sharded init, and runs `_Loop`: next
@@ -54,9 +55,14 @@ from jaxscale.observe.device_memory import (
 from jaxscale.observe.profiling import ProfileWindow
 from jaxscale.observe.timing import RunClock, Speed, StepWindow, compare_hosts, read_run_record
 from jaxscale.observe.trackers import check_tracker_access
-from jaxscale.runtime.agreement import agreed_checks
+from jaxscale.runtime.agreement import agreed_checks, everyone
 from jaxscale.runtime.chips import GIB, peak_flops_per_device
-from jaxscale.runtime.compilation_cache import CACHE_FIX, CompilationCache, compilation_cache_dir
+from jaxscale.runtime.compilation_cache import (
+    CACHE_FIX,
+    CompilationCache,
+    compilation_cache_dir,
+    programs_loaded,
+)
 from jaxscale.runtime.workdir import (
     check_workdir,
     check_writable,
@@ -105,11 +111,14 @@ class Trainer:
     """Trains `config` in `workdir`: `Trainer(config, workdir).run()`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None,
-                 planned_step: tuple[jax.stages.Compiled, StepMemory] | None = None):
+                 planned_step: tuple[jax.stages.Compiled, StepMemory] | None = None,
+                 rendezvous_seconds: float | None = None):
         """`planned_step`: with mesh.auto, the planner's compiled train step for `config` (the
         layout it chose, jaxscale.plan.auto.planned_config), which the trainer runs instead of
-        compiling its own."""
+        compiling its own. `rendezvous_seconds`: how long the processes took to find each other
+        (jax.distributed), said on the start-up line."""
         self.start_time = time.perf_counter()
+        self.rendezvous_seconds = rendezvous_seconds
         devices = list(devices if devices is not None else jax.devices())
         if config.mesh.auto and planned_step is None:
             raise ConfigError("mesh.auto=True is resolved before the trainer is built: "
@@ -150,14 +159,40 @@ class Trainer:
             # The restore is collective (every process reads its shards); nothing after it here
             # is, so a process whose check fails skips the rest and goes to the agreement.
             with agreed_checks():
+                began = time.perf_counter()
                 start = self.restore(checkpoints, inputs.train)  # 3
                 if self.already_complete(start):
                     return latest_metrics(self.workdir)  # once every process agrees
+                restored = time.perf_counter()
                 cache = stack.enter_context(contextlib.closing(
                     CompilationCache(cache_dir, jax.process_index())))
+                loaded = programs_loaded()
                 compiled = self.compile()  # 4
+                compiled_at = time.perf_counter()
+            self.say(self.startup_line(restore=restored - began, compile=compiled_at - restored,
+                                       loaded=everyone(programs_loaded() > loaded)))
             self.open_for_writing(start, cache, checkpoints)  # 5
             return self.train(stack, start, compiled, inputs, checkpoints)  # 6
+
+    def startup_line(self, *, restore: float, compile: float, loaded: np.ndarray) -> str:
+        """How long each phase of this start took, for a restart's cost to be seen: the
+        rendezvous of the processes, the restore (the checkpoint read, or nothing found) and the
+        train step's compile, with whether each process (`loaded`, in process order) loaded its
+        programs from the compilation cache (a restart onto a process count seen before: the
+        cache holds a step for each) or compiled them."""
+        phases = ([f"rendezvous {self.rendezvous_seconds:.1f}s"]
+                  if self.rendezvous_seconds is not None else [])
+        phases += [f"restore {restore:.1f}s", f"compile {compile:.1f}s"]
+        if self._planned_step is not None:
+            how = "the planner's, compiled before"
+        elif loaded.all():
+            how = "loaded from the compilation cache"
+        elif loaded.any():
+            how = (f"loaded from the compilation cache by {int(loaded.sum())} of {loaded.size} "
+                   "processes, compiled by the others")
+        else:
+            how = "compiled"
+        return f"start-up: {', '.join(phases)} (train step {how})"
 
     def open_inputs(self, stack: contextlib.ExitStack) -> Inputs:
         """1. The train split's input, and the eval split's when the run evaluates, checked."""

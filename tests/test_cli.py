@@ -104,8 +104,8 @@ def test_a_torn_metrics_line_does_not_hide_the_others(tmp_path):
 @pytest.mark.slow
 def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
     """A second start of the same program compiles no train step: its cache key is the first
-    start's (the cache's staging folder, which JAX writes into the compile options, has one
-    path). Two workdirs share the cache, so both starts compile the very same program."""
+    start's (no path of the cache's staging folder is in it: tests/test_restart_cache.py). Two
+    workdirs share the cache, so both starts compile the very same program."""
     cache = tmp_path / "cache"
     flags = {"checkpoint.compilation_cache": True, "checkpoint.compilation_cache_dir": cache}
     resumable_cli_losses(tmp_path / "first", 2, **flags)

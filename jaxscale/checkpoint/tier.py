@@ -58,7 +58,7 @@ from jaxscale.checkpoint.verdict import (
     save_failure_kind,
 )
 from jaxscale.errors import JaxscaleError, TransientError
-from jaxscale.runtime.agreement import gravest
+from jaxscale.runtime.agreement import announced, gravest
 from jaxscale.runtime.storage import in_bucket, reason, storage_error
 
 logger = logging.getLogger(__name__)
@@ -166,15 +166,23 @@ class Tier:
     def save(self, step: int, state: State, data_state: dict, meta: dict) -> None:
         """Starts saving `step` (the save before it finished: `finish`); returns once the state
         is copied off the devices. Raises as `_failures_are_sorted` says when the blocking part
-        fails."""
+        fails; in a save of every process, announced to the others (`agreement.announced`),
+        which exit at once with the same line."""
         self.open_for_saving()
         if self._barrier is not None:
             self._barrier.next_save()
         begin = time.perf_counter()
         self._step = step
-        with self._failures_are_sorted(self.failed_to_write(step)):
-            self._manager.save(step, force=True, args=items_to_save(
-                state, data_state, meta, process_local=self.process_local))
+        try:
+            with self._failures_are_sorted(self.failed_to_write(step)):
+                self._manager.save(step, force=True, args=items_to_save(
+                    state, data_state, meta, process_local=self.process_local))
+        except (TransientError, JaxscaleError) as e:
+            if self.process_local:  # this process alone: `Checkpoints` agrees how it went
+                raise
+            # Past Orbax's barriers the others have gone on, into the next collective, which
+            # this process never enters: they learn of it from the announcement.
+            raise announced(e) from e
         self.metrics[f"{self._metrics_prefix}checkpoint_blocking_seconds"] = (
             time.perf_counter() - begin)
         self._begun, self._unsettled = begin, True

@@ -10,7 +10,10 @@ same here, by one collective every process calls at the same point of its progra
 * `everyone(answer)`: every process's yes or no;
 * `gravest(code, problem)`: the gravest code any process holds, with the words of the first;
 * `process_0_decides(values)`: process 0's values on every process (a clock read on one host);
-* `agreed_checks()`: a block of start-up checks whose failure on any process stops all.
+* `agreed_checks()`: a block of start-up checks whose failure on any process stops all;
+* `announced(error)` and `exit_on_announced_failure()`: a failure one process alone meets where
+  the others do not wait for its answer (they are in a collective it never enters), told to them
+  through the key-value store of JAX's distributed runtime, on which each waits in a thread.
 
 Nothing here runs a collective in a single-process run. The gathers go through
 `multihost_utils`, which moves host values over the devices' own collectives (gloo on CPUs).
@@ -18,12 +21,16 @@ Nothing here runs a collective in a single-process run. The gathers go through
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import threading
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxscale.cli import fail_with
 from jaxscale.errors import TRANSIENT_EXIT_CODE, USAGE_EXIT_CODE, JaxscaleError, TransientError
 
 # Room for one process's words in an agreement (a failing check, a save's problem); longer ones
@@ -120,4 +127,81 @@ def _first_failure(failure: JaxscaleError | TransientError | None) -> Exception 
     code, text = answers[failed[0]]
     if len(failed) < len(answers):
         text = f"process {failed[0]} of {len(answers)}: {text}"
+    return _failure(code, text)
+
+
+# The key under which a process announces the failure that ends the run ("<exit code> <line>").
+_FAILURE_KEY = "jaxscale/failure"
+# Milliseconds a waiting thread's request to the key-value store lasts before it asks again; a
+# process that ends waits as long for the thread to stop (see `_stop_waiting`).
+_WATCH_MS = 1000
+_announced = threading.Event()  # this process announced a failure: it exits on its own
+_ending = threading.Event()  # this process is ending: the waiting thread stops
+
+
+def announced(error: JaxscaleError | TransientError) -> JaxscaleError | TransientError:
+    """Tells every other process of `error`, which this process alone met at a point where the
+    others go on without its answer (the blocking part of a save, past Orbax's barriers), and
+    returns the error to raise here: its kind, its words prefixed "process <i> of <n>: ", which
+    every process prints (`exit_on_announced_failure`). The caller must then exit at once
+    (`failure_announced`): a clean exit waits for the others at JAX's shutdown barrier."""
+    if jax.process_count() == 1:
+        return error
+    text = f"process {jax.process_index()} of {jax.process_count()}: {error}"
+    code = TRANSIENT_EXIT_CODE if isinstance(error, TransientError) else USAGE_EXIT_CODE
+    _announced.set()
+    try:  # the first announcement stands; a later one finds the key taken
+        _client().key_value_set(_FAILURE_KEY, f"{code} {text}")
+    except jax.errors.JaxRuntimeError as e:
+        if "ALREADY_EXISTS" not in str(e):
+            raise
+    return _failure(code, text)
+
+
+def failure_announced() -> bool:
+    """Whether this process announced a failure (`announced`) and so must exit at once."""
+    return _announced.is_set()
+
+
+def exit_on_announced_failure() -> None:
+    """In a multi-process run, starts a thread that waits for a failure another process announces
+    and then ends this process at once (os._exit) with that failure's line and status: this
+    process may be waiting in a collective the failing one never enters, which would hold it
+    until the heartbeat timeout (minutes). Call once, after `jax.distributed` is initialized."""
+    if jax.process_count() > 1:
+        thread = threading.Thread(target=_wait_for_failure, args=(_client(),), daemon=True,
+                                  name="jaxscale-failure-watch")
+        thread.start()
+        atexit.register(_stop_waiting, thread)  # before JAX's shutdown, registered earlier
+
+
+def _stop_waiting(thread: threading.Thread) -> None:
+    """Ends the waiting thread before the interpreter does: a thread still inside the
+    runtime's C++ call when Python finalizes aborts the process (SIGABRT)."""
+    _ending.set()
+    thread.join()
+
+
+def _wait_for_failure(client) -> None:
+    while not _ending.is_set():
+        try:
+            value = client.blocking_key_value_get(_FAILURE_KEY, _WATCH_MS)
+            break
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                return  # the runtime is shut down or lost: the run ends another way
+    else:
+        return
+    if not _announced.is_set():  # the announcer exits on its own, with its own line
+        code, _, text = value.partition(" ")
+        fail_with(_failure(int(code), text), exit=os._exit)
+
+
+def _failure(code: int, text: str) -> JaxscaleError | TransientError:
     return (TransientError if code == TRANSIENT_EXIT_CODE else JaxscaleError)(text)
+
+
+def _client():
+    from jax._src import distributed  # the runtime's client, as jax.distributed reaches it
+
+    return distributed.global_state.client

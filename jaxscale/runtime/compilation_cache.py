@@ -22,6 +22,7 @@ import shutil
 import stat
 import tempfile
 
+import jax
 import ml_collections
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -42,10 +43,35 @@ def compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> st
     return c.compilation_cache_dir or os.path.join(workdir, "compilation_cache")
 
 
+# JAX reports each program it loads from the persistent cache as this event (jax.monitoring).
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_loaded = 0  # programs this process has loaded from the cache, counted by `_count_loads`
+
+
+def _count_loads(event: str, **_metadata) -> None:
+    global _loaded
+    if event == _CACHE_HIT:
+        _loaded += 1
+
+
+jax.monitoring.register_event_listener(_count_loads)
+
+
+def programs_loaded() -> int:
+    """How many compiled programs this process has loaded from the persistent cache so far:
+    a start whose count grew while it compiled its train step compiled nothing."""
+    return _loaded
+
+
 def use_compilation_cache(cache_dir: str | None) -> None:
     """Points JAX's persistent compilation cache at `cache_dir` (None turns it off): a restarted
     run loads its compiled programs instead of compiling them again."""
     compilation_cache.set_cache_dir(cache_dir)
+    # No XLA cache of its own beside it (GPU autotuning results, by default): JAX puts that
+    # cache's path, which holds this process's staging folder, into the programs' cache keys,
+    # and only process 0 writes programs, so the others' keys would never be found: they would
+    # compile at every restart while process 0 loads.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     # JAX opens the cache once per process; reopen it in case an earlier run here used another.
     compilation_cache.reset_cache()
 
@@ -92,10 +118,9 @@ class CompilationCache:
     stops before writing leaves `cache_dir` as it was, or not made.
 
     The staging folder's path is the same at every start of the run (per cache folder, process
-    and user): JAX writes the cache folder into the compile options (XLA's autotune cache lives
-    under it), so the programs' cache keys contain it, and a random path would make every restart
-    recompile. A lock keeps two live starts from sharing it; the second takes a folder of its own
-    (and compiles)."""
+    and user); since the XLA caches that put it into the programs' cache keys are off
+    (`use_compilation_cache`), the keys are the same on every process and at every start either
+    way. A lock keeps two live starts from sharing it; the second takes a folder of its own."""
 
     def __init__(self, cache_dir: str | None, process_index: int = 0):
         self.cache_dir = cache_dir
