@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
         except (JaxscaleError, TransientError) as e:
             # At once when the others were told and exit on their own: a clean exit would wait
             # for them at JAX's shutdown barrier.
-            fail_with(e, exit=os._exit if agreement.failure_announced() else sys.exit)
+            fail_with(e, exit=agreement.leave if agreement.failure_announced() else sys.exit)
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
         except jax.errors.JaxRuntimeError as e:

@@ -38,6 +38,14 @@ def inject_failing_save_from_env():
         return
     from orbax.checkpoint._src.checkpointers import async_checkpointer
 
+    from jaxscale.runtime import agreement
+
+    if how == "refused":
+        # The announcer slow on its way out (as when its error unwinds through a slow close):
+        # process 0, which holds the coordination service, must not exit before it, or JAX aborts
+        # it and it ends with 75 ("lost its coordinator"), not its own failure's 2.
+        leave = agreement.leave
+        agreement.leave = lambda status: (time.sleep(5), leave(status))
     real = async_checkpointer.AsyncCheckpointer._save
 
     async def failing_save(self, tmpdir, *args, **kwargs):

@@ -135,6 +135,12 @@ _FAILURE_KEY = "jaxscale/failure"
 # Milliseconds a waiting thread's request to the key-value store lasts before it asks again; a
 # process that ends waits as long for the thread to stop (see `_stop_waiting`).
 _WATCH_MS = 1000
+# The key the announcer sets as it exits, and how long process 0 waits for it before exiting:
+# the coordination service lives in process 0, and JAX aborts every process still connected when
+# it goes, so an announcer still on its way out would end with "lost its coordinator" (75), not
+# with the failure it announced (a full slow-suite run saw it once).
+_LEFT_KEY = "jaxscale/failure-announcer-left"
+_ANNOUNCER_GRACE_MS = 10_000
 _announced = threading.Event()  # this process announced a failure: it exits on its own
 _ending = threading.Event()  # this process is ending: the waiting thread stops
 
@@ -159,8 +165,19 @@ def announced(error: JaxscaleError | TransientError) -> JaxscaleError | Transien
 
 
 def failure_announced() -> bool:
-    """Whether this process announced a failure (`announced`) and so must exit at once."""
+    """Whether this process announced a failure (`announced`) and so must exit at once
+    (`leave`)."""
     return _announced.is_set()
+
+
+def leave(status: int) -> None:
+    """Ends the process that announced a failure at once, with `status`, telling process 0 it has
+    gone (process 0 waits for that before it exits, taking the coordination service with it)."""
+    try:
+        _client().key_value_set(_LEFT_KEY, "")
+    except jax.errors.JaxRuntimeError:  # the service is gone already: nobody waits
+        pass
+    os._exit(status)
 
 
 def exit_on_announced_failure() -> None:
@@ -194,6 +211,11 @@ def _wait_for_failure(client) -> None:
         return
     if not _announced.is_set():  # the announcer exits on its own, with its own line
         code, _, text = value.partition(" ")
+        if jax.process_index() == 0:
+            try:
+                client.blocking_key_value_get(_LEFT_KEY, _ANNOUNCER_GRACE_MS)
+            except jax.errors.JaxRuntimeError:  # not gone within the grace: exit all the same
+                pass
         fail_with(_failure(int(code), text), exit=os._exit)
 
 
