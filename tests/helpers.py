@@ -232,3 +232,30 @@ def assert_imports_back_bit_for_bit(model, cfg, folder) -> None:
             params["head"] = params["head"][:, :cfg.vocab_size]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  ours, back)
+
+
+def assert_shipped_config_is_published(config_name: str, published: dict, model_class,
+                                       config_class, folder):
+    """configs/<config_name>.py exports `published` (a config.json's keys), that config.json
+    imports (configs/hf.py's way) as its model section, and the model has as many parameters as
+    transformers' `model_class` of `config_class(**published)` (built on the meta device). Returns
+    the model's spec, for a family's own checks."""
+    import torch
+
+    from jaxscale.cli import load_config_file
+    from jaxscale.hf.config import hf_config, model_section
+    from jaxscale.models.spec import model_spec
+
+    config = load_config_file(os.path.join(REPO, "configs", f"{config_name}.py"))
+    spec = model_spec(config)
+    exported = hf_config(spec.config, "bfloat16")
+    assert {k: exported[k] for k in published} == published
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(published, f)
+    section = model_section(str(folder))
+    assert section.pop("rope_scaling") == dict(type="none")
+    assert section == {key: config.model[key] for key in section}
+    with torch.device("meta"):
+        reference = model_class(config_class(**published))
+    assert spec.num_params == reference.num_parameters()
+    return spec

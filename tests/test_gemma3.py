@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +20,13 @@ import pytest
 from flax import nnx
 
 from jaxscale import hf
-from jaxscale.cli import load_config_file
 from jaxscale.config import default_config
 from jaxscale.errors import JaxscaleError
-from jaxscale.hf.config import hf_config, model_section
+from jaxscale.hf.config import model_section
 from jaxscale.models.gemma3 import Gemma3Config
-from jaxscale.models.spec import abstract_model, model_spec
+from jaxscale.models.spec import abstract_model
 from tests.helpers import (
-    REPO,
+    assert_shipped_config_is_published,
     exported_like_a_trained_model,
     float64_rotation,
     relative_error,
@@ -168,17 +166,9 @@ def test_shipped_1b_config_is_the_published_model(tmp_path):
     published config.json imports as its model section, and it has as many parameters as
     transformers' Gemma3ForCausalLM of that config (built without memory); its attention
     spans each layer's keys."""
-    config = load_config_file(os.path.join(REPO, "configs", "gemma3_1b.py"))
-    spec = model_spec(config)
-    exported = hf_config(spec.config, "bfloat16")
-    assert {k: exported[k] for k in PUBLISHED_1B} == PUBLISHED_1B
-    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_1B))
-    section = model_section(str(tmp_path))
-    assert section.pop("rope_scaling") == dict(type="none")
-    assert section == {key: config.model[key] for key in section}
-    with torch.device("meta"):
-        reference = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**PUBLISHED_1B))
-    assert spec.num_params == reference.num_parameters()
+    spec = assert_shipped_config_is_published(
+        "gemma3_1b", PUBLISHED_1B, transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig, tmp_path)
     assert round(spec.num_params / 1e9, 2) == 1.0
     # The planner's attention FLOPs: 22 local layers' rows span the window, 4 global ones all.
     assert spec.config.keys_seen(4096) == 22 * 512 + 4 * 4096

@@ -10,8 +10,6 @@ the Python 3.12 CI venv skips this file).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,14 +17,12 @@ import pytest
 from flax import nnx
 
 from jaxscale import hf
-from jaxscale.cli import load_config_file
 from jaxscale.config import default_config
-from jaxscale.hf.config import hf_config, model_section
 from jaxscale.models.mistral import MistralConfig
-from jaxscale.models.spec import abstract_model, model_spec
+from jaxscale.models.spec import abstract_model
 from tests.helpers import (
-    REPO,
     assert_imports_back_bit_for_bit,
+    assert_shipped_config_is_published,
     exported_like_a_trained_model,
     relative_error,
     saved_with_norms_off_one,
@@ -121,15 +117,7 @@ def test_shipped_7b_config_is_the_published_model(tmp_path):
     """configs/mistral_7b.py exports the published config.json's shapes and settings, the
     published config.json imports (configs/hf.py's way) as its model section, and it has as
     many parameters as transformers' MistralForCausalLM of that config (built without memory)."""
-    config = load_config_file(os.path.join(REPO, "configs", "mistral_7b.py"))
-    spec = model_spec(config)
-    exported = hf_config(spec.config, "bfloat16")
-    assert {k: exported[k] for k in PUBLISHED_7B} == PUBLISHED_7B
-    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_7B))
-    section = model_section(str(tmp_path))
-    assert section.pop("rope_scaling") == dict(type="none")
-    assert section == {key: config.model[key] for key in section}
-    with torch.device("meta"):
-        reference = transformers.MistralForCausalLM(transformers.MistralConfig(**PUBLISHED_7B))
-    assert spec.num_params == reference.num_parameters()
+    spec = assert_shipped_config_is_published(
+        "mistral_7b", PUBLISHED_7B, transformers.MistralForCausalLM, transformers.MistralConfig,
+        tmp_path)
     assert round(spec.num_params / 1e9, 2) == 7.24
