@@ -6,9 +6,11 @@ restart taking a process back."""
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
+from jaxscale.checks import validate
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
 from jaxscale.training.elastic import fitted
@@ -61,6 +63,45 @@ def test_no_layout_at_all_is_a_config_error():
     """tensor=2 needs two devices; one is left."""
     with pytest.raises(ConfigError, match="on at most 1 devices splits train.batch_size=4"):
         fitted(config(4, tensor=2), [0], 4)
+
+
+def gpu_hosts(hosts: int, per_host: int = 2) -> list:
+    return [types.SimpleNamespace(process_index=h, platform="gpu")
+            for h in range(hosts) for _ in range(per_host)]
+
+
+def test_a_dcn_factor_across_hosts_is_set_to_the_hosts_present():
+    """4 hosts x 2 GPUs, dcn.data=4: 24 rows over width 8, 3 per device. On 3 hosts dcn.data=3,
+    width 6: 4 rows each would not fit, so 2 microbatches of 2; every device of each host used."""
+    c = config(24)
+    c.mesh.dcn.data = 4
+    fit, devices, note = fitted(c, gpu_hosts(3), 8)
+    assert (fit.mesh.dcn.data, fit.train.microbatches, len(devices)) == (3, 2, 6)
+    assert c.mesh.dcn.data == 4  # the config itself is left alone
+    assert note == ("elastic: 3 of 4 hosts, global batch 24 kept: mesh.dcn.data 4 -> 3, "
+                    "data-parallel width 8 -> 6, train.microbatches 1 -> 2")
+    assert validate(fit, len(devices), 3)  # the refitted mesh is one the checks accept
+
+
+def test_a_dcn_layout_that_cannot_follow_the_hosts_is_a_config_error():
+    """The batch over two DCN factors (data 2 x fsdp 2): which one shrinks is not the config's
+    to guess; and a batch no width of the hosts left divides."""
+    c = config(24)
+    c.mesh.dcn.data, c.mesh.dcn.fsdp = 2, 2
+    with pytest.raises(ConfigError, match="exactly one DCN factor"):
+        fitted(c, gpu_hosts(3), 8)
+    c = config(16)
+    c.mesh.dcn.data = 4
+    with pytest.raises(ConfigError, match="does not split over the data-parallel width 6"):
+        fitted(c, gpu_hosts(3), 8)
+
+
+def test_tpu_slices_are_not_refitted():
+    c = config(24)
+    c.mesh.dcn.data = 2
+    slices = [types.SimpleNamespace(process_index=h, slice_index=h, platform="tpu")
+              for h in range(1) for _ in range(4)]
+    assert fitted(c, slices, 8) == (c, slices, None)
 
 
 # --- launch.local's host range, with stand-in processes ------------------------------------------

@@ -8,8 +8,13 @@ is refilled for the devices present and `train.batch_size` stays the global batc
 device holds per microbatch must not grow (its memory was sized for the full count), so
 `train.microbatches` (gradient accumulation, the same update: training/step.py) is raised as the
 data-parallel width falls. When no width the devices give divides the batch, the fewest devices
-are left idle that let one; `note` says what was chosen, for the start-up line. Configs with DCN
-axes (several slices) are left as they are.
+are left idle that let one; `note` says what was chosen, for the start-up line.
+
+A config with a DCN factor across hosts (GPU nodes: `mesh.dcn.data=8` for 8 of them) keeps each
+host's ICI layout, and the one DCN factor the batch is split over is set to the hosts present
+(8 -> 6): hosts are never left idle, since a process holding no device of the mesh would still
+have to take part in every collective. TPU slices are left as they are: a slice cannot run
+without one of its hosts, so a run of several loses a whole slice or nothing.
 """
 
 from __future__ import annotations
@@ -20,17 +25,19 @@ import ml_collections
 
 from jaxscale.config import MESH_AXES
 from jaxscale.errors import ConfigError
-from jaxscale.parallel.mesh import resolve_mesh_shape
+from jaxscale.parallel.mesh import asks_for_dcn, granules_are_slices, resolve_mesh_shape
 
 
-def batch_width(config: ml_collections.ConfigDict, num_devices: int) -> int | None:
-    """How many ways the batch is split on `num_devices` devices (the product of the mesh axes the
-    `batch` rule names), or None when the config's mesh does not fit that many."""
+def batch_width(config: ml_collections.ConfigDict, num_devices: int, num_hosts: int = 1
+                ) -> int | None:
+    """How many ways the batch is split on `num_devices` devices over `num_hosts` DCN granules
+    (the product of the mesh axes the `batch` rule names, ICI and DCN factors together), or None
+    when the config's mesh does not fit that many."""
     try:
-        ici, _ = resolve_mesh_shape(config.mesh, num_devices)
+        ici, dcn = resolve_mesh_shape(config.mesh, num_devices, num_hosts)
     except ConfigError:
         return None
-    return math.prod(ici[axis] for axis in config.sharding.rules.batch)
+    return math.prod(ici[axis] * dcn[axis] for axis in config.sharding.rules.batch)
 
 
 def accumulation(batch: int, width: int, rows_per_device: int) -> int | None:
@@ -48,8 +55,12 @@ def fitted(config: ml_collections.ConfigDict, devices: list, full_devices: int
            ) -> tuple[ml_collections.ConfigDict, list, str | None]:
     """(config, the devices to run on, what changed) for a run of `config`, written for
     `full_devices`, on `devices`. Raises ConfigError when no subset of them can hold the batch."""
-    if len(devices) >= full_devices or math.prod(config.mesh.dcn.values()) != 1:
+    if len(devices) >= full_devices:
         return config, devices, None
+    if asks_for_dcn(config.mesh):
+        if granules_are_slices(devices):  # TPU slices: a whole one or nothing (the docstring)
+            return config, devices, None
+        return _fitted_over_hosts(config, devices, full_devices)
     t = config.train
     full_width = batch_width(config, full_devices)
     if full_width is None:  # the config's own error, said by the checks that follow
@@ -74,3 +85,38 @@ def fitted(config: ml_collections.ConfigDict, devices: list, full_devices: int
         note += (f"; {idle} device(s) left idle: no width of the {len(devices)} present "
                  f"divides {t.batch_size}")
     return fit, devices[:used], note
+
+
+def _fitted_over_hosts(config: ml_collections.ConfigDict, devices: list, full_devices: int
+                       ) -> tuple[ml_collections.ConfigDict, list, str | None]:
+    """`fitted` for a config with DCN factors across hosts: the batch's DCN factor set to the
+    hosts present, every device of each used."""
+    t, dcn = config.train, config.mesh.dcn
+    full_hosts = math.prod(dcn.values())
+    hosts = len({d.process_index for d in devices})
+    split = [axis for axis in config.sharding.rules.batch if dcn[axis] != 1]
+    others = full_hosts // dcn[split[0]] if len(split) == 1 else 0
+    if not others or hosts % others:
+        raise ConfigError(
+            f"mesh.dcn {dict(dcn)} cannot be refitted to the {hosts} hosts present: the batch "
+            f"must be split over exactly one DCN factor ({split or 'none is'}), and the others "
+            f"({others or '-'} hosts) must divide {hosts}; set one batch axis of mesh.dcn to the "
+            "host count and the others to 1")
+    fit = config.copy_and_resolve_references()
+    fit.mesh.dcn[split[0]] = hosts // others
+    full_width = batch_width(config, full_devices, full_hosts)
+    if full_width is None:  # the config's own error, said by the checks that follow
+        return config, devices, None
+    width = batch_width(fit, len(devices), hosts)
+    k = None if width is None else accumulation(t.batch_size, width,
+                                                 t.batch_size // t.microbatches // full_width)
+    if k is None:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} does not split over the data-parallel width "
+            f"{width} of {hosts} hosts; choose a batch size every host count of the range divides")
+    fit.train.microbatches = k
+    return fit, devices, (
+        f"elastic: {hosts} of {full_hosts} hosts, global batch {t.batch_size} kept: mesh.dcn."
+        f"{split[0]} {dcn[split[0]]} -> {hosts // others}, data-parallel width {full_width} -> "
+        f"{width}, train.microbatches {t.microbatches} -> {k}")
+
