@@ -4,6 +4,7 @@ against an uninterrupted run, the persistent tier winning when it is newer, and 
 on a full disk. With several processes: test_checkpoint_tiers_processes.py."""
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxscale.checkpoint import LOCAL, PERSISTENT
-from jaxscale.checkpoint.manager import restore_order, steps_everyone_holds
+from jaxscale.checkpoint.manager import MOVED, restore_order, steps_everyone_holds
 from jaxscale.config import check_settings
 from jaxscale.errors import ConfigError
 from tests.helpers import mesh_trainer, small_config
@@ -47,6 +48,12 @@ def test_a_restart_takes_the_newest_step_every_process_holds():
     assert restore_order([4], [5]) == [(5, PERSISTENT), (4, LOCAL)]
     # A step in both tiers is read from the local one first.
     assert restore_order([6], [3, 6]) == [(6, LOCAL), (6, PERSISTENT), (3, PERSISTENT)]
+    # A restart on another process count: its own layout has no local step yet; the old
+    # layout's 7, held whole by every survivor, is newer than the persistent 4, and read before
+    # a persistent copy of the same step.
+    assert restore_order([], [4, 7], [5, 7]) == [(7, MOVED), (7, PERSISTENT), (5, MOVED),
+                                                 (4, PERSISTENT)]
+    assert restore_order([8], [7], [8]) == [(8, LOCAL), (8, MOVED), (7, PERSISTENT)]
     # Only each process's newest 64 steps take part (local_keep is at most 32).
     everyone, lacked = steps_everyone_holds(range(100), fake_gather(range(36, 100)))
     assert everyone == list(range(36, 100)) and lacked == []
@@ -110,6 +117,12 @@ def test_local_checkpoints_of_another_layout_are_named_where_a_start_cannot_use_
     run(workdir, 3)  # persistent 3, local 1 2 (on fsdp=2)
     ((layout, steps),) = local_steps(workdir).items()
     assert steps == [1, 2]
+    # One process holds both devices' shards: every array whole, which a start on another
+    # layout could restore (tests/test_elastic_local_restore.py). Fabricated: the record of a
+    # process that held only its part, as each does under fsdp across processes.
+    record = workdir / "local" / "process_0" / layout / "layout.json"
+    assert json.loads(record.read_text()) == {"whole_arrays": True}
+    record.write_text(json.dumps({"whole_arrays": False}))
     # The earlier start was killed before its persistent save; this one runs on data=2, where
     # each process holds other shards than the fsdp=2 folder has.
     shutil.rmtree(workdir / "checkpoints")

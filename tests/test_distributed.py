@@ -453,3 +453,12 @@ def test_an_elastic_minimum_outside_the_count_is_named(value, problem):
         distributed.min_processes({"JAXSCALE_MIN_PROCESSES": value}, spec)
     assert distributed.min_processes({"JAXSCALE_MIN_PROCESSES": "3"}, spec) == 3
     assert distributed.min_processes({}, spec) == 4
+
+
+@pytest.mark.parametrize("value", ["", "..", "a/b", "host 1"])
+def test_a_host_slot_that_is_no_folder_name_is_named(value):
+    with pytest.raises(JaxscaleError, match=re.escape(f"JAXSCALE_HOST_SLOT={value!r} is not a "
+                                                      "folder name")):
+        distributed.host_slot({"JAXSCALE_HOST_SLOT": value}, 0)
+    assert distributed.host_slot({"JAXSCALE_HOST_SLOT": "node-7.a"}, 0) == "node-7.a"
+    assert distributed.host_slot({}, 2) == "2"

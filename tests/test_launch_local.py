@@ -202,6 +202,8 @@ def test_each_process_gets_its_own_device_count_and_identity():
     assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=4"]
     assert (env["JAX_COORDINATOR_ADDRESS"], env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == (
         "127.0.0.1:5000", "2", "1")
+    assert env["JAXSCALE_HOST_SLOT"] == "1"  # its own id, unless a restart renumbered it
+    assert process_env({}, 2, 3, 1, 5000, 4, slot=3)["JAXSCALE_HOST_SLOT"] == "3"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -32,6 +32,7 @@ a person can look at them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ from jaxscale.checkpoint.reading import (
     Restored,
     State,
     holds_every_shard,
+    holds_whole_arrays,
     own_steps,
     process_layout,
 )
@@ -60,6 +62,7 @@ from jaxscale.checkpoint.verdict import (
 )
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gathered, gravest, process_0_decides
+from jaxscale.runtime.distributed import host_slot
 from jaxscale.runtime.storage import check_bucket
 from jaxscale.runtime.workdir import check_writable
 
@@ -76,6 +79,11 @@ def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
 
 # The tiers, as `due` names them.
 PERSISTENT, LOCAL = "persistent", "local"
+# Local checkpoints another layout of the state saved (another process count or mesh), which a
+# start restores when every process holds the step whole (`_moved_local`).
+MOVED = "local, of another layout"
+# The record in a local tier's layout folder of what its checkpoints hold (`_record_layout`).
+LAYOUT_RECORD = "layout.json"
 # Persistent saves that may fail in a row (on storage; each leaving the checkpoints before it
 # intact) while the run trains on; the next failure stops it (docs/checkpointing.md).
 FAILED_SAVES_IN_A_ROW = 3
@@ -100,10 +108,13 @@ class Checkpoints:
         self._async_save = async_save
         self.persistent = Tier(self.directory, process_local=False, keep=o.keep,
                                keep_every_steps=o.keep_every_steps, async_save=async_save)
-        # This process's folder of the local tier. The tier itself lives in a folder named after
-        # the layout of the state, made when that is known (`_local_tier`); off: None.
+        # This process's folder of the local tier, named after its slot (its first process id,
+        # which an elastic restart's renumbering keeps: runtime/distributed.py). The tier itself
+        # lives in a folder named after the layout of the state, made when that is known
+        # (`_local_tier`); off: None.
         self._local_root = (epath.Path(os.path.abspath(o.local_dir)) /
-                            f"process_{jax.process_index()}") if o.enabled and o.local_dir else None
+                            f"process_{host_slot(os.environ, jax.process_index())}"
+                            ) if o.enabled and o.local_dir else None
         self._local: Tier | None = None
         self._local_on = self._local_root is not None
         # Set by `restore_newest`: why a newer local checkpoint of another layout is not used.
@@ -236,6 +247,7 @@ class Checkpoints:
         except (TransientError, JaxscaleError) as e:  # agreed: the same on every process
             self._local_off(str(e))
             return False
+        _record_layout(local.directory, holds_whole_arrays(state))
         return True
 
     def save_to_stop(self, step: int, state: State, data_state: dict, meta: dict, *,
@@ -344,7 +356,8 @@ class Checkpoints:
 
     def restore_newest(self, abstract_state: State) -> Restored | None:
         """The newest checkpoint that restores, into `abstract_state`'s shapes and shardings:
-        of the local tier when every process holds it, else of the persistent tier
+        of the local tier when every process holds it (in this layout, or whole in another:
+        `_moved_local`, a restart on another process count), else of the persistent tier
         (`restore_order`).
 
         Reads only, but for damaged checkpoints newer than the one restored, which are renamed
@@ -362,15 +375,20 @@ class Checkpoints:
         local = self._local_tier(abstract_state)
         mine = local.steps() if local is not None else []
         everyone, incomplete = steps_everyone_holds(mine) if local is not None else ([], [])
+        moved = self._moved_local() if local is not None else {}
         tiers = {PERSISTENT: self.persistent, LOCAL: local}
         damaged: dict[str, dict[int, str]] = {PERSISTENT: {}, LOCAL: {}}
         restored, unavailable = None, None
-        for step, name in restore_order(everyone, persistent):
-            tier = tiers[name]
+        for step, name in restore_order(everyone, persistent, sorted(moved)):
+            tier = moved[step] if name == MOVED else tiers[name]
             outcome = tier.restore(step, abstract_state)
             if outcome.verdict is Verdict.OK:
                 restored = outcome.value
                 break
+            if name == MOVED:  # another layout's: left as it is, for a start in that layout
+                logger.warning("%s %s could not be read (%s); trying the one before it",
+                               tier.label, tier.path(step), outcome.problem)
+                continue
             if outcome.verdict is Verdict.DAMAGED:
                 damaged[name][step] = outcome.problem
                 logger.warning("%s %s is damaged (%s); trying the one before it", tier.label,
@@ -403,6 +421,33 @@ class Checkpoints:
             self.unused_local = self._newer_in_another_layout(since)
         return restored
 
+    def _moved_local(self) -> dict[int, Tier]:
+        """{step: the tier of this process's folder that holds it} for the local steps that
+        another layout saved and that every process holds whole (`_record_layout`), so that each
+        restores its own copy onto the new layout exactly; agreed (one gather). A shard that only
+        a lost process held is in no survivor's folder: no such step is taken."""
+        folders: dict[int, epath.Path] = {}
+        for folder in self._other_layouts():
+            try:
+                steps = own_steps(folder) if _whole_arrays_recorded(folder) else []
+            except OSError as e:  # this process lacks them: the gather says so to the others
+                logger.warning("local checkpoints in %s cannot be listed (%s); not used", folder, e)
+                steps = []
+            for step in steps:
+                folders.setdefault(step, folder)
+        everyone, _ = steps_everyone_holds(list(folders))
+        return {step: Tier(folders[step], process_local=True, keep=self.options.local_keep,
+                           label="local checkpoint") for step in everyone}
+
+    def _other_layouts(self) -> list[epath.Path]:
+        """This process's local tier folders of other layouts than this start's; none when its
+        folder cannot be listed (said by `_newer_in_another_layout`)."""
+        try:
+            return sorted(folder for folder in self._local_root.iterdir()
+                          if folder != self._local.directory and folder.is_dir())
+        except OSError:
+            return []
+
     def _newer_in_another_layout(self, since: int) -> str | None:
         """Why the newest local checkpoint after step `since` in this process's folder of another
         layout is not used (a start on another mesh, sharding or process count saved it); None
@@ -421,16 +466,21 @@ class Checkpoints:
             return None
         folder, step = newest
         return (f"local checkpoint {folder / str(step)} is not used: another layout of the state "
-                "(mesh, sharding or process count) saved it, and a local checkpoint restores "
-                "only into the layout that saved it")
+                "(mesh, sharding or process count) saved it, and it restores onto this one only "
+                "when every process holds it whole (a full replica each: data parallelism across "
+                "processes), which they do not")
 
 
-def restore_order(local: Sequence[int], persistent: Sequence[int]) -> list[tuple[int, str]]:
+def restore_order(local: Sequence[int], persistent: Sequence[int], moved: Sequence[int] = ()
+                  ) -> list[tuple[int, str]]:
     """The checkpoints a start tries, newest first, as (step, tier): the `local` steps (those
-    every process holds) and the `persistent` ones; of a step in both, the local copy first
-    (the faster read)."""
-    return sorted([(step, LOCAL) for step in local] + [(step, PERSISTENT) for step in persistent],
-                  key=lambda candidate: (-candidate[0], candidate[1] != LOCAL))
+    every process holds), the `moved` ones (local steps of another layout that every process
+    holds whole) and the `persistent` ones; of a step in several, the local copy first, then
+    the moved one (the faster reads)."""
+    rank = {LOCAL: 0, MOVED: 1, PERSISTENT: 2}
+    return sorted([(step, LOCAL) for step in local] + [(step, MOVED) for step in moved] +
+                  [(step, PERSISTENT) for step in persistent],
+                  key=lambda candidate: (-candidate[0], rank[candidate[1]]))
 
 
 def steps_everyone_holds(mine: Sequence[int],
@@ -445,6 +495,26 @@ def steps_everyone_holds(mine: Sequence[int],
     rows = np.asarray(gather(row)).reshape(-1, _GATHERED_STEPS)
     everyone = set.intersection(*(set(r[r >= 0].tolist()) for r in rows))
     return sorted(everyone), sorted(set(newest) - everyone)
+
+
+def _record_layout(folder: epath.Path, whole_arrays: bool) -> None:
+    """Writes in a local tier's layout `folder` whether its checkpoints hold every array whole
+    (a start on another layout may then restore them); when it cannot, the folder is only ever
+    restored in its own layout (a warning says so)."""
+    try:
+        (folder / LAYOUT_RECORD).write_text(json.dumps({"whole_arrays": whole_arrays}))
+    except OSError as e:
+        logger.warning("%s could not be written (%s): its local checkpoints restore only onto "
+                       "this layout", folder / LAYOUT_RECORD, e)
+
+
+def _whole_arrays_recorded(folder: epath.Path) -> bool:
+    """Whether `folder`'s layout record says its checkpoints hold every array whole; False
+    without one (a folder saved before records were written) or when it cannot be read."""
+    try:
+        return json.loads((folder / LAYOUT_RECORD).read_text()).get("whole_arrays") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_checkpoint_bucket(path: str, key: str) -> None:

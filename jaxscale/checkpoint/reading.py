@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -309,6 +310,20 @@ def holds_every_shard(state: Any) -> bool:
                         for shard in chosen}
             first = [s for s in shards if s.replica_id == shards[0].replica_id]
             if held(first) != held(shards):
+                return False
+    return True
+
+
+def holds_whole_arrays(state: Any) -> bool:
+    """Whether this process holds every array of `state` whole (its shards together cover each
+    array: a full replica, as in data parallelism across processes). Its process-local
+    checkpoint then restores onto any layout, by this process alone."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            boxes = {tuple(s.indices(n)[:2] for s, n in zip(shard.index, leaf.shape))
+                     for shard in leaf.addressable_shards}
+            # The shards of one sharding are equal boxes that never overlap unless equal.
+            if sum(math.prod(stop - start for start, stop in box) for box in boxes) != leaf.size:
                 return False
     return True
 

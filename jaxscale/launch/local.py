@@ -34,7 +34,8 @@ checkpoint (not a crash; the trainer keeps the global batch, jaxscale/training/e
 M it exits 75 naming who is missing. With `--return_after_s=S` a lost slot comes back S seconds
 after the loss: once the narrower run is training, the launcher sends it SIGTERM (it saves and
 exits 42) and starts it again on the full count, a planned restart. The processes learn the range's
-maximum from JAXSCALE_MAX_PROCESSES.
+maximum from JAXSCALE_MAX_PROCESSES, and each its slot from JAXSCALE_HOST_SLOT: its id at the first
+start, kept when the survivors are renumbered, so that it finds its own local checkpoints.
 
 Signals: the processes run in sessions of their own, so a Ctrl-C in the terminal reaches the
 launcher only. The first SIGTERM or SIGINT it gets is passed on to every process, once (a SIGTERM:
@@ -76,7 +77,7 @@ from jaxscale.launch.cli import (
     parse_launcher_args,
     positive,
 )
-from jaxscale.runtime.distributed import MAX_PROCESSES_VAR
+from jaxscale.runtime.distributed import HOST_SLOT_VAR, MAX_PROCESSES_VAR
 
 POLL_S = 0.1
 
@@ -134,9 +135,12 @@ def free_port() -> int:
 
 
 def process_env(base: dict[str, str], process_id: int, num_processes: int, devices: int,
-                port: int, max_processes: int | None = None) -> dict[str, str]:
+                port: int, max_processes: int | None = None, slot: int | None = None
+                ) -> dict[str, str]:
     """The environment of process `process_id`: its simulated devices and its identity in the run
-    (jaxscale.runtime.distributed's explicit mode); `max_processes`: an elastic range's maximum."""
+    (jaxscale.runtime.distributed's explicit mode); `max_processes`: an elastic range's maximum;
+    `slot`: the id it had at the first start (its local checkpoints' folder), `process_id` when
+    None."""
     # Replace, not add to, any device count the caller set (tests run under 8 simulated devices).
     xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                        base.get("XLA_FLAGS", ""))
@@ -149,6 +153,7 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
         "JAX_PROCESS_ID": str(process_id),
         "PYTHONUNBUFFERED": "1",  # lines reach the prefixer as they are written
         MAX_PROCESSES_VAR: str(max_processes or num_processes),
+        HOST_SLOT_VAR: str(process_id if slot is None else slot),
     }
 
 
@@ -377,12 +382,13 @@ def main(argv: list[str]) -> int:
         print(f"launch.local: got {name} before any process started; not starting them; run the "
               "same command again to start", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE if signal.SIGINT in pending else RESTART_EXIT_CODE
-    count, widen_at = args.processes, float("inf")
+    # The slots of the processes that run, by id: survivors keep theirs when renumbered.
+    slots, widen_at = list(range(args.processes)), float("inf")
     while True:  # one pass per start of the run: more than one only for an elastic range
-        port = args.port or free_port()
+        port, count = args.port or free_port(), len(slots)
         commands = [[sys.executable, "-m", args.module, *module_args]] * count
         envs = [process_env(dict(os.environ), i, count, args.devices_per_process, port,
-                            args.processes) for i in range(count)]
+                            args.processes, slot) for i, slot in enumerate(slots)]
         launcher = Launcher(commands, envs, args.grace_s, verbose=args.verbose,
                             widen_at=widen_at, min_processes=minimum)
         for signum in pending:  # came while the processes were starting
@@ -393,7 +399,7 @@ def main(argv: list[str]) -> int:
             return code
         if launcher.widened and code == RESTART_EXIT_CODE:
             launcher.say(f"taking back the lost process(es): restarting on {args.processes}")
-            count, widen_at = args.processes, float("inf")
+            slots, widen_at = list(range(args.processes)), float("inf")
             continue
         lost = launcher.lost()
         if code != TRANSIENT_EXIT_CODE or not lost or minimum == args.processes:
@@ -405,7 +411,7 @@ def main(argv: list[str]) -> int:
             return code
         launcher.say(f"process(es) {lost} lost (SIGKILL); going on with {count - len(lost)} "
                      f"of {args.processes} processes")
-        count -= len(lost)
+        slots = [slot for i, slot in enumerate(slots) if i not in lost]
         if args.return_after_s is not None:
             widen_at = time.monotonic() + args.return_after_s
 

@@ -122,6 +122,19 @@ MIN_PROCESSES_VAR = "JAXSCALE_MIN_PROCESSES"
 # An elastic range's maximum: the count the config's batch layout is for (jaxscale/training/
 # elastic.py fits it to fewer). Set by the launcher; the process count when unset.
 MAX_PROCESSES_VAR = "JAXSCALE_MAX_PROCESSES"
+# A process's place that outlives its id: an elastic restart renumbers the survivors 0..n-1, and
+# each must find the local checkpoints it saved under its old id (checkpoint/manager.py). Set by
+# the launcher to the slot's first id; the process id when unset (ids that never change).
+HOST_SLOT_VAR = "JAXSCALE_HOST_SLOT"
+
+
+def host_slot(environ: Mapping[str, str], process_id: int) -> str:
+    """This process's slot (HOST_SLOT_VAR, else `process_id`): a name for a folder."""
+    slot = environ.get(HOST_SLOT_VAR, str(process_id))
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", slot) or slot in (".", ".."):
+        raise JaxscaleError(f"{HOST_SLOT_VAR}={slot!r} is not a folder name; set it to letters, "
+                            "digits, '_', '-' or '.' (the host's name, or its first process id)")
+    return slot
 
 
 def min_processes(environ: Mapping[str, str], spec: ClusterSpec) -> int:
