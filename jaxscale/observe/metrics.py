@@ -76,9 +76,11 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: str, *, enabled: bool, total_steps: int,
-                 config: ml_collections.ConfigDict | None = None, stream=sys.stdout):
+                 config: ml_collections.ConfigDict | None = None, stream=None):
         self._enabled = enabled
         self._total_steps = total_steps
+        # sys.stdout as it is now, not as it was at import: a notebook or a test swaps it.
+        stream = stream or sys.stdout
         self._stream = stream
         self._bar = StatusLine(stream, _BAR_MIN_INTERVAL)
         self._bar_start = None  # (step, time) of the first progress() call
