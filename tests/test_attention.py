@@ -309,23 +309,15 @@ def test_a_window_per_layer_is_a_scanned_input_whole_or_split_over_context():
         np.testing.assert_allclose(split[layer], want[layer][:, order], rtol=0, atol=1e-5)
 
 
-def test_a_window_in_every_layer_takes_the_kernels_and_a_window_per_layer_xla():
-    """Mistral's window goes to splash and cuDNN; Gemma 3's, on some layers only, which the
-    kernels take only as a constant, to XLA, and asking a kernel for it is refused."""
-    bf16 = jax.ShapeDtypeStruct((2, 2048, 8, 128), jnp.bfloat16)
-    for device, kernel in ((FakeDevice("tpu"), "splash"), (FakeDevice("gpu"), "cudnn")):
-        with use_rules(FakeMesh(device), {}):
-            assert resolve("auto", bf16, packed=True, max_segments=32) == kernel
-            assert resolve("auto", bf16, packed=True, max_segments=32,
-                           per_layer_window=True) == "xla"
+def test_a_window_in_every_layer_or_some_is_taken_by_the_kernels():
+    """Mistral's window and Gemma 3's (on some layers only) are accepted by splash and cuDNN,
+    where both were refused."""
     config = default_config()
     config.model.update(sliding_window=4096, head_dim=128)
     config.precision.compute_dtype = "bfloat16"
     for kernel, device in (("splash", FakeDevice("tpu")), ("cudnn", FakeDevice("gpu"))):
-        config.model.update(attention=kernel, global_every=0)
-        check_attention(config, device)
-        config.model.global_every = 6
-        with pytest.raises(ConfigError, match=f"attention='{kernel}' has no window per layer"):
+        for every in (0, 6):
+            config.model.update(attention=kernel, global_every=every)
             check_attention(config, device)
 
 
@@ -342,7 +334,9 @@ def test_splashs_local_mask_is_the_window_of_the_reference():
 
 def test_splash_with_a_window_equals_the_windowed_reference():
     """The kernel, run by its interpreter, with a window of 40 on packed rows: its outputs are
-    attention written out with the window's mask and its gradients XLA's."""
+    attention written out with the window's mask and its gradients XLA's; per layer (`local`
+    traced, a scan's input) the windowed and the whole kernel each run where they should, their
+    gradients XLA's."""
     q, k, v, segments = qkv(batch=1, head_dim=16)
     positions = jnp.broadcast_to(jnp.arange(256), segments.shape)
     want = windowed_reference(q, k, v, segments, positions, window=40)
@@ -356,3 +350,16 @@ def test_splash_with_a_window_equals_the_windowed_reference():
         return jnp.sum(jnp.sin(out))
     assert_close(jax.grad(functools.partial(loss, "splash"), argnums=(0, 1, 2))(q, k, v),
                  jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(q, k, v))
+
+    def per_layer(implementation, q, k, v):
+        return jax.lax.map(lambda is_local: attend(q, k, v, segments, implementation, window=40,
+                                                   local=is_local, interpret=True),
+                           jnp.asarray([True, False]))
+    got = jax.jit(functools.partial(per_layer, "splash"))(q, k, v)
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got[1], whole, rtol=0, atol=1e-5)
+
+    def layers_loss(implementation, q, k, v):
+        return jnp.sum(jnp.sin(per_layer(implementation, q, k, v)))
+    assert_close(jax.jit(jax.grad(functools.partial(layers_loss, "splash"), argnums=(0, 1, 2)))(
+        q, k, v), jax.grad(functools.partial(layers_loss, "xla"), argnums=(0, 1, 2))(q, k, v))

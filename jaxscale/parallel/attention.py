@@ -30,9 +30,9 @@ A sliding window (a query sees only the last `window` tokens, itself included) i
 local window, one more term of the context path's mask, splash's local mask and cuDNN's sliding
 window length. A window that applies to some layers only (Gemma 3's local and global layers, one
 scanned block) comes with `local`, a traced bool per layer, which the XLA and context paths take
-as a traced mask term; the fused kernels take a window only as a constant, so `auto` takes xla for
-it and asking for either is refused at config time (a `lax.cond` between the windowed and the
-whole kernel does not lower: a tracer leaks from splash's differentiated kernel into the cond).
+as a traced mask term; the fused kernels take a window only as a constant, so each device runs
+a `lax.cond` between the windowed and the whole kernel (under a pipeline's vmap over stages, on
+TPUs, the cond runs both).
 """
 
 from __future__ import annotations
@@ -74,25 +74,24 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
     > 0: a token sees only the last `window` tokens, itself included; `local` (a traced bool,
     per layer): whether the window applies to this layer, None: to every layer. `interpret` runs
     a Pallas kernel in Python (any backend): for tests."""
-    per_layer = local is not None and window > 0
-    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments,
-                     per_layer_window=per_layer)
-    if per_layer:
-        window = jnp.where(local, window, NO_WINDOW).astype(jnp.int32)
+    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments)
+    local = local if window else None
     if kernel == "splash":
         return _per_shard(functools.partial(_splash_on_shard, interpret=interpret, window=window),
-                          q, k, v, segment_ids)
-    if _length_axes():
-        return _context(q, k, v, segment_ids, positions, kernel, window)
-    if kernel == "cudnn":
+                          q, k, v, segment_ids, local)
+    if kernel == "cudnn" and not _length_axes():
         layout = packed_layout_bound(_capability(_device()), max_segments, split=False)
         return _per_shard(functools.partial(_cudnn_on_shard, max_segments=layout, window=window),
-                          q, k, v, segment_ids)
+                          q, k, v, segment_ids, local)
+    if local is not None:  # the XLA and context paths take the window traced
+        window = jnp.where(local, window, NO_WINDOW).astype(jnp.int32)
+    if _length_axes():
+        return _context(q, k, v, segment_ids, positions, kernel, window)
     return _xla(q, k, v, segment_ids, window)
 
 
 def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed: bool,
-            max_segments: int = 0, per_layer_window: bool = False) -> str:
+            max_segments: int = 0) -> str:
     """`auto` -> the kernel for the platform of the active mesh (else the default backend), for
     queries shaped and typed like `q`."""
     if implementation != "auto":
@@ -100,20 +99,16 @@ def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed:
     device = _device()
     return auto_kernel(device.platform, _capability(device), q.dtype, q.shape[1], q.shape[-1],
                        packed=packed, max_segments=max_segments, split=bool(_length_axes()),
-                       pipelined=_pipelined(), per_layer_window=per_layer_window)
+                       pipelined=_pipelined())
 
 
 def auto_kernel(platform: str, capability: str, dtype, length: int, head_dim: int, *,
-                packed: bool, max_segments: int, split: bool, pipelined: bool,
-                per_layer_window: bool = False) -> str:
+                packed: bool, max_segments: int, split: bool, pipelined: bool) -> str:
     """What `auto` runs: splash on TPUs (whole rows), cuDNN on NVIDIA GPUs where it can run, else
-    XLA; XLA for a window that applies to some layers only (`per_layer_window`), which only it
-    takes. `split`: the length is split
+    XLA. `split`: the length is split
     over a context axis; `pipelined`: inside a pipeline stage's vmap, which JAX's cuDNN attention
     cannot be batched over (its batching rule reshapes the mask's and the segments' arrays as if
     they had the heads' and no stage axis)."""
-    if per_layer_window:
-        return "xla"
     if platform == "tpu":
         return "splash" if splash_fits(length) and not split else "xla"
     layout = packed_layout_bound(capability, max_segments, split)
@@ -153,12 +148,6 @@ def check_attention(config: ml_collections.ConfigDict, device) -> None:
     check_implementation(config.model.attention, device, config.train.seq_len,
                          config.precision.compute_dtype, config.model.head_dim,
                          config.data.max_segments)
-    m = config.model
-    if m.sliding_window and m.global_every and m.attention in ("splash", "cudnn"):
-        raise ConfigError(f"model.attention={m.attention!r} has no window per layer "
-                          f"(model.sliding_window={m.sliding_window} on the layers "
-                          f"model.global_every={m.global_every} leaves local); use "
-                          "model.attention=auto or xla")
 
 
 def check_implementation(implementation: str, device, length: int, dtype: str, head_dim: int,
@@ -280,27 +269,33 @@ def _context(q, k, v, segment_ids, positions, kernel: str, window: int | jax.Arr
     return run(q, k, v, positions, segment_ids, *(() if static else (window,)))
 
 
-def _per_shard(kernel, q, k, v, segment_ids):
-    """`kernel(q, k, v, segment_ids)` on each device's batch rows and heads: XLA cannot split a
-    custom kernel across devices itself."""
+def _per_shard(kernel, q, k, v, segment_ids, local=None):
+    """`kernel(q, k, v, segment_ids, local)` on each device's batch rows and heads (`local`, a
+    scalar or None, on every device): XLA cannot split a custom kernel across devices itself."""
     active = active_mesh_and_rules()
     if active is None:
-        return kernel(q, k, v, segment_ids)
+        return kernel(q, k, v, segment_ids, local)
     mesh, rules = active
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
     if _length_axes():
         raise ValueError("a fused attention kernel needs the whole sequence on each device; the "
                          f"length axis is split over {q_spec[1]} (use model.attention=xla)")
-    seg_spec = P(q_spec[0], None)
-    args = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
-    in_specs = (q_spec, kv_spec, kv_spec) + ((seg_spec,) if segment_ids is not None else ())
-    body = kernel if segment_ids is not None else lambda q, k, v: kernel(q, k, v, None)
+    # The optional inputs that are there, each with its spec.
+    optional = [(x, spec) for x, spec in ((segment_ids, P(q_spec[0], None)), (local, P()))
+                if x is not None]
+
+    def body(q, k, v, *present):
+        given = iter(present)
+        return kernel(q, k, v, *(next(given) if x is not None else None
+                                 for x in (segment_ids, local)))
+    in_specs = (q_spec, kv_spec, kv_spec) + tuple(spec for _, spec in optional)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
-                         check_vma=False)(*args)
+                         check_vma=False)(q, k, v, *(x for x, _ in optional))
 
 
-def _splash_on_shard(q, k, v, segment_ids, *, interpret, window):
-    """Splash attention on one device's rows and heads (no mesh involved)."""
+def _splash_on_shard(q, k, v, segment_ids, local, *, interpret, window):
+    """Splash attention on one device's rows and heads (no mesh involved); `local` (traced, or
+    None: always): whether this layer has the window."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
@@ -310,21 +305,33 @@ def _splash_on_shard(q, k, v, segment_ids, *, interpret, window):
     sizes = kernel_lib.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = kernel_lib.make_splash_mha(splash_mask(length, heads, window), block_sizes=sizes,
-                                        head_shards=1, q_seq_shards=1, interpret=interpret)
+    # The kernels' mask tables made as constants: made under the caller's trace (a scan over
+    # layers), a cond's branch would carry them out of it as tracers.
+    with jax.ensure_compile_time_eval():
+        kernels = {w: kernel_lib.make_splash_mha(splash_mask(length, heads, w),
+                                                 block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                                 interpret=interpret)
+                   for w in {window, 0 if local is not None else window}}
     # The kernel takes [heads, length, head_dim] per sequence and does not scale the queries.
     def heads_first(x):
         return jnp.swapaxes(x, 1, 2)
     q = heads_first(q * np.asarray(head_dim ** -0.5, q.dtype))
     k, v = heads_first(k), heads_first(v)
-    if segment_ids is None:
-        out = _residuals_made_at_once(jax.vmap(kernel), q, k, v)
-    else:
-        def segmented(q, k, v, segment_ids):
+
+    def with_window(w):
+        def run(q, k, v, segment_ids):
+            if segment_ids is None:
+                return jax.vmap(kernels[w])(q, k, v)
             ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
-            return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(q, k, v, ids)
-        out = _residuals_made_at_once(segmented, q, k, v, segment_ids)
-    return heads_first(out)
+            return jax.vmap(lambda q, k, v, ids: kernels[w](q, k, v, segment_ids=ids))(q, k, v,
+                                                                                        ids)
+        return run
+
+    def attention(q, k, v, segment_ids, local):
+        if local is None:
+            return with_window(window)(q, k, v, segment_ids)
+        return jax.lax.cond(local, with_window(window), with_window(0), q, k, v, segment_ids)
+    return heads_first(_residuals_made_at_once(attention, q, k, v, segment_ids, local))
 
 
 def splash_mask(length: int, heads: int, window: int):
@@ -372,8 +379,13 @@ _residuals_made_at_once.defvjp(_residuals_made_at_once_forward,
                                _residuals_made_at_once_backward)
 
 
-def _cudnn_on_shard(q, k, v, segment_ids, *, max_segments, window):
-    """cuDNN flash attention on one device's rows and heads (no mesh involved)."""
+def _cudnn_on_shard(q, k, v, segment_ids, local=None, *, max_segments, window):
+    """cuDNN flash attention on one device's rows and heads (no mesh involved); `local`
+    (traced, or None: always): whether this layer has the window."""
+    if local is not None:
+        def with_window(w):
+            return functools.partial(_cudnn_on_shard, max_segments=max_segments, window=w)
+        return jax.lax.cond(local, with_window(window), with_window(0), q, k, v, segment_ids)
     if segment_ids is None or not max_segments:
         mask = None if segment_ids is None else segment_mask(segment_ids)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
