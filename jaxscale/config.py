@@ -151,7 +151,8 @@ SCHEMA = {
         # Hugging Face rope_type "llama3"; the other keys are read for llama3 only, their defaults
         # Llama 3.1's.
         "rope_scaling": {
-            "type": Key("none", "Llama 3.1+ RoPE frequency scaling: none | llama3"),
+            "type": Key("none", "RoPE frequency scaling: none | llama3 (Llama 3.1+) | linear "
+                                "(Gemma 3 4B+'s global layers: factor only)"),
             "factor": Key(8.0, "how much long wavelengths are stretched", real("[1, inf)")),
             "low_freq_factor": Key(1.0, "wavelengths past original / this are stretched",
                                    real("(0, inf)")),
@@ -441,7 +442,7 @@ def check_settings(config: ml_collections.ConfigDict) -> None:
     _check_checkpoint(config)
 
 
-ROPE_SCALING_TYPES = ("none", "llama3")
+ROPE_SCALING_TYPES = ("none", "llama3", "linear")
 
 
 def _check_moe(m: ml_collections.ConfigDict) -> None:
@@ -471,7 +472,7 @@ def _check_rope(m: ml_collections.ConfigDict) -> None:
     if r.type not in ROPE_SCALING_TYPES:
         raise ConfigError(f"model.rope_scaling.type={r.type!r} is unknown; use one of "
                           f"{ROPE_SCALING_TYPES}")
-    if r.type != "none" and not r.low_freq_factor < r.high_freq_factor:
+    if r.type == "llama3" and not r.low_freq_factor < r.high_freq_factor:
         raise ConfigError(
             f"model.rope_scaling low_freq_factor={r.low_freq_factor} and high_freq_factor="
             f"{r.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")

@@ -176,17 +176,20 @@ def saved_with_norms_off_one(model, folder) -> str:
     return str(folder)
 
 
-def float64_rotation(rotary, head_dim: int, theta: float | dict[str, float]) -> None:
+def float64_rotation(rotary, head_dim: int, theta: float | dict[str, float],
+                     linear_factor: dict[str, float] | None = None) -> None:
     """Gives a transformers model's rotary embedding (`model.model.rotary_emb`) cos/sin computed
     in float64. transformers forms position x frequency in float32 whatever the model's dtype,
     ~4e-4 rad off at position 4096 and ~2e-3 at 40000; jaxscale's rotation is checked against
     float64 on its own (tests/test_hf.py), so a comparison past those positions then compares
-    all the rest. `theta`: the base, or one per layer type (Gemma 3's forward takes the type)."""
+    all the rest. `theta`: the base, or one per layer type (Gemma 3's forward takes the type);
+    `linear_factor`: per layer type, the factor linear RoPE scaling divides frequencies by."""
     import torch
 
     def forward(x, position_ids, layer_type=None):
         base = theta if layer_type is None else theta[layer_type]
         inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+        inv_freq /= (linear_factor or {}).get(layer_type, 1.0)
         angles = position_ids.numpy()[..., None].astype(np.float64) * inv_freq
         angles = np.concatenate([angles, angles], axis=-1)
         return (torch.tensor(np.cos(angles), dtype=x.dtype),

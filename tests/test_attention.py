@@ -1,5 +1,7 @@
 """The attention kernels against the XLA reference path, and the TPU kernel compiled for a TPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,14 +9,15 @@ import pytest
 
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
-from jaxscale.models.layers import NO_WINDOW
 from jaxscale.parallel.attention import (
+    NO_WINDOW,
     _residuals_made_at_once,
     attend,
     check_attention,
     check_implementation,
     packed_segments,
     resolve,
+    splash_mask,
 )
 from jaxscale.parallel.context import load_balanced_order
 from jaxscale.parallel.mesh import build_mesh
@@ -279,20 +282,20 @@ def test_a_sliding_window_hides_the_keys_before_it_whole_or_split_over_context()
 
 
 def test_a_window_per_layer_is_a_scanned_input_whole_or_split_over_context():
-    """A window that differs between layers (Gemma 3's local and global ones) comes traced, a
-    scan's input: layer 0's window of 8 and layer 1's NO_WINDOW each equal attention written out
-    with its mask, in XLA's path and in the context path."""
+    """A window that applies to some layers only (Gemma 3's local and global ones) comes with a
+    traced `local`, a scan's input: layer 0's window of 8 and layer 1's none each equal attention
+    written out with its mask, in XLA's path and in the context path."""
     q, k, v, _ = qkv(length=64, head_dim=16)
     index = np.arange(64)
     segments = jnp.asarray(np.stack([np.where(index < 40, 1, 2), np.ones(64)]), jnp.int32)
     positions = jnp.asarray(np.stack([np.where(index < 40, index, index - 40), index]), jnp.int32)
-    windows = jnp.asarray([8, NO_WINDOW], jnp.int32)
+    local = jnp.asarray([True, False])
     want = [windowed_reference(q, k, v, segments, positions, window=w) for w in (8, NO_WINDOW)]
     assert np.abs(want[0] - want[1]).max() > 0.1
 
     def per_layer(q, k, v, segments, positions=None):
-        return jax.lax.map(
-            lambda w: attend(q, k, v, segments, "auto", positions=positions, window=w), windows)
+        return jax.lax.map(lambda is_local: attend(q, k, v, segments, "auto", positions=positions,
+                                                   window=8, local=is_local), local)
     got = jax.jit(per_layer)(q, k, v, segments)
     for layer in range(2):
         np.testing.assert_allclose(got[layer], want[layer], rtol=0, atol=1e-5)
@@ -306,16 +309,57 @@ def test_a_window_per_layer_is_a_scanned_input_whole_or_split_over_context():
         np.testing.assert_allclose(split[layer], want[layer][:, order], rtol=0, atol=1e-5)
 
 
-def test_a_sliding_window_runs_on_xla_and_is_refused_by_the_kernels_without_one():
-    bf16 = jax.ShapeDtypeStruct((2, 2048, 8, 128), jnp.bfloat16)
-    for device in (FakeDevice("tpu"), FakeDevice("gpu")):
-        with use_rules(FakeMesh(device), {}):
-            assert resolve("auto", bf16, packed=True, max_segments=32, windowed=True) == "xla"
+def test_a_window_in_every_layer_or_some_is_taken_by_the_kernels():
+    """Mistral's window and Gemma 3's (on some layers only) are accepted by splash and cuDNN,
+    where both were refused."""
     config = default_config()
-    config.model.sliding_window = 4096
+    config.model.update(sliding_window=4096, head_dim=128)
+    config.precision.compute_dtype = "bfloat16"
     for kernel, device in (("splash", FakeDevice("tpu")), ("cudnn", FakeDevice("gpu"))):
-        config.model.attention = kernel
-        with pytest.raises(ConfigError, match=f"attention='{kernel}' has no sliding window"):
+        for every in (0, 6):
+            config.model.update(attention=kernel, global_every=every)
             check_attention(config, device)
-    config.model.attention = "auto"
-    check_attention(config, FakeDevice("tpu"))
+
+
+def test_splashs_local_mask_is_the_window_of_the_reference():
+    """The mask splash is given, read densely, is exactly "key at the query or up to window - 1
+    before it" for a window, and causal without one."""
+    index = np.arange(256)
+    behind = index[:, None] - index[None, :]
+    for window, want in ((40, (behind >= 0) & (behind < 40)), (0, behind >= 0)):
+        mask = splash_mask(256, 2, window)
+        assert mask.shape == (2, 256, 256)
+        np.testing.assert_array_equal(np.asarray(mask[1, :, :]), want)
+
+
+def test_splash_with_a_window_equals_the_windowed_reference():
+    """The kernel, run by its interpreter, with a window of 40 on packed rows: its outputs are
+    attention written out with the window's mask and its gradients XLA's; per layer (`local`
+    traced, a scan's input) the windowed and the whole kernel each run where they should, their
+    gradients XLA's."""
+    q, k, v, segments = qkv(batch=1, head_dim=16)
+    positions = jnp.broadcast_to(jnp.arange(256), segments.shape)
+    want = windowed_reference(q, k, v, segments, positions, window=40)
+    np.testing.assert_allclose(attend(q, k, v, segments, "splash", window=40, interpret=True),
+                               want, rtol=0, atol=1e-5)
+    whole = windowed_reference(q, k, v, segments, positions, window=NO_WINDOW)
+    assert np.abs(want - whole).max() > 0.1
+
+    def loss(implementation, q, k, v):
+        out = attend(q, k, v, segments, implementation, window=40, interpret=True)
+        return jnp.sum(jnp.sin(out))
+    assert_close(jax.grad(functools.partial(loss, "splash"), argnums=(0, 1, 2))(q, k, v),
+                 jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(q, k, v))
+
+    def per_layer(implementation, q, k, v):
+        return jax.lax.map(lambda is_local: attend(q, k, v, segments, implementation, window=40,
+                                                   local=is_local, interpret=True),
+                           jnp.asarray([True, False]))
+    got = jax.jit(functools.partial(per_layer, "splash"))(q, k, v)
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got[1], whole, rtol=0, atol=1e-5)
+
+    def layers_loss(implementation, q, k, v):
+        return jnp.sum(jnp.sin(per_layer(implementation, q, k, v)))
+    assert_close(jax.jit(jax.grad(functools.partial(layers_loss, "splash"), argnums=(0, 1, 2)))(
+        q, k, v), jax.grad(functools.partial(layers_loss, "xla"), argnums=(0, 1, 2))(q, k, v))

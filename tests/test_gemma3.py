@@ -54,14 +54,20 @@ PUBLISHED_1B = dict(
     sliding_window_pattern=6, tie_word_embeddings=True, vocab_size=262144)
 
 
+# Gemma 3 4B and larger: linear RoPE scaling of the global layers.
+LINEAR = {"rope_type": "linear", "factor": 8.0}
+
+
 def transformers_logits(folder: str, tokens=TOKENS, start: int = 0) -> np.ndarray:
     """The folder's logits for `tokens` at positions start, start + 1, ..., by transformers in
     float64, its RoPE angles too (`float64_rotation`: transformers' float32 angles moved the
     logits at positions past 4096 by 2e-4 of the largest)."""
     model = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float64)
     model.config._attn_implementation = "eager"
+    parameters = model.config.rope_parameters.items()
     float64_rotation(model.model.rotary_emb, model.config.head_dim,
-                     {kind: p["rope_theta"] for kind, p in model.config.rope_parameters.items()})
+                     {kind: p["rope_theta"] for kind, p in parameters},
+                     {kind: p["factor"] for kind, p in parameters if p["rope_type"] == "linear"})
     positions = torch.arange(start, start + tokens.shape[1])[None].expand(tokens.shape[0], -1)
     with torch.no_grad():
         return model(input_ids=torch.tensor(tokens, dtype=torch.long),
@@ -89,6 +95,28 @@ def hf_folder(tmp_path_factory) -> str:
     model = transformers.Gemma3ForCausalLM(
         transformers.Gemma3TextConfig(**TINY, initializer_range=0.3))
     return saved_with_norms_off_one(model, tmp_path_factory.mktemp("gemma3") / "model")
+
+
+@pytest.fixture(scope="module")
+def linear_folder(tmp_path_factory) -> str:
+    """As `hf_folder`, with the global layers' RoPE scaled linearly (Gemma 3 4B+)."""
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(**TINY, rope_scaling=LINEAR, initializer_range=0.3))
+    return saved_with_norms_off_one(model, tmp_path_factory.mktemp("gemma3") / "linear")
+
+
+def test_linear_rope_scaling_past_4096_equals_transformers(linear_folder):
+    """Gemma 3 4B+'s linear scaling of the global layers, imported, at positions 4090 onwards:
+    transformers' logits; without the scaling (the same weights) they are missed."""
+    model, cfg = hf.load_model(linear_folder, compute_dtype="float32")
+    assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor) == ("linear", 8.0)
+    want = transformers_logits(linear_folder, start=4090)
+    assert relative_error(jaxscale_logits(model, cfg, start=4090), want) < 1e-5
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    unscaled = dataclasses.replace(cfg, rope_scaling=None)
+    model = nnx.merge(nnx.graphdef(abstract_model(unscaled)), params)
+    assert relative_error(jaxscale_logits(model, cfg, start=4090), want) > 1e-3
 
 
 def test_imported_logits_equal_transformers(hf_folder):
@@ -136,22 +164,27 @@ def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
 
 
 @pytest.mark.slow
-def test_export_loads_in_transformers_with_equal_logits(tmp_path):
+@pytest.mark.parametrize("scaling", ["none", "linear"])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, scaling):
     """A jaxscale Gemma 3 (random, its norms away from the identity) exported in float32 loads
     as Gemma3ForCausalLM with no missing or unexpected weights and gives jaxscale's logits; it
-    imports back bit for bit."""
+    imports back bit for bit. With linear RoPE scaling (4B+), past position 4096."""
     config = default_config()
     config.model.update(name="gemma3", vocab_size=VOCAB, d_model=32, n_layers=LAYERS, n_heads=4,
                         n_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=8192,
                         sliding_window=WINDOW, global_every=EVERY, rope_local_theta=100.0,
                         rope_theta=1e6, query_pre_attn_scalar=12, tie_embeddings=True,
                         norm_eps=1e-6)
+    config.model.rope_scaling.update(type=scaling, factor=8.0)
     model, cfg, out, exported = exported_like_a_trained_model(config, tmp_path / "model")
     assert (exported["architectures"], exported["sliding_window_pattern"]) == (
         ["Gemma3ForCausalLM"], EVERY)
+    assert exported["rope_scaling"] == (LINEAR if scaling == "linear" else None)
     _, info = transformers.Gemma3ForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
-    assert relative_error(transformers_logits(out), jaxscale_logits(model, cfg)) < 1e-5
+    start = 4090 if scaling == "linear" else 0
+    assert relative_error(transformers_logits(out, start=start),
+                          jaxscale_logits(model, cfg, start=start)) < 1e-5
     again, cfg_again = hf.load_model(out, compute_dtype="float32")
     assert cfg_again == cfg
     ours, back = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (model, again))

@@ -71,6 +71,22 @@ def test_a_gpu_runs_its_layers_unrolled_with_whole_logits_and_bfloat16_matmuls()
     assert " while(" in lean.as_text() and "dynamic-update-slice(" in lean.as_text()
 
 
+@pytest.mark.parametrize("every", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_sliding_window_compiles_to_cudnns_attention_with_the_window(every):
+    """A window of 8 in every layer (Mistral's form) on an H100, packed rows as a document mask:
+    cuDNN's fused attention, forward and backward, each call carrying the window; in every
+    other layer (Gemma 3's, chosen per layer by a cond) calls with the window and calls without.
+    (The packed layout's form, `data.max_segments`, takes the window too, but JAX refuses to
+    build it on a host without a Hopper GPU.)"""
+    config = bfloat16_config()
+    config.model.update(sliding_window=8, global_every=every)
+    hlo = compile_train_step(config, target_devices(parse_target("h100:1")))[0].as_text()
+    calls = re.findall(r'custom_call_target="__cudnn\$fmha[^"]*".*', hlo)
+    assert len(calls) >= 4, calls  # forward and backward of 2 layers
+    windows = {re.search(r'"sliding_window_length": ?(\d+)', call)[1] for call in calls}
+    assert windows == ({"8", "0"} if every else {"8"}), windows
+
+
 def test_the_planner_compiles_gpu_candidates_for_two_nodes():
     """h100:2x8: 16 devices in 2 processes; the candidates compiled, their memory the
     compiler's, their collectives read from the program, each with the GPU's step settings."""

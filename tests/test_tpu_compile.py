@@ -53,6 +53,19 @@ def test_the_xla_path_compiles_for_a_tpu_and_materialises_the_scores(v5p_devices
     assert SCORES.search(hlo)
 
 
+@pytest.mark.parametrize("every", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_sliding_window_compiles_to_the_splash_kernel_for_a_tpu(v5p_devices, every):
+    """A window of 64 in every layer (Mistral's form) or in every other one (Gemma 3's, the
+    kernel chosen per layer by a cond) still runs the Mosaic kernel, forward and backward, with
+    no score tensors."""
+    config = splash_step_config()
+    config.model.update(sliding_window=64, global_every=every)
+    hlo = compile_train_step(config, v5p_devices)[0].as_text()
+    assert "tpu_custom_call" in hlo
+    assert not SCORES.search(hlo)
+    assert (" conditional(" in hlo) == bool(every)
+
+
 def test_targets_name_chips():
     assert parse_target("v5p-64").topology == "v5p:4x4x4"
     assert parse_target("v5e-16").topology == "v5e:4x4"

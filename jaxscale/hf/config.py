@@ -75,17 +75,19 @@ def _rope(hf: dict[str, Any], file: str) -> tuple[float, dict[str, Any]]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), dict(type="none")
-    if kind != "llama3":
+    if kind not in ("llama3", "linear"):
         raise JaxscaleError(f"{file}: RoPE type {kind!r} is not supported; jaxscale has the "
-                            "default RoPE and 'llama3' scaling")
+                            "default RoPE, 'llama3' and 'linear' scaling")
     try:
+        if kind == "linear":
+            return float(theta), dict(type="linear", factor=float(params["factor"]))
         return float(theta), dict(
             type="llama3", factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_seq_len=int(params["original_max_position_embeddings"]))
     except KeyError as e:
-        raise JaxscaleError(f"{file}: llama3 RoPE scaling lacks {e.args[0]!r}; add it to the "
+        raise JaxscaleError(f"{file}: {kind} RoPE scaling lacks {e.args[0]!r}; add it to the "
                             "rope_scaling (or rope_parameters) entry") from None
 
 
@@ -246,7 +248,8 @@ def hf_config(model_config, dtype: str, bos_token_id: int | None = None,
         # transformers would load the weights into a model that attends to every token.
         raise JaxscaleError(f"model.sliding_window={c.sliding_window} has no place in a "
                             f"{family.name} config.json; export a model trained without it")
-    rope_scaling = None if r is None else dict(
+    rope_scaling = None if r is None else dict(rope_type="linear", factor=r.factor) \
+        if r.kind == "linear" else dict(
         rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
         high_freq_factor=r.high_freq_factor,
         original_max_position_embeddings=r.original_max_seq_len)

@@ -356,7 +356,7 @@ class Attention(nnx.Module):
         wide = float32_accumulating(self.dtype)
         out = attend(q.astype(wide), k.astype(wide), v.astype(wide), segment_ids,
                      self.implementation, positions=positions, max_segments=self.max_segments,
-                     window=self.layer_window(layer))
+                     window=self.window, local=self.local(layer))
         return self.output(out, dropout)
 
     def decode(self, x: jax.Array, cache: KVCache, layer: jax.Array,
@@ -402,14 +402,6 @@ class Attention(nnx.Module):
             raise ValueError("a per-layer pattern (global_every) needs the layer's index")
         return (layer + 1) % self.global_every != 0
 
-    def layer_window(self, layer: jax.Array | None) -> int | jax.Array:
-        """The window of `layer`: `window` (an int, 0 none) for every layer alike, else per
-        layer an int32 scalar, NO_WINDOW for a global layer (`attend` takes both)."""
-        local = self.local(layer)
-        if local is None or not self.window:
-            return self.window
-        return jnp.where(local, self.window, NO_WINDOW).astype(jnp.int32)
-
     def rotate(self, x: jax.Array, positions: jax.Array, layer: jax.Array | None) -> jax.Array:
         """x [batch, length, heads, head_dim] rotated to `positions` by `layer`'s RoPE."""
         rotated = apply_rope(x, positions, self.rope_theta, self.rope_scaling)
@@ -452,9 +444,6 @@ class Attention(nnx.Module):
 
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
-# A window wider than any position (they are below 2^24): a global layer's, where the window is
-# per layer and so traced.
-NO_WINDOW = 1 << 30
 
 
 class KVCache(NamedTuple):

@@ -1,5 +1,5 @@
 """Rotary position embeddings ("rotate half" layout, as Hugging Face Llama), with the Llama 3.1+
-frequency scaling, accurate at any position.
+frequency scaling or linear scaling (Gemma 3 4B and larger), accurate at any position.
 
 The naive float32 form, cos(position * frequency), loses the angle's low bits once the product
 is in the thousands: at position 8000 one float32 ulp of the angle is ~5e-4 rad, so the rotation
@@ -27,13 +27,16 @@ _DIGITS = 3  # positions below 2^24 (float32 and every real context length are b
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1+ frequency scaling (Hugging Face `rope_type: llama3`): wavelengths longer than
-    original_max_seq_len / low_freq_factor are stretched by `factor`, those shorter than
-    original_max_seq_len / high_freq_factor are kept, and those between are blended smoothly."""
+    """Llama 3.1+ frequency scaling (Hugging Face `rope_type: llama3`, `kind` "llama3"):
+    wavelengths longer than original_max_seq_len / low_freq_factor are stretched by `factor`,
+    those shorter than original_max_seq_len / high_freq_factor are kept, and those between are
+    blended smoothly. `kind` "linear" (`rope_type: linear`): every wavelength stretched by
+    `factor` (positions divided by it); the other fields unused."""
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_seq_len: int
+    kind: str = "llama3"
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -48,11 +51,14 @@ def check_head_dim(head_dim: int) -> None:
 def inv_frequencies(head_dim: int, theta: float,
                     scaling: RopeScaling | None = None) -> np.ndarray:
     """float64 [head_dim // 2] rotation frequencies (radians per position), as Hugging Face's
-    `_compute_default_rope_parameters` / `_compute_llama3_parameters` define them."""
+    `_compute_default_rope_parameters` / `_compute_llama3_parameters` /
+    `_compute_linear_scaling_rope_parameters` define them."""
     half = head_dim // 2
     inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / head_dim)
     if scaling is None:
         return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
     s = scaling
     wavelen = 2 * np.pi / inv_freq
     low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor

@@ -42,7 +42,7 @@ def rope_scaling(section: ml_collections.ConfigDict) -> RopeScaling | None:
         return None
     return RopeScaling(factor=section.factor, low_freq_factor=section.low_freq_factor,
                        high_freq_factor=section.high_freq_factor,
-                       original_max_seq_len=section.original_max_seq_len)
+                       original_max_seq_len=section.original_max_seq_len, kind=section.type)
 
 
 def moe_config(section: ml_collections.ConfigDict) -> MoEConfig | None:

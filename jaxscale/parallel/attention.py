@@ -27,10 +27,12 @@ module decides the kernel and, for a kernel that XLA cannot split across devices
   run (shapes, dtype), else xla.
 
 A sliding window (a query sees only the last `window` tokens, itself included) is the XLA path's
-local window, and one more term of the context path's mask; splash and cudnn are not given it
-yet, so `auto` takes xla for it and asking for either with a window is refused at config time.
-A window that differs between layers (Gemma 3's local and global layers, one scanned block) comes
-traced, an int32 scalar, and the XLA path then takes it as a mask.
+local window, one more term of the context path's mask, splash's local mask and cuDNN's sliding
+window length. A window that applies to some layers only (Gemma 3's local and global layers, one
+scanned block) comes with `local`, a traced bool per layer, which the XLA and context paths take
+as a traced mask term; the fused kernels take a window only as a constant, so each device runs
+a `lax.cond` between the windowed and the whole kernel (under a pipeline's vmap over stages, on
+TPUs, the cond runs both).
 """
 
 from __future__ import annotations
@@ -54,41 +56,42 @@ SPLASH_BLOCK = 512  # the largest tile; a sequence must be a multiple of min(thi
 SPLASH_MIN_LENGTH = 128  # TPU kernels tile the sequence in multiples of 128
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_PACKED_CAPABILITY = (9, 0)  # Hopper: cuDNN's packed (ragged) layout, heads up to 256
+# A window wider than any position (they are below 2^24): a global layer's, where the window is
+# per layer and so traced.
+NO_WINDOW = 1 << 30
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
            implementation: str, *, positions: jax.Array | None = None, max_segments: int = 0,
-           window: int | jax.Array = 0, interpret: bool = False) -> jax.Array:
+           window: int = 0, local: jax.Array | None = None, interpret: bool = False
+           ) -> jax.Array:
     """Causal attention. q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads,
     head_dim] (grouped-query: heads a multiple of kv_heads); segment_ids [batch, length] or None:
     a token sees only earlier tokens of its own segment; positions [batch, length] or None (the
     array indices): what "earlier" means when the length is split over devices, whose tokens
     may be in any order. `max_segments`: the most segments (contiguous runs of one id, padding
     included) a row holds, 0 if unbounded; the cudnn kernel's packed layout needs it. `window`
-    > 0 (or traced, an int32 scalar): a token sees only the last `window` tokens, itself
-    included. `interpret` runs a Pallas
-    kernel in Python (any backend): for tests."""
-    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments,
-                     windowed=has_window(window))
+    > 0: a token sees only the last `window` tokens, itself included; `local` (a traced bool,
+    per layer): whether the window applies to this layer, None: to every layer. `interpret` runs
+    a Pallas kernel in Python (any backend): for tests."""
+    kernel = resolve(implementation, q, packed=segment_ids is not None, max_segments=max_segments)
+    local = local if window else None
     if kernel == "splash":
-        return _per_shard(functools.partial(_splash_on_shard, interpret=interpret),
-                          q, k, v, segment_ids)
+        return _per_shard(functools.partial(_splash_on_shard, interpret=interpret, window=window),
+                          q, k, v, segment_ids, local)
+    if kernel == "cudnn" and not _length_axes():
+        layout = packed_layout_bound(_capability(_device()), max_segments, split=False)
+        return _per_shard(functools.partial(_cudnn_on_shard, max_segments=layout, window=window),
+                          q, k, v, segment_ids, local)
+    if local is not None:  # the XLA and context paths take the window traced
+        window = jnp.where(local, window, NO_WINDOW).astype(jnp.int32)
     if _length_axes():
         return _context(q, k, v, segment_ids, positions, kernel, window)
-    if kernel == "cudnn":
-        layout = packed_layout_bound(_capability(_device()), max_segments, split=False)
-        return _per_shard(functools.partial(_cudnn_on_shard, max_segments=layout),
-                          q, k, v, segment_ids)
     return _xla(q, k, v, segment_ids, window)
 
 
-def has_window(window: int | jax.Array) -> bool:
-    """Whether `window` limits what a query sees: a traced one (per layer) may."""
-    return not isinstance(window, int) or window > 0
-
-
 def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed: bool,
-            max_segments: int = 0, windowed: bool = False) -> str:
+            max_segments: int = 0) -> str:
     """`auto` -> the kernel for the platform of the active mesh (else the default backend), for
     queries shaped and typed like `q`."""
     if implementation != "auto":
@@ -96,19 +99,16 @@ def resolve(implementation: str, q: jax.Array | jax.ShapeDtypeStruct, *, packed:
     device = _device()
     return auto_kernel(device.platform, _capability(device), q.dtype, q.shape[1], q.shape[-1],
                        packed=packed, max_segments=max_segments, split=bool(_length_axes()),
-                       pipelined=_pipelined(), windowed=windowed)
+                       pipelined=_pipelined())
 
 
 def auto_kernel(platform: str, capability: str, dtype, length: int, head_dim: int, *,
-                packed: bool, max_segments: int, split: bool, pipelined: bool,
-                windowed: bool = False) -> str:
+                packed: bool, max_segments: int, split: bool, pipelined: bool) -> str:
     """What `auto` runs: splash on TPUs (whole rows), cuDNN on NVIDIA GPUs where it can run, else
-    XLA; XLA for a sliding window (`windowed`), which only it takes. `split`: the length is split
+    XLA. `split`: the length is split
     over a context axis; `pipelined`: inside a pipeline stage's vmap, which JAX's cuDNN attention
     cannot be batched over (its batching rule reshapes the mask's and the segments' arrays as if
     they had the heads' and no stage axis)."""
-    if windowed:
-        return "xla"
     if platform == "tpu":
         return "splash" if splash_fits(length) and not split else "xla"
     layout = packed_layout_bound(capability, max_segments, split)
@@ -148,10 +148,6 @@ def check_attention(config: ml_collections.ConfigDict, device) -> None:
     check_implementation(config.model.attention, device, config.train.seq_len,
                          config.precision.compute_dtype, config.model.head_dim,
                          config.data.max_segments)
-    if config.model.sliding_window and config.model.attention in ("splash", "cudnn"):
-        raise ConfigError(f"model.attention={config.model.attention!r} has no sliding window "
-                          f"(model.sliding_window={config.model.sliding_window}); use "
-                          "model.attention=auto or xla")
 
 
 def check_implementation(implementation: str, device, length: int, dtype: str, head_dim: int,
@@ -257,7 +253,7 @@ def _context(q, k, v, segment_ids, positions, kernel: str, window: int | jax.Arr
         key_positions, key_segments = gather(positions), gather(segment_ids)
         mask = ((segment_ids[:, :, None] == key_segments[:, None, :])
                 & (key_positions[:, None, :] <= positions[:, :, None]))
-        if has_window(window):
+        if not isinstance(window, int) or window:
             mask &= key_positions[:, None, :] > positions[:, :, None] - window
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                             implementation="cudnn" if kernel == "cudnn" else None)
@@ -273,53 +269,80 @@ def _context(q, k, v, segment_ids, positions, kernel: str, window: int | jax.Arr
     return run(q, k, v, positions, segment_ids, *(() if static else (window,)))
 
 
-def _per_shard(kernel, q, k, v, segment_ids):
-    """`kernel(q, k, v, segment_ids)` on each device's batch rows and heads: XLA cannot split a
-    custom kernel across devices itself."""
+def _per_shard(kernel, q, k, v, segment_ids, local=None):
+    """`kernel(q, k, v, segment_ids, local)` on each device's batch rows and heads (`local`, a
+    scalar or None, on every device): XLA cannot split a custom kernel across devices itself."""
     active = active_mesh_and_rules()
     if active is None:
-        return kernel(q, k, v, segment_ids)
+        return kernel(q, k, v, segment_ids, local)
     mesh, rules = active
     q_spec, kv_spec = logical_to_mesh(QUERY_AXES, rules), logical_to_mesh(KEY_AXES, rules)
     if _length_axes():
         raise ValueError("a fused attention kernel needs the whole sequence on each device; the "
                          f"length axis is split over {q_spec[1]} (use model.attention=xla)")
-    seg_spec = P(q_spec[0], None)
-    args = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
-    in_specs = (q_spec, kv_spec, kv_spec) + ((seg_spec,) if segment_ids is not None else ())
-    body = kernel if segment_ids is not None else lambda q, k, v: kernel(q, k, v, None)
+    # The optional inputs that are there, each with its spec.
+    optional = [(x, spec) for x, spec in ((segment_ids, P(q_spec[0], None)), (local, P()))
+                if x is not None]
+
+    def body(q, k, v, *present):
+        given = iter(present)
+        return kernel(q, k, v, *(next(given) if x is not None else None
+                                 for x in (segment_ids, local)))
+    in_specs = (q_spec, kv_spec, kv_spec) + tuple(spec for _, spec in optional)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
-                         check_vma=False)(*args)
+                         check_vma=False)(q, k, v, *(x for x, _ in optional))
 
 
-def _splash_on_shard(q, k, v, segment_ids, *, interpret):
-    """Splash attention on one device's rows and heads (no mesh involved)."""
+def _splash_on_shard(q, k, v, segment_ids, local, *, interpret, window):
+    """Splash attention on one device's rows and heads (no mesh involved); `local` (traced, or
+    None: always): whether this layer has the window."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     batch, length, heads, head_dim = q.shape
     block = min(SPLASH_BLOCK, length)
     sizes = kernel_lib.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    causal = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)
-    kernel = kernel_lib.make_splash_mha(causal, block_sizes=sizes, head_shards=1,
-                                        q_seq_shards=1, interpret=interpret)
+    # The kernels' mask tables made as constants: made under the caller's trace (a scan over
+    # layers), a cond's branch would carry them out of it as tracers.
+    with jax.ensure_compile_time_eval():
+        kernels = {w: kernel_lib.make_splash_mha(splash_mask(length, heads, w),
+                                                 block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                                 interpret=interpret)
+                   for w in {window, 0 if local is not None else window}}
     # The kernel takes [heads, length, head_dim] per sequence and does not scale the queries.
     def heads_first(x):
         return jnp.swapaxes(x, 1, 2)
     q = heads_first(q * np.asarray(head_dim ** -0.5, q.dtype))
     k, v = heads_first(k), heads_first(v)
-    if segment_ids is None:
-        out = _residuals_made_at_once(jax.vmap(kernel), q, k, v)
-    else:
-        def segmented(q, k, v, segment_ids):
+
+    def with_window(w):
+        def run(q, k, v, segment_ids):
+            if segment_ids is None:
+                return jax.vmap(kernels[w])(q, k, v)
             ids = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
-            return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(q, k, v, ids)
-        out = _residuals_made_at_once(segmented, q, k, v, segment_ids)
-    return heads_first(out)
+            return jax.vmap(lambda q, k, v, ids: kernels[w](q, k, v, segment_ids=ids))(q, k, v,
+                                                                                        ids)
+        return run
+
+    def attention(q, k, v, segment_ids, local):
+        if local is None:
+            return with_window(window)(q, k, v, segment_ids)
+        return jax.lax.cond(local, with_window(window), with_window(0), q, k, v, segment_ids)
+    return heads_first(_residuals_made_at_once(attention, q, k, v, segment_ids, local))
+
+
+def splash_mask(length: int, heads: int, window: int):
+    """Splash's mask for every head: causal, and with `window` > 0 a query's own key and the
+    `window` - 1 before it (the kernel skips the blocks wholly outside)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    shape = (length, length)
+    head = (masks.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window
+            else masks.CausalMask(shape))
+    return masks.MultiHeadMask([head] * heads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -356,18 +379,25 @@ _residuals_made_at_once.defvjp(_residuals_made_at_once_forward,
                                _residuals_made_at_once_backward)
 
 
-def _cudnn_on_shard(q, k, v, segment_ids, *, max_segments):
-    """cuDNN flash attention on one device's rows and heads (no mesh involved)."""
+def _cudnn_on_shard(q, k, v, segment_ids, local=None, *, max_segments, window):
+    """cuDNN flash attention on one device's rows and heads (no mesh involved); `local`
+    (traced, or None: always): whether this layer has the window."""
+    if local is not None:
+        def with_window(w):
+            return functools.partial(_cudnn_on_shard, max_segments=max_segments, window=w)
+        return jax.lax.cond(local, with_window(window), with_window(0), q, k, v, segment_ids)
     if segment_ids is None or not max_segments:
         mask = None if segment_ids is None else segment_mask(segment_ids)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            local_window_size=(window - 1, 0) if window else None,
                                             implementation="cudnn")
     # jax.nn's wrapper has no packed layout; the cuDNN module under it takes segment offsets.
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
     lengths, offsets = packed_segments(segment_ids, max_segments)
     return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
                                  kv_offsets=offsets, scale=q.shape[-1] ** -0.5,
-                                 mask_type=MaskType.PADDING_CAUSAL)
+                                 mask_type=MaskType.PADDING_CAUSAL,
+                                 sliding_window_length=window or None)
 
 
 def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:

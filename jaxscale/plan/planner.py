@@ -119,8 +119,7 @@ def _attention(config: ml_collections.ConfigDict, target: Target,
         a = auto_kernel(platform, capability, config.precision.compute_dtype,
                         config.train.seq_len, config.model.head_dim, packed=True,
                         max_segments=config.data.max_segments, split=split,
-                        pipelined=mesh_shape["pipeline"] > 1,
-                        windowed=config.model.sliding_window > 0)
+                        pipelined=mesh_shape["pipeline"] > 1)
     if a == "splash" and split:  # refused by validate; the XLA path's memory, to be safe
         a = "xla"
     bound = packed_layout_bound(capability, config.data.max_segments, split) if a == "cudnn" \
