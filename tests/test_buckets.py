@@ -278,6 +278,36 @@ def test_a_server_failing_mid_run_stops_the_read_as_transient(server, request, t
     assert message.endswith("the storage is failing"), message
 
 
+@pytest.mark.slow
+def test_a_slow_server_slows_training_and_shows_as_input_wait(s3, tmp_path, monkeypatch):
+    # Every answer of the server half a second late: training goes on and takes the steps of
+    # local disk, and the time shows as waiting on input (data_wait_fraction), not lost.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    local = write_fixture(tmp_path, "tokens")
+    url = uploaded(str(tmp_path), s3)
+    source = dict(local, path=local["path"].replace(str(tmp_path), url))
+    on_disk, _ = resumable_cli_losses(tmp_path / "disk", 3, **{"data.sources": repr((local,))})
+    with FaultProxy(s3.url) as proxy:
+        for name, value in s3_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        proxy.delay = 0.5
+        slow, _ = resumable_cli_losses(tmp_path / "slow", 3, **{"data.sources": repr((source,))})
+    assert slow == on_disk
+    # Seconds each timed step waited for its batch (prefetch hides part of the delay): 0.3-0.5 s
+    # here, against a millisecond from local disk.
+    slow_waits, disk_waits = input_waits(tmp_path / "slow"), input_waits(tmp_path / "disk")
+    assert slow_waits and min(slow_waits) > max(0.2, 10 * max(disk_waits)), (slow_waits,
+                                                                             disk_waits)
+
+
+def input_waits(workdir) -> list[float]:
+    """The seconds per step that the run in `workdir` waited on its input, by logged window."""
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    return [line["data_wait_fraction"] * line["step_time"] for line in lines
+            if "data_wait_fraction" in line]
+
+
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):
     # A bucket renames by copying and deleting each object, which a crash leaves half done: the
     # verdict is one marker object, and the damaged objects stay until the step is saved again.
