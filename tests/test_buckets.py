@@ -13,6 +13,7 @@ import fsspec
 import jax
 import numpy as np
 import pytest
+from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checkpoint import Checkpoints
@@ -354,7 +355,27 @@ def test_checkpoints_in_s3_are_refused_in_one_line(s3, tmp_path):
     config.checkpoint.dir = f"{s3.bucket}/run"
     message = one_line_error(ConfigError, Checkpoints(config, str(tmp_path)).check_writable)
     assert message.startswith(f"checkpoint.dir='{s3.bucket}/run': Orbax keeps checkpoints in a "
-                              "local folder or a gs:// bucket only"), message
+                              "local folder or a gs:// bucket only (it hands TensorStore's "
+                              "bucket drivers gs:// paths alone"), message
+
+
+def test_orbax_alone_keeps_checkpoints_out_of_s3(s3):
+    # Why the refusal above: TensorStore writes OCDBT (Orbax's array format) through its s3
+    # driver, and epath (Orbax's other files) through s3fs, to the server; Orbax's array spec
+    # takes the s3:// path for a relative local one. When it no longer does, lift the refusal.
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    root = f"{s3.bucket}/orbax-{os.getpid()}"
+    ocdbt = ts.KvStore.open({"driver": "ocdbt", "base": {
+        "driver": "s3", "bucket": s3.bucket.removeprefix("s3://"), "path": f"orbax-{os.getpid()}/",
+        "endpoint": os.environ["AWS_ENDPOINT_URL"], "aws_region": "us-east-1"}}).result()
+    ocdbt.write("params", b"arrays").result()
+    assert ocdbt.read("params").result().value == b"arrays"
+    (epath.Path(root) / "_CHECKPOINT_METADATA").write_text("{}")
+    assert (epath.Path(root) / "_CHECKPOINT_METADATA").read_text() == "{}"
+    with pytest.raises(ValueError, match="should be absolute. Got s3:/"):
+        tensorstore_utils.build_kvstore_tspec(f"{root}/1/params", use_ocdbt=True)
 
 
 # gcp-storage-emulator (2026.7.19) sends no x-goog-generation header with an object's bytes, so
