@@ -1,15 +1,18 @@
 """A loopback HTTP proxy in front of a storage server (tests/storage_servers.py) that answers
 what a test tells it to instead of forwarding: a status such as 503 or 429 (with the body a
-cloud's front end sends), for every request while set. The storage servers cannot be made to
-answer so themselves; the libraries see a real HTTP exchange either way.
+cloud's front end sends), for every request while set, or each answer late by `delay` seconds (a
+slow server). The storage servers cannot be made to answer so themselves; the libraries see a
+real HTTP exchange either way.
 
     with FaultProxy(server.url) as proxy:      # point the variables at proxy.url
         proxy.status = 503                     # every request answered 503 from now on
+        proxy.delay = 0.5                      # or: every answer half a second late
 """
 
 import http.client
 import http.server
 import threading
+import time
 import urllib.parse
 
 from tests.storage_servers import free_port
@@ -23,6 +26,7 @@ class FaultProxy:
     def __init__(self, upstream: str):
         self.upstream = urllib.parse.urlsplit(upstream)
         self.status = 0  # 0: forward every request
+        self.delay = 0.0  # seconds each answer waits (requests in flight wait together)
         self.requests = 0
         proxy = self
 
@@ -36,6 +40,7 @@ class FaultProxy:
                 proxy.requests += 1
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                time.sleep(proxy.delay)
                 if proxy.status:
                     self.send_response(proxy.status)
                     self.send_header("Content-Length", str(len(_BODY)))

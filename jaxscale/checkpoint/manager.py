@@ -521,9 +521,13 @@ def check_checkpoint_bucket(path: str, key: str) -> None:
     """ConfigError unless checkpoints can be kept in the bucket `path` (config key `key`): its
     library installed, a bucket Orbax writes arrays to, and one that exists and answers."""
     # Orbax (0.12.8) gives TensorStore's own gcs driver the gs:// paths; any other URL reaches
-    # its array writer as a local path ("s3:/b/x", after normpath) and fails at the first save.
+    # its array writer as a local path ("s3:/b/x", after normpath), refused as not absolute at
+    # the first save. TensorStore's s3 driver (OCDBT over it) and etils' epath both write to
+    # moto's server; Orbax alone does not route s3:// to them (tests/test_buckets.py).
     if not path.startswith("gs://"):
         raise ConfigError(f"{key}={path!r}: Orbax keeps checkpoints in a local folder or a gs:// "
-                          "bucket only; pass a gs:// path, or a folder (an S3 bucket mounted "
-                          "with mountpoint-s3, for one); the data can stay in s3://")
+                          "bucket only (it hands TensorStore's bucket drivers gs:// paths alone "
+                          "and takes s3:// for a relative local path); pass a gs:// path, or a "
+                          "folder (an S3 bucket mounted with mountpoint-s3, for one); the data "
+                          "can stay in s3://")
     check_bucket(path, key)
