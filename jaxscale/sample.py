@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
+from jaxscale.cli import ArgumentParser, fail_with, folder_or_bucket_flag, number_flag
 from jaxscale.config import NUMBERS
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.kinds import real, whole
@@ -35,11 +35,12 @@ def make_parser() -> ArgumentParser:
                             epilog=f"example: {PROG} --workdir=runs/default "
                                    "--prompt='def fib(n):' --temperature=0.7")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workdir", metavar="DIR", type=folder_flag,
-                        help="A run's workdir: its config.json and newest checkpoint.")
-    source.add_argument("--hf", metavar="FOLDER", type=folder_flag,
+    source.add_argument("--workdir", metavar="DIR", type=folder_or_bucket_flag,
+                        help="A run's workdir: its config.json and newest checkpoint (local, or "
+                             "gs://... copied there).")
+    source.add_argument("--hf", metavar="FOLDER", type=folder_or_bucket_flag,
                         help="A Hugging Face Llama or Qwen3 folder (config.json, safetensors, "
-                             "tokenizer.json).")
+                             "tokenizer.json), local or gs://, s3://.")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="The text to continue.")
     parser.add_argument("--max_new_tokens", type=number_flag(MAX_NEW_TOKENS), default=100,
                         metavar="N", help="How many tokens to generate (default 100).")
@@ -101,10 +102,12 @@ def continuation(args: argparse.Namespace) -> str:
     if args.workdir is not None:
         config, source = run_config(args.workdir)
     else:
+        from jaxscale.hf.bucket_folder import local_folder
         from jaxscale.hf.config import update_config  # no JAX; the weights load as a checkpoint's
 
         config, source = default_config(), args.hf
-        update_config(config, args.hf)  # the model section and the tokenizer from the folder
+        # The model section and the tokenizer from the folder (a bucket's copied, once).
+        update_config(config, local_folder(args.hf, "--hf"))
     tokenizer = tokenizer_from_config(config)
     prompt = prompt_ids(tokenizer, config, args.prompt, args.max_new_tokens)
     mesh = sampling_mesh(config, jax.devices())

@@ -2,14 +2,24 @@
 tests/storage_servers.py: TensorBoard's folder, `checkpoint.restore_from` (a Hugging Face folder,
 another run's checkpoints) and the sampler's `--workdir` and `--hf`."""
 
+import json
+import os
 import struct
 
 import pytest
 
+import jaxscale.config
+from jaxscale.config import default_config
+from jaxscale.hf import bucket_folder
 from jaxscale.observe.trackers import check_tracker_access, open_trackers
 from jaxscale.runtime.storage import filesystem
-from tests.helpers import small_config
+from jaxscale.sample import main as sample_main
+from jaxscale.trainer import Trainer
+from tests.helpers import REPO, small_config
 from tests.storage_servers import gcs, s3  # noqa: F401 (fixtures)
+from tests.test_buckets import put
+
+HF_FOLDER = os.path.join(REPO, "tests", "fixtures", "hf_tied")
 
 
 def scalars(event_file: bytes) -> dict[str, list[tuple[int, float]]]:
@@ -41,3 +51,73 @@ def test_tensorboard_writes_its_event_file_into_a_bucket(server, request, tmp_pa
     (event_file,) = fs.ls(root, detail=False)
     assert scalars(fs.cat_file(event_file)) == {"train/loss": [(1, 2.5), (2, 1.25)]}
     assert not (tmp_path / "tensorboard").exists()  # nothing in the workdir's usual place
+
+
+def float32_default_config():
+    config = default_config()
+    config.precision.compute_dtype = "float32"  # so that a local and a bucket's sample agree
+    return config
+
+
+def sampled(capsys, *flags: str) -> str:
+    """What `python -m jaxscale.sample` prints for the greedy continuation of one prompt."""
+    sample_main([*flags, "--prompt=w1 w5 w9 w2", "--max_new_tokens=10", "--temperature=0"])
+    return capsys.readouterr().out
+
+
+# Each sample compiles (8-16 s here): one server by default.
+@pytest.mark.parametrize("server", ["gcs", pytest.param("s3", marks=pytest.mark.slow)])
+def test_the_sampler_continues_a_hugging_face_folder_in_a_bucket_as_on_disk(
+        server, request, monkeypatch, capsys):
+    # --hf=gs://... (or s3://): the folder is copied once, its config, tokenizer and weights
+    # read from the copy by checkpoint.restore_from's reader, the same greedy text.
+    url = f"{request.getfixturevalue(server).bucket}/hf-{os.getpid()}"
+    put(HF_FOLDER, url)
+    monkeypatch.setattr(jaxscale.config, "default_config", float32_default_config)
+    expected = sampled(capsys, f"--hf={HF_FOLDER}")
+    assert sampled(capsys, f"--hf={url}") == expected and expected.strip()
+    assert sorted(os.listdir(bucket_folder.local_folder(url, "test"))) == \
+        sorted(os.listdir(HF_FOLDER))  # the one copy the sampler made
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, request):
+    """(a small run trained 2 steps on synthetic tokens, its checkpoint at step 2; the same
+    workdir copied into the GCS bucket)."""
+    workdir = str(tmp_path_factory.mktemp("bucket_paths") / "run")
+    config = small_config(data=-1)
+    config.train.steps = 2
+    config.data.sources = (dict(format="synthetic"),)
+    config.checkpoint.compilation_cache = False
+    Trainer(config, workdir).run()
+    url = f"{request.getfixturevalue('gcs').bucket}/runs-{os.getpid()}/run"
+    put(workdir, url)
+    return workdir, url
+
+
+# The fixture trains a run (30-40 s on the loaded 2-core VM): with the slow tests.
+@pytest.mark.slow
+def test_the_sampler_continues_a_workdir_in_a_bucket_as_on_disk(trained_run, capsys):
+    # --workdir=gs://...: its config.json read there, its checkpoints restored from there.
+    workdir, url = trained_run
+    expected = sampled(capsys, f"--workdir={workdir}")
+    assert sampled(capsys, f"--workdir={url}") == expected and expected.strip()
+
+
+@pytest.mark.slow
+def test_a_run_restoring_from_a_run_in_a_bucket_starts_as_from_local_disk(trained_run,
+                                                                          tmp_path):
+    # checkpoint.restore_from=gs://<another run>: the first loss of the new run is the one a
+    # start from the same run on local disk gives.
+    first_losses = []
+    for source in trained_run:
+        config = small_config(data=-1)
+        config.train.steps = 3  # one step past the restored step 2: params, optimizer, data
+        config.data.sources = (dict(format="synthetic"),)
+        config.checkpoint.update(restore_from=source, compilation_cache=False)
+        workdir = tmp_path / str(len(first_losses))
+        Trainer(config, str(workdir)).run()
+        with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f]
+        first_losses.append([(line["step"], line["loss"]) for line in lines if "loss" in line])
+    assert first_losses[0] == first_losses[1] and first_losses[0][0][0] == 3  # restored at 2

@@ -15,6 +15,7 @@ import ml_collections
 from jaxscale.errors import JaxscaleError, json_object
 from jaxscale.models import FAMILIES, Family
 from jaxscale.models.hf_layout import check_moe_in_every_layer
+from jaxscale.runtime.storage import filesystem
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -26,9 +27,11 @@ _TOKENIZER_FIX = "give the tokenizer.json that came with the model"
 
 
 def is_hf_folder(path: str) -> bool:
-    """Whether `path` looks like a Hugging Face model folder (not a jaxscale checkpoint)."""
-    return os.path.isfile(os.path.join(path, CONFIG_FILE)) and any(
-        os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, INDEX_FILE))
+    """Whether `path` (local or a bucket's folder) looks like a Hugging Face model folder (not a
+    jaxscale checkpoint)."""
+    fs, root = filesystem(path, "the model folder")
+    return fs.isfile(f"{root}/{CONFIG_FILE}") and any(
+        fs.isfile(f"{root}/{name}") for name in (SINGLE_FILE, INDEX_FILE))
 
 
 def read_config(path: str) -> tuple[dict[str, Any], Family]:
