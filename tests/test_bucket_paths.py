@@ -6,18 +6,25 @@ import json
 import os
 import struct
 
+import fsspec
 import pytest
 
 import jaxscale.config
 from jaxscale.config import default_config
+from jaxscale.data import sources
+from jaxscale.data.sources import source_specs
+from jaxscale.data.tokenizers import ByteTokenizer
+from jaxscale.errors import TransientError
 from jaxscale.hf import bucket_folder
 from jaxscale.observe.trackers import check_tracker_access, open_trackers
 from jaxscale.runtime.storage import filesystem
 from jaxscale.sample import main as sample_main
 from jaxscale.trainer import Trainer
-from tests.helpers import REPO, small_config
-from tests.storage_servers import gcs, s3  # noqa: F401 (fixtures)
+from tests.fault_proxy import FaultProxy
+from tests.helpers import REPO, config_with, one_line_error, small_config
+from tests.storage_servers import gcs, gcs_variables, s3  # noqa: F401 (fixtures)
 from tests.test_buckets import put
+from tests.test_data_sources import write_fixture
 
 HF_FOLDER = os.path.join(REPO, "tests", "fixtures", "hf_tied")
 
@@ -121,3 +128,42 @@ def test_a_run_restoring_from_a_run_in_a_bucket_starts_as_from_local_disk(traine
             lines = [json.loads(line) for line in f]
         first_losses.append([(line["step"], line["loss"]) for line in lines if "loss" in line])
     assert first_losses[0] == first_losses[1] and first_losses[0][0][0] == 3  # restored at 2
+
+
+class _NoBackoff:
+    """What gcsfs' retries wait with (its `asyncio.sleep`), not waiting: its six tries of a
+    request answered 503 take milliseconds rather than 30 s."""
+
+    @staticmethod
+    async def sleep(seconds: float) -> None:
+        return None
+
+
+# Parquet is left out: a small file's bytes are all read (and cached) when it is opened.
+@pytest.mark.parametrize("name", ["jsonl", "text_files", "tokens"])
+def test_a_gcs_server_failing_mid_read_is_transient(name, request, tmp_path, monkeypatch):
+    # The sources were listed; then every request is answered 503: gcsfs retries, then raises
+    # its HttpError (no OSError), which each read site classifies as the storage failing
+    # (exit 75), never a traceback or "malformed".
+    import gcsfs.retry
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", _NoBackoff)
+    server = request.getfixturevalue("gcs")
+    local = write_fixture(tmp_path, name)
+    url = f"{server.bucket}/mid-read-{name}-{os.getpid()}"
+    put(f"{tmp_path}/", f"{url}/")
+    source = dict(local, path=local["path"].replace(str(tmp_path), url))
+    config = config_with(source)
+    with FaultProxy(server.url) as proxy:
+        for key, value in gcs_variables(proxy.url).items():
+            monkeypatch.setenv(key, value)
+        fsspec.get_filesystem_class("gs").clear_instance_cache()
+        try:
+            documents = sources.source_documents(source_specs(config)[0], "train",
+                                                 ByteTokenizer(), config)
+            proxy.status = 503
+            message = one_line_error(TransientError, lambda: documents[0])
+        finally:
+            fsspec.get_filesystem_class("gs").clear_instance_cache()
+    assert message.startswith("cannot read ") and "503" in message, message
+    assert message.endswith("the storage is failing") and proxy.requests > 1, message
