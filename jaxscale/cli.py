@@ -34,7 +34,6 @@ from jaxscale.errors import (
     TransientError,
 )
 from jaxscale.kinds import Number
-from jaxscale.runtime.storage import in_bucket
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(_REPO, "configs", "tiny.py")
@@ -112,12 +111,6 @@ def folder_flag(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"folder {text!r} does not exist; check the path")
     return text
-
-
-def folder_or_bucket_flag(text: str) -> str:
-    """An argparse `type`: a folder that exists, or a bucket's (gs://, s3://: asked for when it
-    is read, for the error the storage gives)."""
-    return text if in_bucket(text) else folder_flag(text)
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
