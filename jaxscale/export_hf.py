@@ -149,7 +149,9 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
                             spec.config).params
     base, rank = config.checkpoint.restore_from, config.model.lora.rank
     if adapters_only:
-        hf_base = os.path.abspath(base) if is_hf_folder(base) else None
+        hf_base = None
+        if is_hf_folder(base, "checkpoint.restore_from"):  # a bucket's URL is absolute already
+            hf_base = base if in_bucket(base) else os.path.abspath(base)
         files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base,
                               dropout=config.model.lora.dropout)
         what = f"the LoRA adapters (rank {rank}) of step {step} of {workdir} to {out} ({dtype})"

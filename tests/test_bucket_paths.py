@@ -5,6 +5,8 @@ another run's checkpoints) and the sampler's `--workdir` and `--hf`."""
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import fsspec
 import pytest
@@ -167,3 +169,24 @@ def test_a_gcs_server_failing_mid_read_is_transient(name, request, tmp_path, mon
             fsspec.get_filesystem_class("gs").clear_instance_cache()
     assert message.startswith("cannot read ") and "503" in message, message
     assert message.endswith("the storage is failing") and proxy.requests > 1, message
+
+
+@pytest.mark.parametrize("flags", [
+    ["jaxscale.sample", "--hf=gs://BUCKET/model", "--prompt=def"],
+    ["jaxscale.train", "--config=configs/tiny.py", "--config.train.steps=2", "--workdir={}",
+     "--config.metrics.tensorboard_dir=gs://BUCKET/tb"]], ids=["sample", "tensorboard"])
+def test_the_new_bucket_paths_without_their_library_name_the_extra(flags, tmp_path):
+    # gcsfs hidden as if not installed (None in sys.modules makes `import gcsfs` fail).
+    module, *args = flags
+    hide_and_run = (f"import runpy, sys; sys.modules['gcsfs'] = None; sys.argv[0] = '{module}'; "
+                    f"runpy.run_module('{module}', run_name='__main__')")
+    workdir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", hide_and_run,
+                             *(arg.format(workdir) for arg in args)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    key = "--hf" if module == "jaxscale.sample" else "metrics.tensorboard_dir"
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}='gs://BUCKET/"), lines
+    assert "gcsfs" in lines[0] and "pip install 'jaxscale[cloud]'" in lines[0], lines
+    assert not workdir.exists()

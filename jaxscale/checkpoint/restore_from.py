@@ -42,7 +42,7 @@ def restore_from(path: str, abstract_state: State, *, params_only: bool,
     whatever `params_only` says: it has nothing else). Nothing in it is written. Raises
     JaxscaleError when it is no checkpoint or a damaged one, TransientError when the storage does
     not deliver it."""
-    if is_hf_folder(path):
+    if is_hf_folder(path, "checkpoint.restore_from"):
         local = local_folder(path, "checkpoint.restore_from")  # a bucket's, copied
         if mismatch := shape_mismatch(local, model_config):  # the folder is whole; the config not
             raise JaxscaleError(

@@ -26,10 +26,10 @@ _FOLDER_HINT = ("point at a local Hugging Face model folder: config.json and mod
 _TOKENIZER_FIX = "give the tokenizer.json that came with the model"
 
 
-def is_hf_folder(path: str) -> bool:
-    """Whether `path` (local or a bucket's folder) looks like a Hugging Face model folder (not a
-    jaxscale checkpoint)."""
-    fs, root = filesystem(path, "the model folder")
+def is_hf_folder(path: str, key: str) -> bool:
+    """Whether `path` (local or a bucket's folder; the config key or flag `key` gave it) looks
+    like a Hugging Face model folder (not a jaxscale checkpoint)."""
+    fs, root = filesystem(path, key)
     return fs.isfile(f"{root}/{CONFIG_FILE}") and any(
         fs.isfile(f"{root}/{name}") for name in (SINGLE_FILE, INDEX_FILE))
 
