@@ -74,8 +74,7 @@ def sampled(capsys, *flags: str) -> str:
     return capsys.readouterr().out
 
 
-# Each sample compiles (8-16 s here): one server by default.
-@pytest.mark.parametrize("server", ["gcs", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("server", ["gcs", "s3"])
 def test_the_sampler_continues_a_hugging_face_folder_in_a_bucket_as_on_disk(
         server, request, monkeypatch, capsys):
     # --hf=gs://... (or s3://): the folder is copied once, its config, tokenizer and weights
@@ -104,7 +103,7 @@ def trained_run(tmp_path_factory, request):
     return workdir, url
 
 
-# The fixture trains a run (30-40 s on the loaded 2-core VM): with the slow tests.
+# The fixture trains a run (7 s on the 2-core VM alone, 30-40 s loaded): with the slow tests.
 @pytest.mark.slow
 def test_the_sampler_continues_a_workdir_in_a_bucket_as_on_disk(trained_run, capsys):
     # --workdir=gs://...: its config.json read there, its checkpoints restored from there.
