@@ -109,12 +109,10 @@ def continuation(args: argparse.Namespace) -> str:
     if args.workdir is not None:
         config, source = run_config(args.workdir)
     else:
-        from jaxscale.hf.bucket_folder import local_folder
         from jaxscale.hf.config import update_config  # no JAX; the weights load as a checkpoint's
 
         config, source = default_config(), args.hf
-        # The model section and the tokenizer from the folder (a bucket's copied, once).
-        update_config(config, local_folder(args.hf, "--hf"))
+        update_config(config, args.hf, "--hf")  # the model section and the tokenizer
     tokenizer = tokenizer_from_config(config)
     prompt = prompt_ids(tokenizer, config, args.prompt, args.max_new_tokens)
     mesh = sampling_mesh(config, jax.devices())

@@ -189,3 +189,19 @@ def test_the_new_bucket_paths_without_their_library_name_the_extra(flags, tmp_pa
     assert len(lines) == 1 and lines[0].startswith(f"error: {key}='gs://BUCKET/"), lines
     assert "gcsfs" in lines[0] and "pip install 'jaxscale[cloud]'" in lines[0], lines
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+def test_configs_hf_takes_a_folder_in_a_bucket(server, request):
+    # --config=configs/hf.py:gs://...: the model section and BOS/EOS of the local folder; the
+    # tokenizer and the weights named in the bucket, where every process reads them.
+    from jaxscale.cli import load_config_file
+
+    url = f"{request.getfixturevalue(server).bucket}/hf-config-{os.getpid()}"
+    put(HF_FOLDER, url)
+    local, in_bucket = (load_config_file(f"configs/hf.py:{path}") for path in (HF_FOLDER, url))
+    assert in_bucket.data.tokenizer == f"{url}/tokenizer.json"
+    assert in_bucket.checkpoint.restore_from == url
+    for config in (local, in_bucket):
+        config.data.tokenizer = config.checkpoint.restore_from = ""
+    assert in_bucket.to_dict() == local.to_dict()
