@@ -19,7 +19,7 @@ def get_config(path: str = ""):
         raise ConfigError("configs/hf.py needs the model folder: "
                           "--config=configs/hf.py:/path/to/model")
     c = default_config()
-    update_config(c, path)
+    update_config(c, path, "configs/hf.py's folder")
     c.train.update(steps=1000, batch_size=16, seq_len=1024, log_every=10, eval_every=200)
     # Fine-tuning: a small learning rate, short warm-up, no weight decay pulling the pre-trained
     # weights towards zero.

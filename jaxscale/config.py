@@ -282,6 +282,8 @@ SCHEMA = {
     # and mlflow: pip install 'jaxscale[wandb]' / 'jaxscale[mlflow]'.
     "metrics": {
         "trackers": Key(("jsonl", "tensorboard"), "any of jsonl, tensorboard, wandb, mlflow"),
+        "tensorboard_dir": Key("", "TensorBoard's event files: a folder or gs://, s3:// (\"\": "
+                               "<workdir>/tensorboard)"),
         "project": Key("jaxscale", "the W&B project and the MLflow experiment"),
         "wandb_mode": Key("", "online | offline | \"\" (W&B's own: WANDB_MODE, else online)"),
         "mlflow_tracking_uri": Key("", "\"\": MLFLOW_TRACKING_URI, else "

@@ -26,7 +26,16 @@ from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import whole
 from jaxscale.models import FAMILIES
 from jaxscale.runtime import cuda_plugin
-from jaxscale.runtime.storage import check_bucket, filesystem, in_bucket, writing
+from jaxscale.runtime.storage import (
+    check_bucket,
+    filesystem,
+    in_bucket,
+    library_error,
+    library_errors,
+    reason,
+    storage_error,
+    writing,
+)
 from jaxscale.runtime.tpu_host import quiet_libtpu
 from jaxscale.runtime.workdir import check_writable, read_config
 
@@ -100,8 +109,12 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
         raise JaxscaleError(f"--out={out!r} exists and is not an empty folder; pass a new folder")
     with tempfile.TemporaryDirectory(prefix="export_hf-") as staged:
         written = _export(workdir, staged, step, dtype, adapters_only)
-        with writing(out, "pass --out=<a bucket folder this account can write>"):
-            fs.put(staged + "/", root.rstrip("/") + "/", recursive=True)
+        fix = "pass --out=<a bucket folder this account can write>"
+        try:
+            with writing(out, fix):
+                fs.put(staged + "/", root.rstrip("/") + "/", recursive=True)
+        except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
+            raise library_error(e, f"cannot write --out={out!r}", fix) from e
     return written.replace(staged, out)
 
 
@@ -136,7 +149,9 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
                             spec.config).params
     base, rank = config.checkpoint.restore_from, config.model.lora.rank
     if adapters_only:
-        hf_base = os.path.abspath(base) if is_hf_folder(base) else None
+        hf_base = None
+        if is_hf_folder(base, "checkpoint.restore_from"):  # a bucket's URL is absolute already
+            hf_base = base if in_bucket(base) else os.path.abspath(base)
         files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base,
                               dropout=config.model.lora.dropout)
         what = f"the LoRA adapters (rank {rank}) of step {step} of {workdir} to {out} ({dtype})"
@@ -158,14 +173,21 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
         # The tokenizer's folder may be a bucket's.
         fs, source = filesystem(os.path.expanduser(config.data.tokenizer), "data.tokenizer")
         target = "tokenizer.json" if source.endswith(".json") else "tokenizer.model"
-        fs.get_file(source, os.path.join(out, target))
-        files.append(target)
-        # A chat model keeps its chat template: the files transformers reads it from.
-        for name in CHAT_TEMPLATE_FILES:
-            beside = f"{os.path.dirname(source)}/{name}"
-            if fs.isfile(beside):
-                fs.get_file(beside, os.path.join(out, name))
-                files.append(name)
+        fix = "make data.tokenizer's folder readable"
+        try:
+            fs.get_file(source, os.path.join(out, target))
+            files.append(target)
+            # A chat model keeps its chat template: the files transformers reads it from.
+            for name in CHAT_TEMPLATE_FILES:
+                beside = f"{os.path.dirname(source)}/{name}"
+                if fs.isfile(beside):
+                    fs.get_file(beside, os.path.join(out, name))
+                    files.append(name)
+        except OSError as e:  # refused: exit 2; EIO, a timeout, a 5xx: 75
+            raise storage_error(e, f"cannot copy the tokenizer {source!r} ({reason(e)})",
+                                fix) from e
+        except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
+            raise library_error(e, f"cannot copy the tokenizer {source!r}", fix) from e
     return f"exported {what}: {', '.join(files)}{then}"
 
 

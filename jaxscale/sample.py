@@ -20,6 +20,7 @@ from jaxscale.config import NUMBERS
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.kinds import real, whole
 from jaxscale.runtime import cuda_plugin
+from jaxscale.runtime.storage import in_bucket
 from jaxscale.runtime.tpu_host import quiet_libtpu
 
 PROG = "python -m jaxscale.sample"
@@ -30,16 +31,23 @@ TOP_P = real("(0, 1]", {1: "keeps every token"})
 SEED = NUMBERS["train.seed"]  # the same seeds as training's
 
 
+def folder_or_bucket_flag(text: str) -> str:
+    """An argparse `type`: a folder that exists, or a bucket's (gs://, s3://: asked for when it
+    is read, for the error the storage gives)."""
+    return text if in_bucket(text) else folder_flag(text)
+
+
 def make_parser() -> ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n", 1)[1].strip(),
                             epilog=f"example: {PROG} --workdir=runs/default "
                                    "--prompt='def fib(n):' --temperature=0.7")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workdir", metavar="DIR", type=folder_flag,
-                        help="A run's workdir: its config.json and newest checkpoint.")
-    source.add_argument("--hf", metavar="FOLDER", type=folder_flag,
+    source.add_argument("--workdir", metavar="DIR", type=folder_or_bucket_flag,
+                        help="A run's workdir: its config.json and newest checkpoint (local, or "
+                             "gs://... copied there).")
+    source.add_argument("--hf", metavar="FOLDER", type=folder_or_bucket_flag,
                         help="A Hugging Face Llama or Qwen3 folder (config.json, safetensors, "
-                             "tokenizer.json).")
+                             "tokenizer.json), local or gs://, s3://.")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="The text to continue.")
     parser.add_argument("--max_new_tokens", type=number_flag(MAX_NEW_TOKENS), default=100,
                         metavar="N", help="How many tokens to generate (default 100).")
@@ -104,7 +112,7 @@ def continuation(args: argparse.Namespace) -> str:
         from jaxscale.hf.config import update_config  # no JAX; the weights load as a checkpoint's
 
         config, source = default_config(), args.hf
-        update_config(config, args.hf)  # the model section and the tokenizer from the folder
+        update_config(config, args.hf, "--hf")  # the model section and the tokenizer
     tokenizer = tokenizer_from_config(config)
     prompt = prompt_ids(tokenizer, config, args.prompt, args.max_new_tokens)
     mesh = sampling_mesh(config, jax.devices())

@@ -226,7 +226,7 @@ def test_the_cli_continues_a_hugging_face_folder_greedily(monkeypatch, capsys):
 
     model, _ = hf.load_model(folder, compute_dtype="float32")
     config = float32_default_config()
-    update_config(config, folder)
+    update_config(config, folder, "test")
     tokenizer = tokenizer_from_config(config)
     assert tokenizer.bos_id == 298  # config.json's bos_token_id, put before the prompt
     ids = np.concatenate([[tokenizer.bos_id], tokenizer.encode(prompt)]).astype(np.int32)[None]

@@ -27,11 +27,12 @@ from jaxscale.checkpoint.reading import (
 )
 from jaxscale.checkpoint.verdict import Verdict, agreed, raise_unless_ok, retrying
 from jaxscale.errors import JaxscaleError
+from jaxscale.hf.bucket_folder import local_folder
 from jaxscale.hf.config import is_hf_folder, shape_mismatch
 from jaxscale.hf.weights import load_params
 from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.spec import ModelSpec, create_model
-from jaxscale.runtime.storage import reason, storage_error
+from jaxscale.runtime.storage import in_bucket, reason, storage_error
 
 
 def restore_from(path: str, abstract_state: State, *, params_only: bool,
@@ -41,17 +42,19 @@ def restore_from(path: str, abstract_state: State, *, params_only: bool,
     whatever `params_only` says: it has nothing else). Nothing in it is written. Raises
     JaxscaleError when it is no checkpoint or a damaged one, TransientError when the storage does
     not deliver it."""
-    if is_hf_folder(path):
-        if mismatch := shape_mismatch(path, model_config):  # the folder is whole; the config not
+    if is_hf_folder(path, "checkpoint.restore_from"):
+        local = local_folder(path, "checkpoint.restore_from")  # a bucket's, copied
+        if mismatch := shape_mismatch(local, model_config):  # the folder is whole; the config not
             raise JaxscaleError(
                 f"checkpoint.restore_from={path!r} is a Hugging Face model of another shape than "
                 f"the config's model: its config.json has {mismatch}; start from "
                 f"--config=configs/hf.py:{path} (the model taken from the folder), or set "
                 "those model keys to the folder's")
         begin = time.perf_counter()
-        params = load_params(path, model_config, abstract_state.params)
+        params = load_params(local, model_config, abstract_state.params)
         return Restored(params=params, train=None, data_state=None, meta={"step": 0},
-                        path=os.path.abspath(path), seconds=time.perf_counter() - begin)
+                        path=path if in_bucket(path) else os.path.abspath(path),
+                        seconds=time.perf_counter() - begin)
     what = f"checkpoint.restore_from={path!r}"
     located = retrying(lambda: agreed(lambda: _locate(path)), what)
     raise_unless_ok(located, what)

@@ -35,11 +35,16 @@ from jaxscale.runtime.storage import (
 _SCAN_CHUNK = 64 << 20  # bytes read at a time when indexing lines
 
 
-def read_failed(error: OSError, path: str) -> ConfigError | TransientError:
+_READ_FIX = "make it readable again, or leave it out of the source's path"
+
+
+def read_failed(error: Exception, path: str) -> ConfigError | TransientError:
     """What a failed read of the source file `path` raises: exit 2 when it was refused or is
-    gone, exit 75 when the storage fails (EIO, a timeout, ...)."""
-    return storage_error(error, f"cannot read {path!r} ({reason(error)})",
-                         "make it readable again, or leave it out of the source's path")
+    gone, exit 75 when the storage fails (EIO, a timeout, a server's 5xx once its library's
+    retries are spent, ...). `error`: an OSError, or one of the buckets' `library_errors()`."""
+    if isinstance(error, OSError):
+        return storage_error(error, f"cannot read {path!r} ({reason(error)})", _READ_FIX)
+    return library_error(error, f"cannot read {path!r}", _READ_FIX)
 
 
 def read_at(handle, size: int, offset: int, path: str) -> bytes:
@@ -52,11 +57,8 @@ def read_at(handle, size: int, offset: int, path: str) -> bytes:
             return os.pread(handle, size, offset)
         fs, inner = handle
         return fs.cat_file(inner, start=offset, end=offset + size)
-    except OSError as e:
+    except (OSError, *library_errors()) as e:  # gcsfs' 5xx after its retries: no OSError
         raise read_failed(e, path) from e
-    except library_errors() as e:  # gcsfs' 5xx after its retries: no OSError
-        raise library_error(e, f"cannot read {path!r}",
-                            "make it readable again, or leave it out of the source's path") from e
 
 
 def open_for_reading(path: str):
@@ -166,7 +168,7 @@ class WholeFiles(RecordReader):
         try:
             with open_file(self.files[file]) as f:
                 return f.read(limit)
-        except OSError as e:
+        except (OSError, *library_errors()) as e:
             raise read_failed(e, self.files[file]) from e
 
     def sample(self, index: int, limit: int) -> bytes:
@@ -178,7 +180,7 @@ class WholeFiles(RecordReader):
             try:
                 if file_size(path):
                     return True
-            except OSError as e:
+            except (OSError, *library_errors()) as e:
                 raise read_failed(e, path) from e
         return False
 
@@ -193,7 +195,7 @@ def line_spans(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             while chunk := f.read(_SCAN_CHUNK):
                 newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
                 size += len(chunk)
-    except OSError as e:
+    except (OSError, *library_errors()) as e:
         raise read_failed(e, path) from e
     ends = np.concatenate(newlines + [[size]]).astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
@@ -432,6 +434,8 @@ class ParquetRows(RecordReader):
         for path in files:
             try:
                 metadata = parquet_file(path).metadata
+            except library_errors() as e:  # a bucket's, through pyarrow's reads of the file
+                raise read_failed(e, path) from e
             except OSError as e:
                 if e.errno is not None:  # a failed system call; pyarrow's others have no errno
                     raise read_failed(e, path) from e
@@ -471,6 +475,8 @@ class ParquetRows(RecordReader):
                     rows = self.handle(file, parquet_file) \
                         .read_row_group(group, columns=[self.text_field]) \
                         .column(0).to_pylist()
+                except library_errors() as e:  # a bucket's, through pyarrow's reads
+                    raise read_failed(e, path) from e
                 except (OSError, ValueError) as e:
                     if isinstance(e, OSError) and e.errno is not None:  # a failed system call
                         raise read_failed(e, path) from e

@@ -25,7 +25,7 @@ from jaxscale.data.formats import (
     read_failed,
 )
 from jaxscale.errors import JaxscaleError, json_object
-from jaxscale.runtime.storage import filesystem
+from jaxscale.runtime.storage import filesystem, library_errors
 
 FORMAT = "jaxscale-tokens-v1"
 
@@ -72,7 +72,7 @@ def read_metadata(path: str) -> dict:
     except (FileNotFoundError, ValueError) as e:
         raise JaxscaleError(f"token file {path!r} has no readable {stem}.json ({e}); {_FIX}") \
             from None
-    except OSError as e:
+    except (OSError, *library_errors()) as e:
         raise read_failed(e, stem + ".json") from e
     if json_object(meta, f"{stem}.json", _FIX).get("format") != FORMAT:
         raise JaxscaleError(f"{stem}.json is not a {FORMAT} description; rewrite the files with "
@@ -99,8 +99,8 @@ class TokenFiles(RecordReader):
             except (FileNotFoundError, ValueError) as e:
                 raise JaxscaleError(f"token file {path!r} has no readable {index} ({e}); prepare "
                                     "it again with `python -m jaxscale.data.prepare`") from None
-            except OSError as e:
-                raise read_failed(e, e.filename or path) from e
+            except (OSError, *library_errors()) as e:
+                raise read_failed(e, getattr(e, "filename", None) or path) from e
             dtype = np.dtype(meta["dtype"])
             if size != offsets[-1] * dtype.itemsize or len(offsets) != meta["documents"] + 1:
                 raise JaxscaleError(

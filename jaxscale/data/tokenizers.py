@@ -14,7 +14,13 @@ import ml_collections
 import numpy as np
 
 from jaxscale.errors import ConfigError, json_object
-from jaxscale.runtime.storage import filesystem, reason, storage_error
+from jaxscale.runtime.storage import (
+    filesystem,
+    library_error,
+    library_errors,
+    reason,
+    storage_error,
+)
 
 
 class ByteTokenizer:
@@ -166,6 +172,8 @@ def _tokenizer_file(path: str, name: str) -> bytes:
     except OSError as e:
         raise storage_error(e, f"cannot read data.tokenizer={name!r} ({reason(e)})",
                             "make it readable") from e
+    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
+        raise library_error(e, f"cannot read data.tokenizer={name!r}", "make it readable") from e
 
 
 def _load(kind, content: bytes, data: ml_collections.ConfigDict, package: str) -> Tokenizer:

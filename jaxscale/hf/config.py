@@ -13,8 +13,10 @@ from typing import Any
 import ml_collections
 
 from jaxscale.errors import JaxscaleError, json_object
+from jaxscale.hf.bucket_folder import local_folder
 from jaxscale.models import FAMILIES, Family
 from jaxscale.models.hf_layout import check_moe_in_every_layer
+from jaxscale.runtime.storage import filesystem
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -25,10 +27,12 @@ _FOLDER_HINT = ("point at a local Hugging Face model folder: config.json and mod
 _TOKENIZER_FIX = "give the tokenizer.json that came with the model"
 
 
-def is_hf_folder(path: str) -> bool:
-    """Whether `path` looks like a Hugging Face model folder (not a jaxscale checkpoint)."""
-    return os.path.isfile(os.path.join(path, CONFIG_FILE)) and any(
-        os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, INDEX_FILE))
+def is_hf_folder(path: str, key: str) -> bool:
+    """Whether `path` (local or a bucket's folder; the config key or flag `key` gave it) looks
+    like a Hugging Face model folder (not a jaxscale checkpoint)."""
+    fs, root = filesystem(path, key)
+    return fs.isfile(f"{root}/{CONFIG_FILE}") and any(
+        fs.isfile(f"{root}/{name}") for name in (SINGLE_FILE, INDEX_FILE))
 
 
 def read_config(path: str) -> tuple[dict[str, Any], Family]:
@@ -192,19 +196,22 @@ def apply_model_section(config: ml_collections.ConfigDict, section: dict[str, An
     config.model.update(section)
 
 
-def update_config(config: ml_collections.ConfigDict, path: str) -> None:
-    """Makes `config` fine-tune the folder: its model shapes, its tokenizer (tokenizer.json, with
-    config.json's BOS/EOS ids as data.bos_token/eos_token) and its weights
-    (checkpoint.restore_from)."""
-    apply_model_section(config, model_section(path))
-    hf, _ = read_config(path)
-    tokenizer = os.path.join(path, TOKENIZER_FILE)
+def update_config(config: ml_collections.ConfigDict, path: str, key: str) -> None:
+    """Makes `config` fine-tune the folder `path` (local or a bucket's; the flag or config key
+    `key` gave it): its model shapes, its tokenizer (tokenizer.json, with config.json's BOS/EOS
+    ids as data.bos_token/eos_token) and its weights (checkpoint.restore_from). A bucket's
+    folder is read from its local copy, and the config names the bucket's files, which every
+    process reads."""
+    local = local_folder(path, key)
+    apply_model_section(config, model_section(local))
+    hf, _ = read_config(local)
+    tokenizer = os.path.join(local, TOKENIZER_FILE)
     if os.path.isfile(tokenizer):
-        config.data.tokenizer = tokenizer
-        for key in ("bos", "eos"):
-            token = _token(tokenizer, hf.get(f"{key}_token_id"))
-            config.data[f"{key}_token"] = token or ""
-            config.data[f"add_{key}"] = token is not None
+        config.data.tokenizer = tokenizer if local == path else f"{path}/{TOKENIZER_FILE}"
+        for end in ("bos", "eos"):
+            token = _token(tokenizer, hf.get(f"{end}_token_id"))
+            config.data[f"{end}_token"] = token or ""
+            config.data[f"add_{end}"] = token is not None
     config.checkpoint.restore_from = path
 
 

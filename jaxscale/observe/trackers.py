@@ -40,7 +40,8 @@ import numpy as np
 import tensorboardX
 
 from jaxscale.errors import ConfigError, TransientError
-from jaxscale.runtime.storage import writing
+from jaxscale.observe.bucket_events import register_bucket_writers
+from jaxscale.runtime.storage import check_bucket, in_bucket, writing
 from jaxscale.runtime.workdir import SAMPLES_FILE, TRACKER_RUN_ID_FILE, WORKDIR_FIX, check_writable
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -136,10 +137,18 @@ def _refused(variable: str, value: str, name: str, why: str) -> NoReturn:
 
 def check_tracker_access(config: ml_collections.ConfigDict, workdir: str) -> None:
     """ConfigError or TransientError unless every chosen tracker can be opened, found without
-    writing anything: JSONL and TensorBoard write in the workdir (checked with it); an MLflow file
-    store's folder must be writable; an MLflow server must answer, W&B online must have a key
-    and its server answer, each within TRACKER_TIMEOUT_S. Process 0 only."""
+    writing anything: JSONL writes in the workdir (checked with it), TensorBoard there too
+    unless metrics.tensorboard_dir names another folder (checked here) or a bucket (asked for);
+    an MLflow file store's folder must be writable; an MLflow server must answer, W&B online must
+    have a key and its server answer, each within TRACKER_TIMEOUT_S. Process 0 only."""
     names = config.metrics.trackers
+    if "tensorboard" in names and config.metrics.tensorboard_dir:
+        folder, fix = config.metrics.tensorboard_dir, "set metrics.tensorboard_dir to a folder " \
+            "or bucket folder you can write, or leave it empty (<workdir>/tensorboard)"
+        if in_bucket(folder):
+            check_bucket(folder, "metrics.tensorboard_dir")
+        else:
+            check_writable(folder, "metrics.tensorboard_dir", fix)
     if "mlflow" in names:
         uri = _mlflow_uri(config, workdir)
         parsed = urllib.parse.urlparse(uri)
@@ -257,10 +266,15 @@ def open_trackers(workdir: str, config: ml_collections.ConfigDict) -> Iterator[T
         if name == "jsonl":
             yield Jsonl(workdir)
         elif name == "tensorboard":
-            yield TensorBoard(workdir)
+            yield TensorBoard(tensorboard_dir(config, workdir))
         else:  # the run is named after the workdir
             run = (_run_id(workdir), os.path.basename(os.path.abspath(workdir)))
             yield (Wandb if name == "wandb" else Mlflow)(workdir, config, *run)
+
+
+def tensorboard_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """Where TensorBoard's event files go: metrics.tensorboard_dir, else <workdir>/tensorboard."""
+    return config.metrics.tensorboard_dir or os.path.join(workdir, "tensorboard")
 
 
 def _run_id(workdir: str) -> str:
@@ -331,10 +345,12 @@ class Jsonl:
 
 
 class TensorBoard:
-    """Event files in <workdir>/tensorboard/; a vector is a histogram over its index."""
+    """Event files in `folder` (metrics.tensorboard_dir: <workdir>/tensorboard/ unless set, a
+    local folder or a bucket's); a vector is a histogram over its index."""
 
-    def __init__(self, workdir: str):
-        self._folder = os.path.join(workdir, "tensorboard")
+    def __init__(self, folder: str):
+        self._folder = folder
+        register_bucket_writers()
         with writing(self._folder, WORKDIR_FIX):
             self._writer = tensorboardX.SummaryWriter(self._folder)
 

@@ -20,7 +20,16 @@ import ml_collections
 
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError, json_object
-from jaxscale.runtime.storage import reason, storage_error, writing
+from jaxscale.runtime.storage import (
+    check_bucket,
+    filesystem,
+    in_bucket,
+    library_error,
+    library_errors,
+    reason,
+    storage_error,
+    writing,
+)
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # train.sample_every's continuations, a line per sampling step
@@ -78,6 +87,7 @@ def open_workdir(workdir: str, config_json: str) -> None:
             f.write(config_json)
 
 
+_READ_FIX = "pass the workdir of a run this account can read"
 _CONFIG_FIX = ("it is the run's config as jaxscale.train wrote it: restore it, or start the run "
                "again")
 
@@ -86,12 +96,18 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     """The config the run in `workdir` last started with, over today's defaults (a key added
     since keeps its default); ConfigError when there is no such run."""
     path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(f"workdir {workdir!r} has no {CONFIG_FILE}; pass the workdir of a run "
-                          "that python -m jaxscale.train has started")
+    if in_bucket(workdir):  # a workdir copied into a bucket is read there
+        check_bucket(workdir, "--workdir")
+    fs, inner = filesystem(path, "--workdir")
     try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = json.loads(fs.cat_file(inner))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(f"workdir {workdir!r} has no {CONFIG_FILE}; pass the workdir of a run "
+                          "that python -m jaxscale.train has started") from None
+    except OSError as e:
+        raise storage_error(e, f"cannot read {path!r} ({reason(e)})", _READ_FIX) from e
+    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
+        raise library_error(e, f"cannot read {path!r}", _READ_FIX) from e
     except ValueError as e:
         raise ConfigError(f"{path} is not JSON ({e}); {_CONFIG_FIX}") from None
     json_object(saved, path, _CONFIG_FIX, ConfigError)
