@@ -42,7 +42,9 @@ with open(args[at]) as f:
     options = re.findall(r"^#SBATCH (--[a-z-]+)=?(\\S*)", f.read(), re.M)
 options += [tuple(arg.split("=", 1)) if "=" in arg else (arg, "") for arg in args[:at]]
 o = dict(options)
-nodes, per_node = int(o["--nodes"]), int(o.get("--ntasks-per-node", 1))
+# A range (--nodes=6-8): Slurm gives any count of it; the most, here. --export=ALL,K=V: the Ks.
+nodes, per_node = int(o["--nodes"].split("-")[-1]), int(o.get("--ntasks-per-node", 1))
+os.environ.update(pair.split("=", 1) for pair in o.get("--export", "ALL").split(",")[1:])
 os.environ.update(SLURM_JOB_ID="1", SLURM_JOB_NUM_NODES=str(nodes),
                   SLURM_GPUS_ON_NODE=o["--gpus-per-node"], SLURM_NTASKS=str(nodes * per_node))
 os.execv(args[at], args[at:])
