@@ -4,13 +4,13 @@ refuses a range it cannot honour, and a job given 3 nodes of a 2-4 range trains 
 stand-in srun starts one real local process (1 CPU device) per "node" as Slurm would."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from jaxscale.launch.local import free_port
 from tests.helpers import REPO
 
 SBATCH = os.path.join(REPO, "deploy", "slurm", "jaxscale.sbatch")
@@ -19,12 +19,6 @@ SMALL = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.l
          "--config.train.eval_every=0", "--config.model.n_layers=1", "--config.model.d_model=64",
          "--config.model.n_heads=2", "--config.model.n_kv_heads=1", "--config.model.mlp_dim=128",
          "--config.precision.compute_dtype=float32"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
