@@ -53,10 +53,13 @@ def sbatch(tmp_path):
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
 
-    def run(nodes: int, node_range: str, *flags: str, timeout: float = 60):
+    def run(nodes, node_range: str, *flags: str, timeout: float = 60):
+        """`nodes`: a count, or (count, tasks per node)."""
+        nodes, per_node = nodes if isinstance(nodes, tuple) else (nodes, 1)
         env = {**os.environ, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:"
                                      f"{os.environ['PATH']}",
-               "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_GPUS_ON_NODE": "1",
+               "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": str(nodes),
+               "SLURM_NTASKS": str(nodes * per_node), "SLURM_GPUS_ON_NODE": "1",
                "JAXSCALE_NODES": node_range, "JAX_PLATFORMS": "cpu",
                "JAX_COORDINATOR_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
                "JAXSCALE_TRANSIENT_DELAY_S": "0",
@@ -75,6 +78,8 @@ def sbatch(tmp_path):
     (3, "3", "JAXSCALE_NODES=3 must be a range MIN-MAX"),
     (5, "2-4", "Slurm gave the job 5 nodes, outside JAXSCALE_NODES=2-4; pass sbatch "
                "--nodes=2-4, the same range"),
+    ((3, 8), "2-4", "JAXSCALE_NODES=2-4 needs one process per node, not 8; drop "
+                    "--ntasks-per-node (each process drives its node's GPUs)"),
 ])
 def test_a_range_the_script_cannot_honour_is_refused_before_anything_starts(
         sbatch, tmp_path, nodes, node_range, message):
@@ -94,6 +99,19 @@ def test_a_range_whose_minimum_the_mesh_cannot_run_on_is_refused(sbatch, tmp_pat
     lines = job.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no mesh of the axes {"), lines
     assert "(checked for 3 devices, as the run would go on after losing hosts" in lines[0]
+
+
+def test_a_range_that_would_leave_a_whole_host_idle_is_refused(sbatch, tmp_path):
+    """Batch 8 on 3 nodes of 1 device: width 2, the third node's device idle, a whole process
+    with no shard of the state, which crashed at its first step (int(state.step)) and had the
+    job requeued forever. Refused before anything starts."""
+    job, logged = sbatch(3, "2-4", *SMALL, "--config.train.batch_size=8",
+                         f"--workdir={tmp_path / 'run'}")
+    assert job.returncode == 2 and logged == [] and not (tmp_path / "run").exists()
+    assert job.stderr.splitlines() == [
+        "error: on 3 devices the run would leave 1 idle (no width of them divides "
+        "train.batch_size=8), a whole host's 1, which the trainer cannot run yet; pass a "
+        "train.batch_size that 3 divides, or raise the range's minimum"]
 
 
 @pytest.mark.slow
