@@ -91,13 +91,9 @@ def main(argv: list[str]) -> None:
             fail_with(e, exit=agreement.leave if agreement.failure_announced() else sys.exit)
         except RunStopped as e:  # the trainer has said where it stopped
             sys.exit(e.exit_code)
-        except jax.errors.JaxRuntimeError as e:
-            if jax.process_count() == 1 or (
-                    lost := distributed.lost_peer(e, jax.process_index())) is None:
-                raise
-            # At once: a clean exit shuts JAX's distributed client down, which waits for the lost
-            # peer until the heartbeat timeout.
-            fail_with(lost, exit=os._exit)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # gloo's failure comes as either
+            distributed.exit_if_peer_lost(e)
+            raise
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

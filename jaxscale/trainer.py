@@ -63,6 +63,7 @@ from jaxscale.runtime.compilation_cache import (
     compilation_cache_dir,
     programs_loaded,
 )
+from jaxscale.runtime.distributed import lost_peer_exits_at_once
 from jaxscale.runtime.workdir import (
     check_workdir,
     check_writable,
@@ -152,7 +153,8 @@ class Trainer:
         The start is checked whole before anything is written (steps 1 to 4), every process
         reaching the same verdict (`agreed_checks`): a check that fails on one host stops them
         all, with its error. Only then does the run write (steps 5 and 6)."""
-        with contextlib.ExitStack() as stack:
+        # A lost peer exits before the stack closes the checkpoints (distributed.py says why).
+        with contextlib.ExitStack() as stack, lost_peer_exits_at_once():
             with agreed_checks():  # each process's own checks: no collective in this block
                 inputs = self.open_inputs(stack)  # 1
                 checkpoints, cache_dir = self.check_folders(stack)  # 2

@@ -462,3 +462,18 @@ def test_a_host_slot_that_is_no_folder_name_is_named(value):
         distributed.host_slot({"JAXSCALE_HOST_SLOT": value}, 0)
     assert distributed.host_slot({"JAXSCALE_HOST_SLOT": "node-7.a"}, 0) == "node-7.a"
     assert distributed.host_slot({}, 2) == "2"
+
+
+@pytest.mark.parametrize("message, cause", [
+    ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection "
+     "closed by peer [127.0.0.1]:5777", "Connection closed by peer [127.0.0.1]:5777"),
+    # An all-reduce's name has a hyphen: once not read as a lost peer, and a survivor of 4
+    # processes exited through JAX's shutdown, which waited for the lost one.
+    ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+     "[127.0.0.1]:31624: Connection reset by peer",
+     "Read error [127.0.0.1]:31624: Connection reset by peer"),
+])
+def test_a_collective_that_lost_its_peer_is_read_as_a_lost_peer(message, cause):
+    lost = distributed.lost_peer(ValueError(message), 3)
+    assert str(lost).startswith(f"process 3 lost a peer in a collective ({cause}); ")
+    assert distributed.lost_peer(ValueError("UNKNOWN: something else failed"), 3) is None

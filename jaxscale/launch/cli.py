@@ -84,6 +84,7 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
         validate(config, num_devices, granules)
     except JaxscaleError as e:
         fail(f"{e} (checked for {num_devices} devices in {num_granules} hosts/slices)")
+    per_granule = num_devices // num_granules
     for fewer in fewer_devices:
         try:
             fit, devices, _ = fitted(config, list(range(fewer)), num_devices)
@@ -91,6 +92,13 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
         except JaxscaleError as e:
             fail(f"{e} (checked for {fewer} devices, as the run would go on after losing hosts; "
                  "raise the range's minimum or change the mesh)")
+        # A process whose devices are all idle holds no shard of the state, and the trainer
+        # reads it (int(state.step)): it would crash at its first step, the job requeued forever.
+        if fewer - len(devices) >= per_granule:
+            fail(f"on {fewer} devices the run would leave {fewer - len(devices)} idle (no width "
+                 f"of them divides train.batch_size={config.train.batch_size}), a whole host's "
+                 f"{per_granule}, which the trainer cannot run yet; pass a train.batch_size "
+                 f"that {fewer} divides, or raise the range's minimum")
     if gpu:
         check_compiled_fit(config, f"{gpu}:{num_granules}x{num_devices // num_granules}")
 

@@ -33,6 +33,10 @@ def make_parser() -> ArgumentParser:
                         help="The devices are GPUs of this model, --granules nodes of them: "
                              "compile the train step for them and check its memory (needs the "
                              "jaxscale[gpu-compile] extra; without it, a note says so).")
+    parser.add_argument("--min_granules", type=positive, default=None,
+                        help="An elastic range's minimum (hosts): the run may go on with any "
+                             "count from it up to --granules, each checked as the run refits the "
+                             "config for it (default: --granules, not elastic).")
     return parser
 
 
@@ -42,7 +46,13 @@ def main(argv: list[str]) -> None:
         fail(f"--devices={args.devices} do not split evenly over --granules={args.granules}: "
              "every host or slice has as many devices; pass a --devices that --granules "
              "divides")
-    check_train_args(train_args, args.devices, args.granules, args.gpu)
+    minimum = args.min_granules or args.granules
+    if minimum > args.granules:
+        fail(f"--min_granules={minimum} is above --granules={args.granules}: the range's minimum "
+             "is at most its maximum; pass a smaller --min_granules")
+    per_granule = args.devices // args.granules
+    check_train_args(train_args, args.devices, args.granules, args.gpu,
+                     fewer_devices=tuple(n * per_granule for n in range(minimum, args.granules)))
     print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
 
 

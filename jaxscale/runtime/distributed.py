@@ -25,6 +25,7 @@ again; they resume from the last checkpoint) when JAX aborted the child so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
@@ -36,6 +37,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+from jaxscale.cli import fail_with
 from jaxscale.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import RESTART_EXIT_CODE, JaxscaleError, TransientError
 from jaxscale.runtime.rendezvous import rendezvous
@@ -384,8 +386,9 @@ def guard(command: list[str], spec: ClusterSpec) -> int:
 
 # How a cross-process collective on CPU (gloo) fails when a peer's process is gone: its socket
 # closed or reset ("Gloo AllGather failed: [...pair.cc:547] Connection closed by peer
-# [127.0.0.1]:5777").
-_GLOO_LOST_PEER = re.compile(r"Gloo \w+ failed: (?:\[[^\]]*\] )?(.*)")
+# [127.0.0.1]:5777", "Gloo all-reduce failed: [...pair.cc:538] Read error [127.0.0.1]:31624:
+# Connection reset by peer": an all-reduce's name has a hyphen).
+_GLOO_LOST_PEER = re.compile(r"Gloo [\w-]+ failed: (?:\[[^\]]*\] )?(.*)")
 
 
 def lost_peer(error: Exception, process_id: int) -> TransientError | None:
@@ -400,6 +403,32 @@ def lost_peer(error: Exception, process_id: int) -> TransientError | None:
         f"process {process_id} lost a peer in a collective ({match.group(1).strip()}); the run "
         "lost a process or its host: start every process again to resume from the last "
         "checkpoint")
+
+
+def exit_if_peer_lost(error: Exception) -> None:
+    """Exits 75 at once (os._exit, its `error:` line said) when `error` says a collective lost its
+    peer; returns otherwise. At once: a clean exit would wait for the lost peer, in JAX's shutdown
+    or in an asynchronous save's barrier, until their timeouts."""
+    import jax
+
+    if jax.process_count() > 1 and (lost := lost_peer(error, jax.process_index())) is not None:
+        fail_with(lost, exit=os._exit)
+
+
+@contextlib.contextmanager
+def lost_peer_exits_at_once():
+    """A lost peer seen in the block exits the process before anything the block's callers hold
+    is closed. Entered inside the trainer's checkpoint managers: closing them waits for a save in
+    flight, whose barrier needs the lost peer, and while this survivor waits there, the survivors
+    blocked in a collective with it see no closed socket and wait too (4 processes: every
+    survivor waited out the launcher's grace; with 2 there is no other survivor). Any exception:
+    JAX raises gloo's failure as a ValueError from some calls (multihost_utils.process_allgather),
+    as a JaxRuntimeError from others."""
+    try:
+        yield
+    except Exception as e:
+        exit_if_peer_lost(e)
+        raise
 
 
 def _status(report: list[bytes]) -> str:
