@@ -168,3 +168,41 @@ def test_a_peft_folder_takes_attentions_adapters_but_not_the_experts():
     names = [t.hf_name for t in peft.targets(model_spec(config).config)]
     assert names == ["model.layers.{}.self_attn.q_proj.weight",
                      "model.layers.{}.self_attn.v_proj.weight"]
+
+
+@pytest.mark.slow
+def test_merged_export_loads_in_transformers_with_the_adapted_logits(tmp_path):
+    """A Mixtral with trained-like adapters on attention and every expert, merged (`lora.merged`)
+    and exported by hf.save_model, gives in transformers (float64) the logits jaxscale's adapted
+    model gives with the adapters beside the weights; the base alone is off by far more."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from flax import nnx
+
+    from jaxscale import hf
+    from jaxscale.models.spec import create_model, spec_of
+    from tests.helpers import relative_error
+
+    config = moe_config()
+    config.model.vocab_multiple = 1
+    cfg = model_spec(config).config
+    graphdef, state = nnx.split(create_model(cfg, 0))
+    params = nnx.to_pure_dict(state)
+    adapters, frozen = lora.split_adapters(params)
+    params = lora.join_adapters(with_nonzero_b(adapters), decisive_routers(frozen))
+    nnx.replace_by_pure_dict(state, params)
+    tokens = jnp.asarray(random_batch(config)["inputs"][:2])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    adapted = np.asarray(nnx.merge(graphdef, state)(tokens, positions))
+    base_cfg = model_spec(base_of(config)).config
+    merged = lora.merged(params, cfg.lora)
+    hf.save_model(nnx.merge(spec_of(base_cfg).graphdef, merged), base_cfg, str(tmp_path / "m"),
+                  "float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "m"), dtype=torch.float64, attn_implementation="eager",
+        experts_implementation="eager")
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    assert relative_error(got, adapted) < 1e-5
+    base = nnx.merge(spec_of(base_cfg).graphdef, lora.split_adapters(params)[1])
+    assert relative_error(np.asarray(base(tokens, positions)), adapted) > 1e-3
