@@ -14,7 +14,7 @@ from jaxscale.models import lora
 from jaxscale.models.spec import model_spec
 from jaxscale.training.step import Objective, Weights
 from tests.helpers import one_line_error, random_batch, small_config
-from tests.test_lora import program_for, with_nonzero_b
+from tests.test_lora import program_for, steps_on, with_nonzero_b
 
 EXPERTS = 4
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -143,6 +143,22 @@ def test_only_the_adapters_train():
     changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(state.params),
                            adapters_before)
     assert all(jax.tree.leaves(changed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(expert=4, data=2), dict(fsdp=4, tensor=2)],
+                         ids=["expert-data", "fsdp-tensor"])
+def test_a_sharded_mesh_trains_the_adapters_as_one_device_does(mesh):
+    """The experts' adapters split with their experts (expert=4: a device holds one expert's
+    weights and adapters) or over fsdp and tensor: one device's losses and adapters."""
+    for name in ("gate_lora", "down_lora"):  # both factors follow the experts' split
+        for factor in mlp(program_for(moe_config(**mesh)).state_shardings.params)[name].values():
+            assert factor.spec[1] in ("expert", ("expert", "fsdp")), factor.spec
+    losses, adapters = steps_on(moe_config(**mesh))
+    one_losses, one_adapters = steps_on(moe_config())
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 adapters, one_adapters)
 
 
 def test_dropout_on_the_experts_adapters_is_refused():
