@@ -34,6 +34,7 @@ from tests.helpers import (
     REPO,
     assert_imports_back_bit_for_bit,
     exported_like_a_trained_model,
+    float64_rotation,
     relative_error,
     saved_with_norms_off_one,
 )
@@ -63,19 +64,22 @@ HF_CONFIGS = {
 CONFIG_CLASSES = {"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
-def transformers_logits(folder: str) -> np.ndarray:
-    """The folder's logits for TOKENS at POSITIONS, computed by transformers in float64."""
+def transformers_logits(folder: str, positions: np.ndarray = POSITIONS) -> np.ndarray:
+    """The folder's logits for TOKENS at `positions`, computed by transformers in float64, its
+    RoPE angles too (`float64_rotation`: its float32 angles are off past position 4096)."""
     # Eager: torch's grouped matmul for the experts takes no float64.
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float64, attn_implementation="eager",
         experts_implementation="eager")
+    float64_rotation(model.model.rotary_emb, model.config.head_dim,
+                     model.config.rope_parameters["rope_theta"])
     with torch.no_grad():
         return model(input_ids=torch.tensor(TOKENS, dtype=torch.long),
-                     position_ids=torch.tensor(POSITIONS, dtype=torch.long)).logits.numpy()
+                     position_ids=torch.tensor(positions, dtype=torch.long)).logits.numpy()
 
 
-def jaxscale_logits(model, cfg) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(TOKENS), jnp.asarray(POSITIONS)))[..., :cfg.vocab_size]
+def jaxscale_logits(model, cfg, positions: np.ndarray = POSITIONS) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(TOKENS), jnp.asarray(positions)))[..., :cfg.vocab_size]
 
 
 def saved_hf_model(name: str, tmp_path_factory) -> str:
@@ -99,6 +103,14 @@ def test_imported_logits_equal_transformers(hf_folder):
     assert cfg.moe == MoEConfig(experts=EXPERTS, top_k=TOP_K, capacity_factor=0.0, every=1)
     assert cfg.qk_norm == isinstance(cfg, Qwen3MoeConfig) and cfg.mlp_dim == 48
     assert relative_error(jaxscale_logits(model, cfg), transformers_logits(hf_folder)) < 1e-5
+
+
+def test_positions_past_4096_equal_transformers(hf_folder):
+    """Both rows at positions 4090 onwards, where the RoPE angles are large: the same logits."""
+    model, cfg = hf.load_model(hf_folder, compute_dtype="float32")
+    past = POSITIONS - POSITIONS[:, :1] + np.array([[4090], [5000]], np.int32)
+    assert relative_error(jaxscale_logits(model, cfg, past),
+                          transformers_logits(hf_folder, past)) < 1e-5
 
 
 def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):

@@ -1,6 +1,8 @@
 """Parallelism parity: the same seed and batch give the same losses and parameters on any mesh,
 and k microbatches of b sequences give the update of one batch of k*b; for each model family
-(Qwen3 below: on the meshes, in pipeline stages and context shards, with LoRA and fp8)."""
+(`FAMILY_CASES`: Mistral, Gemma 3, Mixtral and Qwen3-MoE on fsdp x tensor and on pipeline
+stages or an expert axis; Qwen3 below: on the meshes, in pipeline stages and context shards,
+with LoRA and fp8)."""
 
 import jax
 import numpy as np
@@ -40,7 +42,7 @@ def initial_gradients(trainer, params, batch):
     return jax.jit(with_rules(jax.grad(mean_loss), program.mesh, program.rules))(params)
 
 
-def assert_same_training(run, reference):
+def assert_same_training(run, reference, params_atol=5e-5):
     losses, grad_norms, params, grads = run
     ref_losses, ref_grad_norms, ref_params, ref_grads = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -49,7 +51,7 @@ def assert_same_training(run, reference):
                  grads, ref_grads)
     # Adam divides by sqrt(v), which turns float-reassociation noise on near-zero gradients into
     # differences of a fraction of one step (lr = 3e-3); 5e-5 is under 2% of a step.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=params_atol),
                  params, ref_params)
 
 
@@ -62,7 +64,43 @@ def qwen3_config(**mesh):
     return config
 
 
-CONFIGS = {"llama": small_config, "qwen3": qwen3_config}  # a small model of each family
+def mistral_config(**mesh):
+    """`small_config` as a Mistral: a sliding window of 8, shorter than the 16-token rows."""
+    config = small_config(**mesh)
+    config.model.update(name="mistral", sliding_window=8)
+    return config
+
+
+def gemma3_config(**mesh):
+    """`small_config` as a Gemma 3: the first layer local (window 8, its own RoPE base), the
+    second global, q/k norms, GeGLU, norms after each sub-layer, scaled embeddings."""
+    config = small_config(**mesh)
+    config.model.update(name="gemma3", sliding_window=8, global_every=2, rope_local_theta=100.0,
+                        rope_theta=1e6, query_pre_attn_scalar=12, tie_embeddings=True)
+    return config
+
+
+def mixture(family: str, base=small_config):
+    """`base` as the mixture `family`: 4 experts in every layer, top 2, dropless as imported
+    from Hugging Face."""
+    def config(**mesh):
+        c = base(**mesh)
+        c.model.name = family
+        c.model.moe.update(experts=4, top_k=2, every=1, capacity_factor=0.0)
+        return c
+    return config
+
+
+CONFIGS = {"llama": small_config, "qwen3": qwen3_config, "mistral": mistral_config,
+           "gemma3": gemma3_config, "mixtral": mixture("mixtral"),
+           "qwen3_moe": mixture("qwen3_moe", qwen3_config)}  # a small model of each family
+# The parity meshes of the families beyond Llama and Qwen3: fsdp with tensor, then pipeline
+# stages for the dense ones and an expert axis for the mixtures (which no pipeline takes yet).
+MIXTURES = ("mixtral", "qwen3_moe")
+FAMILY_CASES = [(family, mesh) for family in ("mistral", "gemma3", *MIXTURES)
+                for mesh in (dict(fsdp=4, tensor=2),
+                             dict(expert=4, data=2) if family in MIXTURES
+                             else dict(pipeline=2, fsdp=2, tensor=2))]
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +122,13 @@ def single_device(tmp_path_factory):
     ("llama", dict(data=2, fsdp=2, tensor=2)),
     # Qwen3's layers on these meshes without the slow mark: its gradients, below.
     *(pytest.param("qwen3", mesh, marks=pytest.mark.slow)
-      for mesh in (dict(data=8), dict(fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2)))])
+      for mesh in (dict(data=8), dict(fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2))),
+    *(pytest.param(family, mesh, marks=pytest.mark.slow) for family, mesh in FAMILY_CASES)])
 def test_meshes_match_one_device(mesh, family, single_device, tmp_path):
     run = train(CONFIGS[family](**mesh), tmp_path)
-    assert_same_training(run, single_device(family))
+    # A mixture's routers add near-zero gradients (rows of rarely routed tokens, one element of
+    # 24576 seen at 6.4e-5 off on fsdp x tensor): 1e-4 is 3% of a step.
+    assert_same_training(run, single_device(family), 1e-4 if family in MIXTURES else 5e-5)
     losses = run[0]
     assert losses[-1] < losses[0]  # the steps really trained
 

@@ -24,7 +24,7 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.hf import safetensors, weights
 from jaxscale.models.decoder import DecoderConfig
 from jaxscale.models.hf_layout import HfTensor
-from jaxscale.models.lora import ADAPTER_SUFFIX
+from jaxscale.models.lora import ADAPTER_SUFFIX, EXPERT_TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -41,6 +41,13 @@ def targets(cfg: DecoderConfig) -> list[HfTensor]:
     if cfg.lora is None:
         raise JaxscaleError("the model has no LoRA adapters (model.lora.rank=0); a PEFT folder "
                             "holds adapters: export the whole model instead")
+    on_experts = [t for t in cfg.lora.targets if t in EXPERT_TARGETS]
+    if cfg.moe is not None and on_experts:
+        # transformers' mixtures hold each layer's experts as one fused parameter, not a module
+        # per expert that a PEFT LoRA layer could sit on.
+        raise JaxscaleError(f"the experts' adapters ({on_experts}) have no PEFT format; export "
+                            "the whole model, adapters merged, or train with model.lora.targets "
+                            "among ('q', 'k', 'v', 'o')")
     return [t for t in weights.layout(cfg) if t.path[-1] in cfg.lora.targets]
 
 

@@ -214,7 +214,7 @@ class Block(nnx.Module):
             (RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset),
              RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)) if cfg.post_norms else (None, None))
         if moe:
-            self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs)
+            self.mlp = MoE(cfg.d_model, cfg.mlp_dim, cfg.moe, out_stddev, dtype, rngs, cfg.lora)
         else:
             self.mlp = MLP(cfg.d_model, cfg.mlp_dim, out_stddev, dtype, rngs,
                            grad_dtype=cfg.grad_dtype, fp8_history=cfg.fp8_history,
@@ -242,7 +242,8 @@ class Block(nnx.Module):
                      dropout: AdapterDropout | None = None
                      ) -> tuple[jax.Array, RouterStats | None]:
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, valid, dropless)  # no adapters (check_lora refuses MoE with LoRA)
+            # Its adapters are folded into the experts: no dropout (check_lora refuses it).
+            return self.mlp(x, valid, dropless)
         return self.mlp(x, dropout), None
 
     def decode(self, x, cache: KVCache, layer, start) -> tuple[jax.Array, KVCache]:

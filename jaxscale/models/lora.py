@@ -18,6 +18,13 @@ adapters are the entries under a `*_lora` key; `split_adapters` and `join_adapte
 tree apart and back together, which is how the train state holds the adapters as its trainable
 `params` and the rest as `frozen`.
 
+A mixture's experts (jaxscale/models/moe.py, `model.moe`): gate, up and down target each MoE
+layer's stacked expert weights [experts, ...] as well, one adapter per expert, its factors
+stacked on the `experts` axis with the weight (A [experts, *inputs, r], B [experts, r,
+*outputs]). The layer folds them into the weights it uses (`Adapter.change`), since its dispatch
+takes whole weights; so their input is not dropped out (`check_lora` refuses dropout there). The
+router has none. A PEFT folder cannot hold them (jaxscale/hf/peft.py); a merged export can.
+
 Dropout (`model.lora.dropout` p, PEFT's `lora_dropout`): in the train step only, the adapter's
 path is (alpha / r) (dropout(x) A) B, each element of x kept with probability 1 - p and scaled by
 1 / (1 - p); the base path x W sees x whole. The masks come from keys, not from a stateful
@@ -48,6 +55,8 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.errors import ConfigError
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the weights an adapter can sit beside
+# An MoE layer's experts have these too: one adapter per expert (`Adapter` with `batch` 1).
+EXPERT_TARGETS = ("gate", "up", "down")
 ADAPTER_SUFFIX = "_lora"  # `q_lora` is the adapter of `q`
 _RANK = "z"  # the rank's letter in the adapter's einsums: unused by the layers' own specs
 
@@ -104,20 +113,27 @@ def _fold(keys: jax.Array, data) -> jax.Array:
 
 
 class Adapter(nnx.Module):
-    """The factors A [*inputs, rank] and B [rank, *outputs] of one weight, whose first `inputs`
-    dimensions are the ones its matmul contracts."""
+    """The factors A [*batch, *inputs, rank] and B [*batch, rank, *outputs] of one weight, whose
+    first `batch` dimensions are stacked weights each with its own adapter (a mixture's experts)
+    and whose next `inputs` dimensions are the ones its matmul contracts."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int,
-                 cfg: LoraConfig, rngs: nnx.Rngs, target: str):
-        fan_in = math.prod(shape[:inputs])
+                 cfg: LoraConfig, rngs: nnx.Rngs, target: str, batch: int = 0):
+        lead, fan_in = shape[:batch], math.prod(shape[batch:batch + inputs])
         a_init = jax.nn.initializers.normal(1 / math.sqrt(3 * fan_in))
-        self.a = nnx.Param(a_init(rngs.params(), shape[:inputs] + (cfg.rank,), jnp.float32),
-                           out_sharding=axes[:inputs] + (None,))
-        self.b = nnx.Param(jnp.zeros((cfg.rank,) + shape[inputs:], jnp.float32),
-                           out_sharding=(None,) + axes[inputs:])
+        self.a = nnx.Param(a_init(rngs.params(), shape[:batch + inputs] + (cfg.rank,),
+                                  jnp.float32),
+                           out_sharding=axes[:batch + inputs] + (None,))
+        self.b = nnx.Param(jnp.zeros(lead + (cfg.rank,) + shape[batch + inputs:], jnp.float32),
+                           out_sharding=axes[:batch] + (None,) + axes[batch + inputs:])
         self.inputs = inputs
         self.scale = cfg.scale
         self.target = TARGETS.index(target)  # folded into its dropout keys: a mask of its own
+
+    def change(self, shape: tuple[int, ...]) -> jax.Array:
+        """(alpha / r) A B in float32, shaped like the weight (`shape`), one product per stacked
+        weight: what a weight the matmul takes whole (an expert's) adds to itself."""
+        return _low_rank_product(self.a[...], self.b[...], shape, self.scale)
 
     def __call__(self, spec: str, x: jax.Array, matmul, grad_dtype: jnp.dtype,
                  dropout: AdapterDropout | None = None) -> jax.Array:
@@ -138,11 +154,12 @@ class Adapter(nnx.Module):
 
 
 def adapter(cfg: LoraConfig | None, name: str, weight: nnx.Param, inputs: int,
-            rngs: nnx.Rngs) -> Adapter | None:
-    """The adapter of weight `name` when `cfg` targets it, else None."""
+            rngs: nnx.Rngs, batch: int = 0) -> Adapter | None:
+    """The adapter of weight `name` when `cfg` targets it, else None; `batch` leading dimensions
+    of the weight (the experts) get one adapter each."""
     if cfg is None or name not in cfg.targets:
         return None
-    return Adapter(weight.shape, tuple(weight.out_sharding), inputs, cfg, rngs, name)
+    return Adapter(weight.shape, tuple(weight.out_sharding), inputs, cfg, rngs, name, batch)
 
 
 def split_adapters(tree: dict) -> tuple[dict, dict]:
@@ -205,14 +222,20 @@ def merged(params: dict, cfg: LoraConfig) -> dict:
 
 
 def low_rank_change(lora: dict, shape: tuple[int, ...], cfg: LoraConfig) -> jax.Array:
-    """(alpha / r) A B for an adapter {a, b}, shaped like its weight (`shape`); a leading stacked
-    dimension that both factors and the weight have is kept, not multiplied across."""
-    a, b = (jnp.asarray(lora[k], jnp.float32) for k in ("a", "b"))
-    stacked = a.ndim + b.ndim - 2 > len(shape)  # both carry the `layers` dimension
-    lead = a.shape[:1] if stacked else ()
-    a2 = a.reshape(lead + (-1, cfg.rank))
-    b2 = b.reshape(lead + (cfg.rank, -1))
-    return (cfg.scale * jnp.matmul(a2, b2)).reshape(shape)
+    """(alpha / r) A B for an adapter {a, b}, shaped like its weight (`shape`)."""
+    return _low_rank_product(lora["a"], lora["b"], shape, cfg.scale)
+
+
+def _low_rank_product(a, b, shape: tuple[int, ...], scale: float) -> jax.Array:
+    """scale A B in float32, shaped like the weight (`shape`): the leading dimensions that both
+    factors have beside the weight's own (the stacked `layers`, a mixture's `experts`) are kept,
+    one product each, not multiplied across."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    rank = a.shape[-1]
+    lead = a.shape[:a.ndim + b.ndim - 2 - len(shape)]
+    a2 = a.reshape(lead + (-1, rank))
+    b2 = b.reshape(lead + (rank, -1))
+    return (scale * jnp.matmul(a2, b2)).reshape(shape)
 
 
 def lora_config(rank: int, alpha: float, targets) -> LoraConfig | None:
@@ -230,10 +253,12 @@ def check_lora(config) -> None:
     if not targets or unknown or len(set(targets)) != len(targets):
         raise ConfigError(f"model.lora.targets={targets!r}: name each weight once, among "
                           f"{TARGETS}")
-    if config.model.moe.every:
-        raise ConfigError(f"model.lora with MoE layers (model.moe.every={config.model.moe.every}"
-                          "): the experts have no adapters; use model.lora.rank=0 or a dense "
-                          "model (model.moe.every=0)")
+    on_experts = [t for t in targets if t in EXPERT_TARGETS]
+    if config.model.moe.every and on_experts and lora.dropout:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} with adapters on the experts "
+                          f"({on_experts}, model.moe.every={config.model.moe.every}): an expert's "
+                          "adapter is folded into its weight, which sees x undropped; use "
+                          "model.lora.dropout=0 or targets among ('q', 'k', 'v', 'o')")
     if config.precision.matmul != "bfloat16":
         raise ConfigError(f"model.lora with precision.matmul={config.precision.matmul!r}: "
                           "adapters run in the compute dtype beside bfloat16 weights only; use "

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import param, weight_matmul
+from jaxscale.models.lora import LoraConfig, adapter
 from jaxscale.parallel.experts import constrain_experts, on_token_shards, to_experts, to_tokens
 
 BUFFERS = ("batch", "experts", None, "embed")  # dispatched tokens [batch, experts, capacity, d]
@@ -189,13 +190,17 @@ class MoE(nnx.Module):
     x -> (output like x, RouterStats)."""
 
     def __init__(self, d_model: int, mlp_dim: int, cfg: MoEConfig, out_stddev: float,
-                 dtype: jnp.dtype, rngs: nnx.Rngs):
+                 dtype: jnp.dtype, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         e = cfg.experts
         # The router has no `experts` axis: each device scores its own tokens against every expert.
         self.router = param(rngs, (d_model, e), ("embed", None), 0.02)
         self.gate = param(rngs, (e, d_model, mlp_dim), ("experts", "embed", "mlp"), 0.02)
         self.up = param(rngs, (e, d_model, mlp_dim), ("experts", "embed", "mlp"), 0.02)
         self.down = param(rngs, (e, mlp_dim, d_model), ("experts", "mlp", "embed"), out_stddev)
+        # LoRA: one adapter per expert, stacked on the `experts` axis with its weight.
+        self.gate_lora, self.up_lora, self.down_lora = (
+            adapter(lora, name, getattr(self, name), 1, rngs, batch=1)
+            for name in ("gate", "up", "down"))
         self.cfg = cfg
         self.dtype = dtype
 
@@ -230,22 +235,33 @@ class MoE(nnx.Module):
         the router stays float32."""
         return dict.fromkeys(("gate", "up", "down"), self.dtype)
 
+    def weight(self, name: str) -> jax.Array:
+        """The stacked experts' weight `name` in the compute dtype, each expert's adapter folded
+        in (W + (alpha / r) A B) when it has one. Folded, not run beside it as the dense layers'
+        are: both dispatch paths take whole weights (the buffers' batched matmuls, the grouped
+        matmuls, the weights brought to the tokens' devices); the fold costs a rank-r product and
+        a float32 temporary the size of the weight, per layer and use."""
+        weight = getattr(self, name)[...]
+        lora = getattr(self, f"{name}_lora")
+        if lora is not None:
+            weight = weight + lora.change(weight.shape)
+        return weight.astype(self.dtype)
+
     def experts(self, buffers: jax.Array) -> jax.Array:
         """Every expert's SwiGLU on its buffers [batch, experts, capacity, d_model] (in the
         expert layout): one batched matmul per weight, over the stacked experts."""
-        dt = self.dtype
-        gate = weight_matmul("becd,edf->becf", buffers, self.gate[...].astype(dt))
-        up = weight_matmul("becd,edf->becf", buffers, self.up[...].astype(dt))
+        gate = weight_matmul("becd,edf->becf", buffers, self.weight("gate"))
+        up = weight_matmul("becd,edf->becf", buffers, self.weight("up"))
         hidden = constrain_experts(jax.nn.silu(gate) * up, ("batch", "experts", None, "mlp"))
-        return weight_matmul("becf,efd->becd", hidden, self.down[...].astype(dt))
+        return weight_matmul("becf,efd->becd", hidden, self.weight("down"))
 
     def grouped_experts(self, x: jax.Array, routing: Routing) -> jax.Array:
         """Dropless: every assignment of x [batch, tokens, d_model] through its expert, on each
         device's own tokens (`grouped_swiglu`) -> float32 [batch, tokens, d_model]."""
-        dt, k = self.dtype, self.cfg.top_k
+        k = self.cfg.top_k
         # Routing is choice-major per row; the grouped matmuls take [batch, tokens, top_k].
         def per_token(a):
             return jnp.swapaxes(a.reshape(a.shape[0], k, -1), 1, 2)
         tokens = (x, per_token(routing.expert), per_token(routing.weight), per_token(routing.real))
-        weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        weights = tuple(self.weight(name) for name in ("gate", "up", "down"))
         return on_token_shards(grouped_swiglu, tokens, weights)

@@ -1,0 +1,224 @@
+"""LoRA on a mixture of experts (jaxscale/models/lora.py, jaxscale/models/moe.py): adapters on
+the attention projections and one per expert on the stacked expert weights. At step 0 the
+adapted model is the base; the step's gradients are those of the merged weights; only the
+adapters train; `lora.merged` is W + (alpha / r) A B expert by expert; dropout on the experts'
+adapters is refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxscale.errors import ConfigError
+from jaxscale.models import lora
+from jaxscale.models.spec import model_spec
+from jaxscale.training.step import Objective, Weights
+from tests.helpers import one_line_error, random_batch, small_config
+from tests.test_lora import program_for, steps_on, with_nonzero_b
+
+EXPERTS = 4
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def moe_config(rank=4, capacity_factor=0.0, **mesh):
+    """A 2-layer Mixtral, every layer MoE, with adapters on attention and experts."""
+    c = small_config(**mesh)
+    c.model.name = "mixtral"
+    c.model.moe.update(experts=EXPERTS, top_k=2, every=1, capacity_factor=capacity_factor)
+    c.model.lora.update(rank=rank, alpha=8.0, targets=ALL_TARGETS)
+    return c
+
+
+def base_of(config):
+    c = config.copy_and_resolve_references()
+    c.model.lora.rank = 0
+    return c
+
+
+def mlp(tree):
+    return tree["blocks"]["layers"][0]["mlp"]
+
+
+def test_each_expert_has_its_adapter_on_the_experts_axis():
+    spec = model_spec(moe_config())
+    adapters = spec.trained(spec.logical_specs)
+    experts = mlp(adapters)
+    assert set(experts) == {"gate_lora", "up_lora", "down_lora"}  # not the router
+    assert tuple(experts["gate_lora"]["a"]) == ("layers", "experts", "embed", None)
+    assert tuple(experts["gate_lora"]["b"]) == ("layers", "experts", None, "mlp")
+    assert tuple(experts["down_lora"]["a"]) == ("layers", "experts", "mlp", None)
+    shapes = mlp(spec.trained(spec.abstract_params))
+    assert shapes["up_lora"]["a"].shape == (2, EXPERTS, 64, 4)
+    assert shapes["up_lora"]["b"].shape == (2, EXPERTS, 4, 128)
+    assert set(adapters["blocks"]["layers"][0]["attn"]) == {f"{t}_lora" for t in "qkvo"}
+
+
+@pytest.mark.parametrize("capacity_factor", [
+    0.0, pytest.param(1.25, marks=pytest.mark.slow)], ids=["dropless", "capacity"])
+def test_at_step_zero_the_adapted_model_is_the_base_model(capacity_factor):
+    config = moe_config(capacity_factor=capacity_factor)
+    state = program_for(config).init_state(0)
+    batch = random_batch(config)
+    adapted = program_for(config).eval_step(state.model_params(), batch)
+    base = program_for(base_of(config)).eval_step(state.frozen, batch)
+    np.testing.assert_array_equal(np.asarray(adapted[0]), np.asarray(base[0]))
+    # ... and B is what makes it so: a nonzero B on the experts alone changes the loss.
+    experts_only = jax.device_get(state.params)
+    for name in ("gate_lora", "up_lora", "down_lora"):
+        mlp(experts_only)[name] = with_nonzero_b(mlp(experts_only)[name])
+    moved = program_for(config).eval_step(lora.join_adapters(experts_only, state.frozen), batch)
+    assert abs(float(moved[0]) - float(base[0])) > 1e-3
+
+
+def test_merged_adds_each_experts_own_low_rank_change():
+    """`lora.merged` against numpy: expert e of layer l gets W[l, e] + s A[l, e] B[l, e]."""
+    config = moe_config()
+    state = program_for(config).init_state(0)
+    adapters = with_nonzero_b(jax.device_get(state.params))
+    weights = lora.merged(lora.join_adapters(adapters, jax.device_get(state.frozen)),
+                          program_for(config).model.config.lora)
+    scale = 8.0 / 4
+    for name in ("gate", "up", "down"):
+        a, b = (np.asarray(mlp(adapters)[f"{name}_lora"][k], np.float64) for k in "ab")
+        base = np.asarray(mlp(jax.device_get(state.frozen))[name], np.float64)
+        want = base + scale * np.einsum("ledr,lerf->ledf", a, b)
+        np.testing.assert_allclose(np.asarray(mlp(weights)[name]), want, rtol=1e-6, atol=1e-6)
+        assert f"{name}_lora" not in mlp(weights)
+    q = weights["blocks"]["layers"][0]["attn"]["q"]
+    a, b = (np.asarray(adapters["blocks"]["layers"][0]["attn"]["q_lora"][k]) for k in "ab")
+    base = np.asarray(jax.device_get(state.frozen)["blocks"]["layers"][0]["attn"]["q"])
+    np.testing.assert_allclose(np.asarray(q), base + scale * np.einsum("ldr,lrnh->ldnh", a, b),
+                               rtol=1e-5, atol=1e-6)
+
+
+def decisive_routers(frozen):
+    """The base with its routers' weights scaled up: at init the router's probabilities are
+    near even, and float32 rounding (adapters run beside their weights or merged) flips top-2
+    choices, which moves the gradients by far more than rounding."""
+    frozen = jax.tree.map(lambda x: x, frozen)
+    mlp(frozen)["router"] = 10 * mlp(frozen)["router"]
+    return frozen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25], ids=["dropless", "capacity"])
+def test_gradients_equal_those_of_the_merged_weights_in_plain_jax(capacity_factor):
+    """The step folds each expert's adapter into its weight in the layer; the reference
+    differentiates the base model at the merged weights (`lora.merged`) with plain jax.grad."""
+    config = moe_config(capacity_factor=capacity_factor)
+    program = program_for(config)
+    state = program.init_state(0)
+    adapters, frozen = with_nonzero_b(state.params), decisive_routers(state.frozen)
+    batch = jax.tree.map(jnp.asarray, random_batch(config))
+    tokens = jnp.sum(batch["loss_mask"])
+    objective = Objective.of(config, program.model.train_graphdef, None)
+    total, grads, _, _ = objective.forward_backward(Weights(adapters, frozen), batch, 1 / tokens)
+    base_graphdef = model_spec(base_of(config)).graphdef
+    lora_cfg = program.model.config.lora
+
+    base = Objective.of(base_of(config), base_graphdef, None)
+
+    def reference(adapters):  # the summed loss and the routers' penalty, as the step takes them
+        weights = lora.merged(lora.join_adapters(adapters, frozen), lora_cfg)
+        total, count, router = base.summed_loss(Weights(weights), batch)
+        return (total + base.router_penalty(router, count)) / tokens
+    loss, expected = jax.value_and_grad(reference)(adapters)
+    assert float(total / tokens) < float(loss)  # the penalty is in the objective
+    jax.tree.map(lambda g, e: np.testing.assert_allclose(np.asarray(g), np.asarray(e),
+                                                         rtol=2e-4, atol=1e-7), grads, expected)
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def test_only_the_adapters_train():
+    config = moe_config()
+    program = program_for(config)
+    state = program.init_state(0)
+    frozen_before = jax.device_get(state.frozen)
+    adapters_before = jax.device_get(state.params)
+    batch = random_batch(config)
+    for _ in range(3):
+        state, metrics = program.train_step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), frozen_before)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(state.params),
+                           adapters_before)
+    assert all(jax.tree.leaves(changed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(expert=4, data=2), dict(fsdp=4, tensor=2)],
+                         ids=["expert-data", "fsdp-tensor"])
+def test_a_sharded_mesh_trains_the_adapters_as_one_device_does(mesh):
+    """The experts' adapters split with their experts (expert=4: a device holds one expert's
+    weights and adapters) or over fsdp and tensor: one device's losses and adapters."""
+    for name in ("gate_lora", "down_lora"):  # both factors follow the experts' split
+        for factor in mlp(program_for(moe_config(**mesh)).state_shardings.params)[name].values():
+            assert factor.spec[1] in ("expert", ("expert", "fsdp")), factor.spec
+    losses, adapters = steps_on(moe_config(**mesh))
+    one_losses, one_adapters = steps_on(moe_config())
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 adapters, one_adapters)
+
+
+def test_dropout_on_the_experts_adapters_is_refused():
+    from jaxscale.models.lora import check_lora
+    config = moe_config()
+    config.model.lora.dropout = 0.1
+    message = one_line_error(ConfigError, lambda: check_lora(config))
+    assert "model.lora.dropout=0.1" in message and "'gate'" in message
+    config.model.lora.targets = ("q", "v")  # attention's adapters take dropout
+    check_lora(config)
+
+
+def test_a_peft_folder_takes_attentions_adapters_but_not_the_experts():
+    """transformers' Mixtral holds a layer's experts as one fused parameter: PEFT has no module
+    per expert for their adapters, so that export is refused by name; attention's adapters sit
+    on modules PEFT knows."""
+    from jaxscale.errors import JaxscaleError
+    from jaxscale.hf import peft
+    config = moe_config()
+    message = one_line_error(JaxscaleError, lambda: peft.targets(model_spec(config).config))
+    assert "['gate', 'up', 'down']" in message and "have no PEFT format" in message
+    config.model.lora.targets = ("q", "v")
+    names = [t.hf_name for t in peft.targets(model_spec(config).config)]
+    assert names == ["model.layers.{}.self_attn.q_proj.weight",
+                     "model.layers.{}.self_attn.v_proj.weight"]
+
+
+@pytest.mark.slow
+def test_merged_export_loads_in_transformers_with_the_adapted_logits(tmp_path):
+    """A Mixtral with trained-like adapters on attention and every expert, merged (`lora.merged`)
+    and exported by hf.save_model, gives in transformers (float64) the logits jaxscale's adapted
+    model gives with the adapters beside the weights; the base alone is off by far more."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from flax import nnx
+
+    from jaxscale import hf
+    from jaxscale.models.spec import create_model, spec_of
+    from tests.helpers import relative_error
+
+    config = moe_config()
+    config.model.vocab_multiple = 1
+    cfg = model_spec(config).config
+    graphdef, state = nnx.split(create_model(cfg, 0))
+    params = nnx.to_pure_dict(state)
+    adapters, frozen = lora.split_adapters(params)
+    params = lora.join_adapters(with_nonzero_b(adapters), decisive_routers(frozen))
+    nnx.replace_by_pure_dict(state, params)
+    tokens = jnp.asarray(random_batch(config)["inputs"][:2])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    adapted = np.asarray(nnx.merge(graphdef, state)(tokens, positions))
+    base_cfg = model_spec(base_of(config)).config
+    merged = lora.merged(params, cfg.lora)
+    hf.save_model(nnx.merge(spec_of(base_cfg).graphdef, merged), base_cfg, str(tmp_path / "m"),
+                  "float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "m"), dtype=torch.float64, attn_implementation="eager",
+        experts_implementation="eager")
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    assert relative_error(got, adapted) < 1e-5
+    base = nnx.merge(spec_of(base_cfg).graphdef, lora.split_adapters(params)[1])
+    assert relative_error(np.asarray(base(tokens, positions)), adapted) > 1e-3
