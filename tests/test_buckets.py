@@ -252,8 +252,10 @@ def test_what_a_gcs_server_answers_at_start_is_classified(gcs, status, monkeypat
         assert message.endswith("the storage is failing") and proxy.requests > 1
 
 
-# gcsfs retries a 503 for about 30 s before it gives up: with the slow tests.
-@pytest.mark.parametrize("server", [pytest.param("gcs", marks=pytest.mark.slow), "s3"])
+# gcsfs retries a 503 for about 30 s before it gives up, and s3's case trains as long: with the
+# slow tests (the default suite keeps the 5xx/429 at start, and test_bucket_paths' mid-read cases).
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["gcs", "s3"])
 def test_a_server_failing_mid_run_stops_the_read_as_transient(server, request, tmp_path,
                                                               monkeypatch):
     # The sources were listed and opened; then every request is answered 503: the document's
@@ -309,6 +311,7 @@ def input_waits(workdir) -> list[float]:
             if "data_wait_fraction" in line]
 
 
+@pytest.mark.slow  # trains, damages and restores in the bucket (about 15 s)
 def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, caplog):
     # A bucket renames by copying and deleting each object, which a crash leaves half done: the
     # verdict is one marker object, and the damaged objects stay until the step is saved again.

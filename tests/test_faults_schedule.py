@@ -145,6 +145,7 @@ def test_the_logged_rate_is_the_applied_rate_and_skips_do_not_delay_the_schedule
     assert adam_count(state.opt_state) == STEPS - len(SKIPPED)  # bias correction: applied only
 
 
+@pytest.mark.slow  # two runs, one interrupted and resumed (about 12 s)
 def test_a_resumed_run_continues_the_schedule_and_the_counts(tmp_path, monkeypatch):
     """Trained to step 8 with two skipped steps; the same run restarted from its checkpoint of
     step 4 logs the same rates and losses and ends with the same state, bit for bit."""

@@ -151,6 +151,7 @@ def _fit(*args):
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
+@pytest.mark.slow  # two launch.fit processes, each compiling for the GPUs (about 20 s)
 def test_launch_fit_compiles_for_the_gpus_and_refuses_a_step_that_does_not_fit():
     ok = _fit("--devices=8", "--gpu=h100", "--", "--config=configs/tiny.py")
     assert ok.returncode == 0, ok.stderr[-2000:]

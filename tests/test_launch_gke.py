@@ -256,6 +256,7 @@ def test_pods_detect_the_gke_mode_and_agree_on_the_coordinator(gpu_jobset):
     assert spec == ClusterSpec("gke", "tiny-workers-0-0.tiny:8476", 2, 1)
 
 
+@pytest.mark.slow  # two launch.gke renders, each checking the config's fit (about 11 s)
 def test_an_elastic_jobset_tells_every_pod_the_minimum_it_starts_with():
     """Every pod reads the minimum (runtime.distributed); without --min_processes, none does."""
     jobset = render([*GPU_ARGS, "--nodes=4", "--min_processes=3", "--config.train.batch_size=32"])

@@ -118,6 +118,7 @@ def test_mesh_auto_stops_with_one_line_when_nothing_fits(tmp_path):
     assert "GiB too many" in lines[0]
 
 
+@pytest.mark.slow  # compiles and times each candidate, then trains (about 11 s)
 def test_mesh_auto_trains_with_the_candidate_that_ran_fastest(monkeypatch, capsys):
     """With auto_trials=2 the two fastest-ranked candidates that fit are compiled and timed, and
     the one that ran faster is chosen, whatever the model's ranking said (here the timings are
@@ -505,6 +506,7 @@ def test_a_documented_plan_command_runs_and_chooses(command):
         assert re.search(r"^chosen: \S", result.stdout, re.M), output[-3000:]
 
 
+@pytest.mark.slow  # plans in a process, then trains with the flags it printed (about 13 s)
 def test_cli_prints_json_and_the_flags_it_prints_are_accepted():
     """For GPUs: compiled where the gpu-compile extra is installed (CI), else estimated."""
     from jaxscale.runtime import cuda_plugin

@@ -27,6 +27,7 @@ def sampling_config(**train):
     return config
 
 
+@pytest.mark.slow  # trains with samples, then decodes each step's checkpoint (about 13 s)
 def test_samples_are_the_greedy_continuations_of_the_parameters_of_that_step(tmp_path):
     config = sampling_config()
     trainer = Trainer(config, str(tmp_path))
