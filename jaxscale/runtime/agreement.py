@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 
 import jax
 import numpy as np
@@ -138,11 +139,16 @@ _WATCH_MS = 1000
 # The key the announcer sets as it exits, and how long process 0 waits for it before exiting:
 # the coordination service lives in process 0, and JAX aborts every process still connected when
 # it goes, so an announcer still on its way out would end with "lost its coordinator" (75), not
-# with the failure it announced. The announcer's exit unwinds the trainer (its inputs, its
-# checkpoints) first, which a loaded host can stretch to seconds: 10 s of grace was passed once in
-# a CI run; 20 s keeps the stop within the 30 s docs/checkpointing.md states.
+# with the failure it announced. Its way out unwinds the trainer (its inputs, its checkpoints)
+# first, which a loaded host can stretch to seconds: 20 s, within the 30 s bound
+# docs/checkpointing.md states.
 _LEFT_KEY = "jaxscale/failure-announcer-left"
 _ANNOUNCER_GRACE_MS = 20_000
+# How long process 0 still waits once the key is set: the announcer sets it just before its
+# os._exit, and a loaded host can hold it between the two; a service gone in that moment made
+# JAX's agent abort it, with a second `error:` line and 75 in place of its own status (seen in
+# CI with the refusal's 2, and in a full slow run here).
+_ANNOUNCER_EXIT_S = 2.0
 _announced = threading.Event()  # this process announced a failure: it exits on its own
 _ending = threading.Event()  # this process is ending: the waiting thread stops
 
@@ -216,6 +222,7 @@ def _wait_for_failure(client) -> None:
         if jax.process_index() == 0:
             try:
                 client.blocking_key_value_get(_LEFT_KEY, _ANNOUNCER_GRACE_MS)
+                time.sleep(_ANNOUNCER_EXIT_S)
             except jax.errors.JaxRuntimeError:  # not gone within the grace: exit all the same
                 pass
         fail_with(_failure(int(code), text), exit=os._exit)
