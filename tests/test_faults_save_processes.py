@@ -46,6 +46,10 @@ def inject_failing_save_from_env():
         # it and it ends with 75 ("lost its coordinator"), not its own failure's 2.
         leave = agreement.leave
         agreement.leave = lambda status: (time.sleep(5), leave(status))
+    # And slow between saying it leaves and leaving, as a loaded host can hold it: process 0 must
+    # give it that moment, or the service goes first and JAX aborts it (75, a second line).
+    exit_now = os._exit
+    os._exit = lambda status: (time.sleep(1), exit_now(status))
     real = async_checkpointer.AsyncCheckpointer._save
 
     async def failing_save(self, tmpdir, *args, **kwargs):

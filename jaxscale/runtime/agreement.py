@@ -150,6 +150,7 @@ _ANNOUNCER_GRACE_MS = 20_000
 # CI with the refusal's 2, and in a full slow run here).
 _ANNOUNCER_EXIT_S = 2.0
 _announced = threading.Event()  # this process announced a failure: it exits on its own
+_told: list[JaxscaleError | TransientError] = []  # the failure another process announced
 _ending = threading.Event()  # this process is ending: the waiting thread stops
 
 
@@ -188,6 +189,13 @@ def leave(status: int) -> None:
     os._exit(status)
 
 
+def announced_elsewhere() -> JaxscaleError | TransientError | None:
+    """The failure another process announced, once this process's waiting thread has it; else
+    None. A process that then loses the announcer in a collective (it exited) ends with that
+    failure, not as one that lost a peer (runtime/distributed.py `exit_if_peer_lost`)."""
+    return _told[0] if _told else None
+
+
 def exit_on_announced_failure() -> None:
     """In a multi-process run, starts a thread that waits for a failure another process announces
     and then ends this process at once (os._exit) with that failure's line and status: this
@@ -219,13 +227,14 @@ def _wait_for_failure(client) -> None:
         return
     if not _announced.is_set():  # the announcer exits on its own, with its own line
         code, _, text = value.partition(" ")
+        _told.append(_failure(int(code), text))
         if jax.process_index() == 0:
             try:
                 client.blocking_key_value_get(_LEFT_KEY, _ANNOUNCER_GRACE_MS)
                 time.sleep(_ANNOUNCER_EXIT_S)
             except jax.errors.JaxRuntimeError:  # not gone within the grace: exit all the same
                 pass
-        fail_with(_failure(int(code), text), exit=os._exit)
+        fail_with(_told[0], exit=os._exit)
 
 
 def _failure(code: int, text: str) -> JaxscaleError | TransientError:

@@ -408,11 +408,14 @@ def lost_peer(error: Exception, process_id: int) -> TransientError | None:
 def exit_if_peer_lost(error: Exception) -> None:
     """Exits 75 at once (os._exit, its `error:` line said) when `error` says a collective lost its
     peer; returns otherwise. At once: a clean exit would wait for the lost peer, in JAX's shutdown
-    or in an asynchronous save's barrier, until their timeouts."""
+    or in an asynchronous save's barrier, until their timeouts. A peer that announced its failure
+    before it went (runtime/agreement.py) is gone by its own choice: its failure is the line."""
     import jax
 
+    from jaxscale.runtime import agreement
+
     if jax.process_count() > 1 and (lost := lost_peer(error, jax.process_index())) is not None:
-        fail_with(lost, exit=os._exit)
+        fail_with(agreement.announced_elsewhere() or lost, exit=os._exit)
 
 
 @contextlib.contextmanager
