@@ -424,12 +424,12 @@ def lost_peer_exits_at_once():
     is closed. Entered inside the trainer's checkpoint managers: closing them waits for a save in
     flight, whose barrier needs the lost peer, and while this survivor waits there, the survivors
     blocked in a collective with it see no closed socket and wait too (4 processes: every
-    survivor waited out the launcher's grace; with 2 there is no other survivor). Any exception:
-    JAX raises gloo's failure as a ValueError from some calls (multihost_utils.process_allgather),
-    as a JaxRuntimeError from others."""
+    survivor waited out the launcher's grace; with 2 there is no other survivor). JAX raises
+    gloo's failure as a ValueError from some calls (multihost_utils.process_allgather), as a
+    JaxRuntimeError (a RuntimeError) from others."""
     try:
         yield
-    except Exception as e:
+    except (ValueError, RuntimeError) as e:
         exit_if_peer_lost(e)
         raise
 
