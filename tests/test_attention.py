@@ -332,6 +332,7 @@ def test_splashs_local_mask_is_the_window_of_the_reference():
         np.testing.assert_array_equal(np.asarray(mask[1, :, :]), want)
 
 
+@pytest.mark.slow  # interpreted splash, forward and backward (about 11 s)
 def test_splash_with_a_window_equals_the_windowed_reference():
     """The kernel, run by its interpreter, with a window of 40 on packed rows: its outputs are
     attention written out with the window's mask and its gradients XLA's; per layer (`local`

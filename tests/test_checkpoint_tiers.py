@@ -111,6 +111,7 @@ def test_a_restart_resumes_from_the_newest_tier_exactly(straight, tmp_path, caps
     assert f"restored {workdir}/checkpoints/6 " in capsys.readouterr().out
 
 
+@pytest.mark.slow  # two runs on two layouts (about 12 s)
 def test_local_checkpoints_of_another_layout_are_named_where_a_start_cannot_use_them(
         tmp_path, capsys):
     workdir = tmp_path / "run"

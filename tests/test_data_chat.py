@@ -357,6 +357,7 @@ def take(config, sharding, n, state=None):
     return batches, state
 
 
+@pytest.mark.slow  # reads the chat stream three times (about 11 s)
 def test_chat_batches_are_deterministic_and_resume_mid_stream(tmp_path, batch_sharding):
     config = chat_config(write_chat(tmp_path / "c.jsonl", byte_records(40)))
     config.train.seq_len = 64

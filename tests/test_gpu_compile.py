@@ -55,6 +55,7 @@ def test_each_gpu_description_compiles_a_step(gpu, kind):
     assert 0 < memory.total < 0.1 * GIB
 
 
+@pytest.mark.slow  # compiles the GPU step (about 13 s)
 def test_a_gpu_runs_its_layers_unrolled_with_whole_logits_and_bfloat16_matmuls():
     """The default step on an H100: no layer loop, no stack written a layer at a time, cuDNN's
     attention, and every matmul on bfloat16 operands (the logits' gradient too). The lean
@@ -87,6 +88,7 @@ def test_a_sliding_window_compiles_to_cudnns_attention_with_the_window(every):
     assert windows == ({"8", "0"} if every else {"8"}), windows
 
 
+@pytest.mark.slow  # compiles GPU candidates (about 11 s)
 def test_the_planner_compiles_gpu_candidates_for_two_nodes():
     """h100:2x8: 16 devices in 2 processes; the candidates compiled, their memory the
     compiler's, their collectives read from the program, each with the GPU's step settings."""

@@ -71,6 +71,7 @@ def test_at_step_zero_the_adapted_model_is_the_base_model():
     assert abs(float(moved[0]) - float(base[0])) > 1e-3
 
 
+@pytest.mark.slow  # gradients through the merged weights in plain JAX (about 17 s)
 def test_gradients_equal_those_of_the_merged_weights_in_plain_jax():
     """The step differentiates x W + s (x A) B through its own matmuls; the reference
     differentiates the base model at W + s A B (`lora.merged`) with plain jax.grad."""

@@ -150,6 +150,7 @@ def reference():
         lambda a, f, b, masks: reference_mean_loss(a, f, b, masks, config)))
 
 
+@pytest.mark.slow  # the dropout step against a plain JAX model (about 20 s)
 def test_the_step_is_a_plain_jax_model_with_the_documented_masks(single, reference):
     """The train step at step 3, two microbatches, gives the reference's loss and gradient
     norm; in one piece, the step's gradients are the reference's, leaf by leaf."""

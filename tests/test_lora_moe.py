@@ -129,6 +129,7 @@ def test_gradients_equal_those_of_the_merged_weights_in_plain_jax(capacity_facto
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow  # 3 steps of a LoRA mixture (about 12 s)
 def test_only_the_adapters_train():
     config = moe_config()
     program = program_for(config)

@@ -116,6 +116,7 @@ def test_layers_sharded_over_fsdp_without_stages_run_no_pipeline(reference, tmp_
     assert "collective-permute" not in hlo
 
 
+@pytest.mark.slow  # a 1F1B step against the plain model (about 11 s)
 def test_1f1b_with_microbatches_not_a_multiple_of_the_stages(tmp_path):
     """M=4 on 3 stages: the microbatches' inputs are spread over the stages two slots each, the
     last two empty; the loss and gradients are still the plain model's."""

@@ -67,6 +67,7 @@ def test_a_plain_run_takes_the_first_choice_that_fits_and_the_leanest_when_none_
     assert memory.total > 1  # refused by the caller's check, not here
 
 
+@pytest.mark.slow  # two steps trained on a sharded mesh (about 10 s)
 def test_the_fast_and_lean_steps_train_alike_on_a_sharded_mesh():
     """One train step from the same init, every layer unrolled with whole logits against a
     layer loop with the loss in slices of 4 positions and vocabulary tiles of 128: the same loss

@@ -102,6 +102,7 @@ print(memory.arguments, memory.total, memory.peak)
 """
 
 
+@pytest.mark.slow  # compiles for a TPU slice (about 12 s)
 def test_the_tpu_compilers_peak_lies_within_its_buffers_and_the_total_overstates(tmp_path):
     """`StepMemory.peak`, checked against the compiler's buffer assignment (dumped by XLA): it
     is more than the arguments and at most the allocations in the device's main memory (those

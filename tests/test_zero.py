@@ -117,6 +117,7 @@ def test_zero1_trains_like_the_unsharded_optimizer_on_a_fraction_of_the_bytes(tm
         lambda x: x.sharding, reference.params)
 
 
+@pytest.mark.slow  # trains, saves and restores across layouts (about 13 s)
 def test_zero1_state_restores_into_the_other_layout(tmp_path):
     trainer, state, _ = three_steps("data", tmp_path, data=8)
     with Checkpoints(trainer.config, str(tmp_path / "run")) as checkpoints:
