@@ -85,6 +85,8 @@ def test_a_narrow_runs_stop_saves_persistently_and_the_wider_restart_redoes_no_s
     assert STOP_AFTER <= step < STEPS
     assert stopped.group(2) == os.path.join(widened, "checkpoints", str(step))
     assert os.listdir(os.path.join(widened, "checkpoints")) == [str(step)]
+    with open(os.path.join(widened, "train.log")) as f:  # why, in the run's log file
+        assert "the run is on 1 of its range's 2 processes: its stop saves to " in f.read()
 
     status, output = launch_wide(widened, cache)
     assert status == 0, output[-3000:]

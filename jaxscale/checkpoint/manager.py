@@ -117,9 +117,11 @@ class Checkpoints:
                             ) if o.enabled and o.local_dir else None
         self._local: Tier | None = None
         self._local_on = self._local_root is not None
-        # Fewer processes than the run's range allows (an elastic run gone on without a host):
-        # a later start may take a host back, which holds no local copy of what this one saves.
-        self._narrow = jax.process_count() < max_processes(os.environ, jax.process_count())
+        # The range's maximum, which a narrow run (an elastic run gone on without a host) has
+        # fewer processes than: a later start may take a host back, which holds no local copy
+        # of what this one saves.
+        self._full_count = max_processes(os.environ, jax.process_count())
+        self._narrow = jax.process_count() < self._full_count
         # Set by `restore_newest`: why a newer local checkpoint of another layout is not used.
         self.unused_local: str | None = None
         self._last_save = {PERSISTENT: time.monotonic(), LOCAL: time.monotonic()}
@@ -264,9 +266,9 @@ class Checkpoints:
         if not finite:
             return None
         if self._local_on and self._narrow and jax.process_index() == 0:
-            logger.info("the run has %d processes, fewer than its range's maximum: its stop "
-                        "saves to %s, which a wider restart can read on every host",
-                        jax.process_count(), self.directory)
+            logger.info("the run is on %d of its range's %d processes: its stop saves to %s, "
+                        "which a wider restart can read on every host", jax.process_count(),
+                        self._full_count, self.directory)
         if self._local_on and not self._narrow and self.save(step, state, data_state, meta,
                                                              tier=LOCAL):
             self.wait()
