@@ -74,10 +74,9 @@ def main(argv: list[str]) -> None:
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
             with quiet_libtpu(), cuda_plugin.kept_out():
                 # An elastic run restarted on fewer hosts keeps its global batch.
-                max_processes = int(os.environ.get(distributed.MAX_PROCESSES_VAR,
-                                                   jax.process_count()))
-                config, devices, note = elastic.fitted(
-                    config, jax.devices(), max_processes * jax.local_device_count())
+                full = distributed.max_processes(os.environ, jax.process_count())
+                config, devices, note = elastic.fitted(config, jax.devices(),
+                                                       full * jax.local_device_count())
                 if note and jax.process_index() == 0:
                     print(f"jaxscale: {note}", flush=True)
                 planned_step = None

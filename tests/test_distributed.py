@@ -455,6 +455,17 @@ def test_an_elastic_minimum_outside_the_count_is_named(value, problem):
     assert distributed.min_processes({}, spec) == 4
 
 
+@pytest.mark.parametrize("value, problem", [
+    ("2", "JAXSCALE_MAX_PROCESSES=2 is below the 3 processes running"),
+    ("many", "JAXSCALE_MAX_PROCESSES='many' must be an integer")])
+def test_an_elastic_maximum_below_the_count_is_named(value, problem):
+    """The maximum a narrow run is written for (its global batch, its stop's tier)."""
+    with pytest.raises(JaxscaleError, match=re.escape(problem)):
+        distributed.max_processes({"JAXSCALE_MAX_PROCESSES": value}, 3)
+    assert distributed.max_processes({"JAXSCALE_MAX_PROCESSES": "4"}, 3) == 4
+    assert distributed.max_processes({}, 3) == 3
+
+
 @pytest.mark.parametrize("value", ["", "..", "a/b", "host 1"])
 def test_a_host_slot_that_is_no_folder_name_is_named(value):
     with pytest.raises(JaxscaleError, match=re.escape(f"JAXSCALE_HOST_SLOT={value!r} is not a "

@@ -22,7 +22,7 @@ from kubernetes import client
 
 from jaxscale.launch.gke import RUN_AS, Shape, parse_args
 from jaxscale.launch.gke import render as render_jobset
-from jaxscale.runtime.distributed import ClusterSpec, detect
+from jaxscale.runtime.distributed import ClusterSpec, detect, host_slot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = os.path.join(REPO, "tests", "fixtures", "jobset-v1alpha2-schema.yaml")
@@ -254,6 +254,38 @@ def test_pods_detect_the_gke_mode_and_agree_on_the_coordinator(gpu_jobset):
     # What Kubernetes and JobSet add to pod 1 of job 0.
     spec = detect({**env, "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": "1"})
     assert spec == ClusterSpec("gke", "tiny-workers-0-0.tiny:8476", 2, 1)
+
+
+def container_env(container, labels, annotations):
+    """The container's environment as Kubernetes builds it for a pod with these labels and
+    annotations: fieldRefs read from them, `$(NAME)` replaced by a variable defined before it."""
+    env = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)",
+                                        lambda m: env.get(m.group(1), m.group(0)), entry["value"])
+        else:
+            kind, key = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]",
+                                     entry["valueFrom"]["fieldRef"]["fieldPath"]).groups()
+            env[entry["name"]] = (labels if kind == "labels" else annotations)[key]
+    return env
+
+
+def test_every_pod_has_a_slot_of_its_own_that_outlives_it_and_the_jobsets_count(tpu_jobset):
+    """The slot (the local tier's folder) is the pod's job and pod index, which a replacement pod
+    keeps; every pod of a multi-slice JobSet has its own, and the range's maximum is its count."""
+    rjob = tpu_jobset["spec"]["replicatedJobs"][0]
+    jobs, pods = rjob["replicas"], rjob["template"]["spec"]["completions"]
+    container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
+    slots = set()
+    for job in range(jobs):
+        for pod in range(pods):
+            env = container_env(container, {"jobset.sigs.k8s.io/job-index": str(job)},
+                                {"batch.kubernetes.io/job-completion-index": str(pod)})
+            assert env["JAXSCALE_MAX_PROCESSES"] == str(jobs * pods)
+            slots.add(host_slot(env, 0))
+    assert slots == {f"{job}-{pod}" for job in range(jobs) for pod in range(pods)}
+    assert jobs * pods > 2
 
 
 @pytest.mark.slow  # two launch.gke renders, each checking the config's fit (about 11 s)

@@ -119,6 +119,8 @@ def test_tpu_dry_run_prints_every_command_of_a_multislice_spot_run():
         assert len(starts) == 3  # install, start training, stream logs
         assert ("jaxscale.train\\ --config=configs/tiny.py\\ --workdir=runs/run1\\ "
                 "--config.checkpoint.dir=gs://bucket/run1") in starts[1]
+        # Each worker's host name is its slot (its local checkpoints' folder), set on the worker.
+        assert "\\&\\&\\ JAXSCALE_HOST_SLOT=\\$\\(hostname\\)\\ nohup\\ " in starts[1]
     assert all(line.startswith(("ok:", "gcloud ", "tar ")) for line in lines)
 
 

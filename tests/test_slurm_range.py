@@ -25,7 +25,8 @@ SMALL = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.l
 def sbatch(tmp_path):
     """Runs the script as the batch step of a job given `nodes` nodes of 1 device each, with
     stand-ins for scontrol (logs) and srun, which logs the range it was given and runs its command
-    once per node in the background, as tasks SLURM_PROCID=0..nodes-1 on this host, each output
+    once per node in the background, as tasks SLURM_PROCID=0..nodes-1 on this host (nodes
+    node0, node1, ... in SLURMD_NODENAME, as slurmd names them), each output
     in task<i>.out, and exits with the highest of their statuses as srun does."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -36,7 +37,8 @@ def sbatch(tmp_path):
         while [[ $1 == --* ]]; do shift; done
         pids=()
         for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
-          SLURM_PROCID=$i SLURM_LOCALID=0 SLURM_NTASKS=$SLURM_JOB_NUM_NODES \\
+          SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=node$i \\
+            SLURM_NTASKS=$SLURM_JOB_NUM_NODES \\
             SLURM_STEP_NUM_NODES=$SLURM_JOB_NUM_NODES SLURM_STEP_NODELIST=localhost \\
             "$@" > {tmp_path}/task$i.out 2>&1 &
           pids+=($!)
@@ -125,3 +127,22 @@ def test_a_job_given_3_nodes_of_a_2_to_4_range_trains_to_its_end(sbatch, tmp_pat
     assert ("jaxscale: elastic: 3 of 4 devices, global batch 12 kept: data-parallel width "
             "4 -> 3, train.microbatches 1 -> 2") in outputs[0]
     assert "step 3" in outputs[0]
+
+
+def test_each_task_runs_with_its_nodes_slot(sbatch, tmp_path):
+    """Each task's JAXSCALE_HOST_SLOT is its node and local id (the folder of its local
+    checkpoints, which a requeue on fewer nodes must find again); a stand-in python records it
+    instead of training, and runs the script's config check for real."""
+    (tmp_path / "bin" / "python").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        if [[ $2 == jaxscale.train ]]; then
+          echo "$JAXSCALE_HOST_SLOT" > {tmp_path}/slot$SLURM_PROCID
+          exit 0
+        fi
+        exec {sys.executable} "$@"
+        """))
+    (tmp_path / "bin" / "python").chmod(0o755)
+    job, _ = sbatch(2, "2-2", *SMALL, f"--workdir={tmp_path / 'run'}", timeout=120)
+    assert job.returncode == 0, job.stderr
+    slots = [(tmp_path / f"slot{i}").read_text().strip() for i in range(2)]
+    assert slots == ["node0-0", "node1-0"]

@@ -209,8 +209,10 @@ start_training() {
   quoted="$(printf '%q ' "${TRAIN_ARGS[@]}")"
   # nohup: the run outlives this terminal; `logs` reattaches to it. supervise restarts the run on
   # its worker after a maintenance event (exit 42), a transient failure (75) or a crash; the
-  # workers then meet again.
-  on_all_workers "cd ~/$REMOTE_DIR && nohup .venv/bin/python -m jaxscale.supervise -- \
+  # workers then meet again. The host name is the worker's slot: its local checkpoints' folder
+  # (docs/checkpointing.md), the same whatever id JAX gives it.
+  on_all_workers "cd ~/$REMOTE_DIR && JAXSCALE_HOST_SLOT=\$(hostname) nohup \
+.venv/bin/python -m jaxscale.supervise -- \
 .venv/bin/python -m jaxscale.train $quoted > ~/$LOG_FILE 2>&1 < /dev/null & \
 echo started on \$(hostname)"
 }

@@ -62,7 +62,7 @@ from jaxscale.checkpoint.verdict import (
 )
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gathered, gravest, process_0_decides
-from jaxscale.runtime.distributed import host_slot
+from jaxscale.runtime.distributed import host_slot, max_processes
 from jaxscale.runtime.storage import check_bucket
 from jaxscale.runtime.workdir import check_writable
 
@@ -117,6 +117,11 @@ class Checkpoints:
                             ) if o.enabled and o.local_dir else None
         self._local: Tier | None = None
         self._local_on = self._local_root is not None
+        # The range's maximum, which a narrow run (an elastic run gone on without a host) has
+        # fewer processes than: a later start may take a host back, which holds no local copy
+        # of what this one saves.
+        self._full_count = max_processes(os.environ, jax.process_count())
+        self._narrow = jax.process_count() < self._full_count
         # Set by `restore_newest`: why a newer local checkpoint of another layout is not used.
         self.unused_local: str | None = None
         self._last_save = {PERSISTENT: time.monotonic(), LOCAL: time.monotonic()}
@@ -252,13 +257,20 @@ class Checkpoints:
 
     def save_to_stop(self, step: int, state: State, data_state: dict, meta: dict, *,
                      finite: bool = True) -> epath.Path | None:
-        """Saves `step` to the fastest tier (the local one when it is on), waits until it is
-        durable and returns its folder; None when the step was not finite (no checkpoint ever
-        follows one). A failed local save turns the local tier off and saves to the persistent
-        tier instead."""
+        """Saves `step` to the fastest tier the next start will find on every host, waits until
+        it is durable and returns its folder; None when the step was not finite (no checkpoint
+        ever follows one). That is the local tier when it is on, but in a narrow run (fewer
+        processes than its range's maximum): the next start may take back a host with no local
+        copy, and would resume from an older persistent step, so the stop saves persistently.
+        A failed local save turns the local tier off and saves to the persistent tier instead."""
         if not finite:
             return None
-        if self._local_on and self.save(step, state, data_state, meta, tier=LOCAL):
+        if self._local_on and self._narrow and jax.process_index() == 0:
+            logger.info("the run is on %d of its range's %d processes: its stop saves to %s, "
+                        "which a wider restart can read on every host", jax.process_count(),
+                        self._full_count, self.directory)
+        if self._local_on and not self._narrow and self.save(step, state, data_state, meta,
+                                                             tier=LOCAL):
             self.wait()
             if self._local_on:
                 return self._local.path(step)

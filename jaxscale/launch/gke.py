@@ -23,6 +23,8 @@ How the manifest maps jaxscale's contract onto Kubernetes:
   the pod is replaced in place without counting as a failure. 2 (a usage error) and 130
   (interrupted): the JobSet fails at once; restarting cannot fix it. Any other failure: the whole
   JobSet restarts from its last checkpoint, at most --max_restarts times.
+- Slots: every pod gets JAXSCALE_HOST_SLOT=<job index>-<pod index>, its stable place in the
+  JobSet, and JAXSCALE_MAX_PROCESSES, the JobSet's process count (runtime/distributed.py).
 - Elastic (--min_processes, GPU node pools): every pod gets JAXSCALE_MIN_PROCESSES; pods still
   Pending at the rendezvous deadline (distributed.init_timeout_s) fail nothing: the pods that came
   start without them when they are at least the minimum (pod 0, the coordinator, among them), with
@@ -57,7 +59,12 @@ from jaxscale.errors import (
     USAGE_EXIT_CODE,
 )
 from jaxscale.launch.cli import check_train_args, nonnegative, positive
-from jaxscale.runtime.distributed import GKE_COORDINATOR_PORT, MIN_PROCESSES_VAR
+from jaxscale.runtime.distributed import (
+    GKE_COORDINATOR_PORT,
+    HOST_SLOT_VAR,
+    MAX_PROCESSES_VAR,
+    MIN_PROCESSES_VAR,
+)
 
 CONTAINER = "jaxscale"
 REPLICATED_JOB = "workers"
@@ -259,6 +266,8 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         # The root filesystem is read-only: JAX, XLA and CUDA keep their caches under HOME.
         "HOME": "/tmp",
         **({} if args.tpu_accelerator else A3_NCCL_ENV),
+        # The count the config is written for, whatever count a start has (training/elastic.py).
+        MAX_PROCESSES_VAR: str(shape.replicas * shape.pods),
         **({} if args.min_processes is None
            else {MIN_PROCESSES_VAR: str(args.min_processes)}),
     }
@@ -268,7 +277,13 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         "command": train,
         "env": [{"name": k, "value": v} for k, v in env.items()] + [
             {"name": "JOB_INDEX", "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}}],
+                "fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}},
+            # The pod's place in the JobSet, which a replacement pod keeps while an elastic start
+            # renumbers the processes: the folder of its local checkpoints. Kubernetes adds
+            # JOB_COMPLETION_INDEX after these, too late for $(...) to read it.
+            {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+            {"name": HOST_SLOT_VAR, "value": "$(JOB_INDEX)-$(POD_INDEX)"}],
         "ports": [{"containerPort": GKE_COORDINATOR_PORT, "name": "coordinator"}],
         # CPU and memory: requests only. Kueue's quotas and the scheduler count them, and they
         # keep the pod out of the BestEffort class that is evicted first; a CPU limit would

@@ -139,6 +139,19 @@ def host_slot(environ: Mapping[str, str], process_id: int) -> str:
     return slot
 
 
+def max_processes(environ: Mapping[str, str], process_count: int) -> int:
+    """The count the run is written for (MAX_PROCESSES_VAR, an elastic range's maximum), else
+    `process_count`; a run with fewer is narrow, and a later start may take hosts back."""
+    if MAX_PROCESSES_VAR not in environ:
+        return process_count
+    maximum = _int(environ, MAX_PROCESSES_VAR)
+    if maximum < process_count:
+        raise JaxscaleError(f"{MAX_PROCESSES_VAR}={maximum} is below the {process_count} "
+                            "processes running; set it to the range's maximum (at least "
+                            f"{process_count}), or unset it")
+    return maximum
+
+
 def min_processes(environ: Mapping[str, str], spec: ClusterSpec) -> int:
     """The fewest processes the run starts with (an elastic range's minimum); all by default."""
     if MIN_PROCESSES_VAR not in environ:
