@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 
-from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
+from jaxscale.cli import ArgumentParser, fail_with, number_flag
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import whole
 from jaxscale.models import FAMILIES
@@ -37,7 +37,7 @@ from jaxscale.runtime.storage import (
     writing,
 )
 from jaxscale.runtime.tpu_host import quiet_libtpu
-from jaxscale.runtime.workdir import check_writable, read_config
+from jaxscale.runtime.workdir import check_writable, folder_or_bucket_flag, read_config
 
 DTYPES = ("bfloat16", "float32", "float16")  # jaxscale.hf.weights.DTYPES, without importing JAX
 # Beside a tokenizer file, what holds its chat template (and special tokens) for transformers.
@@ -48,8 +48,9 @@ def make_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m jaxscale.export_hf",
                             description="Export a run's parameters as a Hugging Face model "
                                         "folder of its family (model.name).")
-    parser.add_argument("--workdir", required=True, type=folder_flag,
-                        help="The run's workdir (its config.json and checkpoints).")
+    parser.add_argument("--workdir", required=True, type=folder_or_bucket_flag,
+                        help="The run's workdir (its config.json and checkpoints; local, gs:// "
+                             "or s3://).")
     parser.add_argument("--out", required=True, help="The folder to write (local, gs:// or "
                         "s3://); it must not exist or be empty.")
     parser.add_argument("--step", type=number_flag(whole("[0, inf)")), default=None,
@@ -119,6 +120,10 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
 
 
 def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only: bool) -> str:
+    # A run that is not there (a missing bucket too) is refused before JAX is imported: seconds.
+    config = read_config(workdir)
+    if adapters_only:
+        check_adapters_only(config, workdir)
     from jaxscale.checkpoint.manager import checkpoint_dir  # JAX from here on
     from jaxscale.checkpoint.restore_from import lora_base, restore_params
     from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
@@ -127,9 +132,6 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
     from jaxscale.hf.peft import save_adapters
     from jaxscale.models.spec import model_spec
 
-    config = read_config(workdir)
-    if adapters_only:
-        check_adapters_only(config, workdir)
     directory = checkpoint_dir(config, workdir)
     step = checkpoint_step(directory, step)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):

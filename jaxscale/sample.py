@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxscale.cli import ArgumentParser, fail_with, folder_flag, number_flag
+from jaxscale.cli import ArgumentParser, fail_with, number_flag
 from jaxscale.config import NUMBERS
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
 from jaxscale.kinds import real, whole
 from jaxscale.runtime import cuda_plugin
-from jaxscale.runtime.storage import in_bucket
 from jaxscale.runtime.tpu_host import quiet_libtpu
+from jaxscale.runtime.workdir import folder_or_bucket_flag
 
 PROG = "python -m jaxscale.sample"
 # The kinds of the numeric flags (jaxscale.config.Number), as the config's keys have theirs.
@@ -29,12 +29,6 @@ MAX_NEW_TOKENS = whole("[1, inf)")
 TEMPERATURE = real("[0, inf)", {0: "greedy", 1: "the model's own distribution"})
 TOP_P = real("(0, 1]", {1: "keeps every token"})
 SEED = NUMBERS["train.seed"]  # the same seeds as training's
-
-
-def folder_or_bucket_flag(text: str) -> str:
-    """An argparse `type`: a folder that exists, or a bucket's (gs://, s3://: asked for when it
-    is read, for the error the storage gives)."""
-    return text if in_bucket(text) else folder_flag(text)
 
 
 def make_parser() -> ArgumentParser:

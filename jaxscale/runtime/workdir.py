@@ -18,6 +18,7 @@ import time
 
 import ml_collections
 
+from jaxscale.cli import folder_flag
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError, json_object
 from jaxscale.runtime.storage import (
@@ -90,6 +91,12 @@ def open_workdir(workdir: str, config_json: str) -> None:
 _READ_FIX = "pass the workdir of a run this account can read"
 _CONFIG_FIX = ("it is the run's config as jaxscale.train wrote it: restore it, or start the run "
                "again")
+
+
+def folder_or_bucket_flag(text: str) -> str:
+    """An argparse `type`: a folder that exists, or a bucket's (gs://, s3://: asked for when it
+    is read, for the error the storage gives)."""
+    return text if in_bucket(text) else folder_flag(text)
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
