@@ -217,9 +217,11 @@ def transformers_logits(torch, model, tokens) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("targets", [ALL_TARGETS, ("k", "up", "down")], ids=["all", "up-down"])
-def test_peft_loads_the_experts_adapters_with_the_adapted_logits(tmp_path, targets):
-    """The base exported by hf.save_model and the adapters by peft.save_adapters give, loaded by
+@pytest.mark.parametrize("family, targets", [("mixtral", ALL_TARGETS),
+                                             ("qwen3_moe", ("k", "up", "down"))])
+def test_peft_loads_the_experts_adapters_with_the_adapted_logits(tmp_path, family, targets):
+    """A mixture's base exported by hf.save_model and its adapters by peft.save_adapters give (a
+    Mixtral with adapters everywhere, a Qwen3-MoE with up's but not gate's), loaded by
     transformers and PeftModel.from_pretrained (float32), the logits jaxscale's adapted model
     gives (1e-5 of the largest); with the adapters off, the base's, which are far off."""
     torch = pytest.importorskip("torch")
@@ -233,7 +235,7 @@ def test_peft_loads_the_experts_adapters_with_the_adapted_logits(tmp_path, targe
     from tests.helpers import relative_error
 
     config = moe_config()
-    config.model.lora.targets = targets
+    config.model.name, config.model.lora.targets = family, targets
     cfg, params, tokens, adapted, base_cfg = adapted_mixtral(config)
     adapters, frozen = lora.split_adapters(params)
     hf.save_model(nnx.merge(spec_of(base_cfg).graphdef, frozen), base_cfg, str(tmp_path / "m"),
