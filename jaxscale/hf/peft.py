@@ -135,6 +135,8 @@ def _expert_factors(adapters: Any, cfg: DecoderConfig, layer: int) -> Factors:
     """One layer's experts' adapters as PEFT's on the fused parameters (the module docstring):
     ours are A [experts, in, r] and B [experts, r, out] per weight."""
     factors, fused = {}, _expert_parameters(cfg)
+    if not fused:
+        return factors
     experts, rank = cfg.moe.experts, cfg.lora.rank
     # Where each weight's rows start: gate_up_proj's are the gate's, then the up's, whether
     # adapted or not.
