@@ -192,6 +192,21 @@ def test_a_peft_config_puts_the_experts_adapters_on_the_fused_parameters():
     assert peft_config["rank_pattern"] == {}
 
 
+def test_experts_adapters_of_another_rank_are_refused_by_name(tmp_path):
+    """The experts' factors are checked against the model config as attention's are: rank-4
+    adapters with a rank-8 config name the expert weight and both shapes; nothing is written."""
+    from jaxscale.errors import JaxscaleError
+    from jaxscale.hf import peft
+    spec = model_spec(moe_config(rank=4))
+    adapters = spec.trained(spec.abstract_params)
+    config = moe_config(rank=8)
+    config.model.lora.targets = ("gate",)
+    message = one_line_error(JaxscaleError, lambda: peft.save_adapters(
+        adapters, model_spec(config).config, str(tmp_path / "lora")))
+    assert f"blocks/layers/0/mlp/gate_lora is a [2, {EXPERTS}, 64, 4]" in message
+    assert f"needs a [2, {EXPERTS}, 64, 8]" in message and not (tmp_path / "lora").exists()
+
+
 def adapted_mixtral(config):
     """A Mixtral with trained-like adapters (nonzero B) and decisive routers: (its config,
     params, tokens, the logits jaxscale's adapted model gives, the base's config)."""

@@ -46,8 +46,7 @@ def _module(tensor: HfTensor) -> str:
 
 
 def targets(cfg: DecoderConfig) -> list[HfTensor]:
-    """The weights `cfg`'s adapters sit beside, in the order transformers writes them: the
-    modules' (attention's; a dense feed-forward's), then the experts'."""
+    """The weights `cfg`'s adapters sit beside, in the order transformers writes them."""
     if cfg.lora is None:
         raise JaxscaleError("the model has no LoRA adapters (model.lora.rank=0); a PEFT folder "
                             "holds adapters: export the whole model instead")
@@ -86,12 +85,17 @@ def adapter_config(cfg: DecoderConfig, base_model_name_or_path: str | None,
         alpha_pattern={key: 2 * alpha for key in doubled})
 
 
+def _name(tensor: HfTensor) -> str:
+    """'blocks/layers/0/mlp/gate_lora': where the adapter beside `tensor` lies in the params."""
+    return "/".join(map(str, tensor.path)) + ADAPTER_SUFFIX
+
+
 def _adapter(adapters: Any, tensor: HfTensor) -> dict:
     node = adapters
     for key in tensor.path[:-1] + (tensor.path[-1] + ADAPTER_SUFFIX,):
         node = node.get(key) if isinstance(node, dict) else None
         if node is None:
-            raise JaxscaleError(f"the adapters have no {'/'.join(tensor.path)}{ADAPTER_SUFFIX}, "
+            raise JaxscaleError(f"the adapters have no {_name(tensor)}, "
                                 "which the model config targets; pass the model config they were "
                                 "made with")
     return node
@@ -107,7 +111,7 @@ def _check_shapes(adapters: Any, cfg: DecoderConfig) -> None:
         want_a = (*lead, *ours[:n_in], cfg.lora.rank)
         want_b = (*lead, cfg.lora.rank, *ours[n_in:])
         if (a, b) != (want_a, want_b):
-            raise JaxscaleError(f"adapter {'/'.join(t.path)}{ADAPTER_SUFFIX} is a {list(a)}, b "
+            raise JaxscaleError(f"adapter {_name(t)} is a {list(a)}, b "
                                 f"{list(b)} but the model config needs a {list(want_a)}, b "
                                 f"{list(want_b)}; pass the model config the adapters were made "
                                 "with")
