@@ -124,7 +124,8 @@ SCHEMA = {
         "schedule": Key("gpipe", "gpipe | 1f1b (repeats 1)"),
     },
     "model": {
-        "name": Key("llama", "the model family (jaxscale/models/__init__.py FAMILIES)"),
+        "name": Key("", "the model family (jaxscale/models/__init__.py FAMILIES; \"\": its "
+                    "DEFAULT_FAMILY)"),
         "vocab_size": Key(259, "the tokenizer's ids (the byte tokenizer's: 256 + pad, bos, eos)",
                           _SIZE),
         "vocab_multiple": Key(128, "the embedding's rows are padded to a multiple of this",

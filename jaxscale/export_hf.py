@@ -24,7 +24,7 @@ import tempfile
 from jaxscale.cli import ArgumentParser, fail_with, number_flag
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.kinds import whole
-from jaxscale.models import FAMILIES
+from jaxscale.models import family
 from jaxscale.runtime import cuda_plugin
 from jaxscale.runtime.storage import (
     check_bucket,
@@ -157,7 +157,7 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
         files = save_adapters(params, spec.config, out, dtype, base_model_name_or_path=hf_base,
                               dropout=config.model.lora.dropout)
         what = f"the LoRA adapters (rank {rank}) of step {step} of {workdir} to {out} ({dtype})"
-        architecture = FAMILIES[config.model.name].hf_architecture
+        architecture = family(config.model.name).hf_architecture
         then = (f"; load them with peft.PeftModel.from_pretrained({architecture}."
                 f"from_pretrained({hf_base!r}), {out!r})" if hf_base else
                 f"; their base is the jaxscale run {base!r}: export it with python -m "

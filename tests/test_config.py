@@ -138,3 +138,17 @@ def test_the_schema_has_a_size_for_every_mesh_axis_and_no_other():
     mesh = default_config().mesh
     assert set(MESH_AXES) == set(mesh.dcn.keys()) == set(mesh.keys()) - {"dcn"} - {
         key for key in mesh.keys() if key.startswith("auto")}
+
+
+def test_the_default_config_names_no_family_and_builds_the_default_one():
+    """The schema's `model.name` is "" (config.py names no family); the model it builds is
+    models/'s DEFAULT_FAMILY, and a name that is not a family is still refused."""
+    from jaxscale.models import DEFAULT_FAMILY, FAMILIES, family
+    from jaxscale.models.spec import model_config
+
+    config = default_config()
+    assert config.model.name == "" and DEFAULT_FAMILY in FAMILIES
+    assert model_config(config).family == DEFAULT_FAMILY == family("").name
+    config.model.name = "gpt"
+    with pytest.raises(ConfigError, match="model.name='gpt' is unknown"):
+        validate(config, 1)

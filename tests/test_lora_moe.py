@@ -172,19 +172,97 @@ def test_dropout_on_the_experts_adapters_is_refused():
     check_lora(config)
 
 
-def test_a_peft_folder_takes_attentions_adapters_but_not_the_experts():
-    """transformers' Mixtral holds a layer's experts as one fused parameter: PEFT has no module
-    per expert for their adapters, so that export is refused by name; attention's adapters sit
-    on modules PEFT knows."""
+def test_a_peft_config_puts_the_experts_adapters_on_the_fused_parameters():
+    """transformers' Mixtral holds a layer's experts as fused parameters: the experts' adapters
+    go to PEFT's `target_parameters`, gate and up as one adapter of twice the rank and alpha on
+    gate_up_proj; attention's sit on its modules."""
+    from jaxscale.hf import peft
+    cfg = model_spec(moe_config()).config
+    peft_config = peft.adapter_config(cfg, None)
+    assert peft_config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert peft_config["target_parameters"] == ["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"]
+    assert (peft_config["r"], peft_config["lora_alpha"]) == (4, 8)
+    assert peft_config["rank_pattern"] == {"experts.gate_up_proj": 8}
+    assert peft_config["alpha_pattern"] == {"experts.gate_up_proj": 16}
+    config = moe_config()
+    config.model.lora.targets = ("q", "v", "up")
+    peft_config = peft.adapter_config(model_spec(config).config, None)
+    assert peft_config["target_parameters"] == ["mlp.experts.gate_up_proj"]
+    assert peft_config["rank_pattern"] == {}
+
+
+def test_experts_adapters_of_another_rank_are_refused_by_name(tmp_path):
+    """The experts' factors are checked against the model config as attention's are: rank-4
+    adapters with a rank-8 config name the expert weight and both shapes; nothing is written."""
     from jaxscale.errors import JaxscaleError
     from jaxscale.hf import peft
+    spec = model_spec(moe_config(rank=4))
+    adapters = spec.trained(spec.abstract_params)
+    config = moe_config(rank=8)
+    config.model.lora.targets = ("gate",)
+    message = one_line_error(JaxscaleError, lambda: peft.save_adapters(
+        adapters, model_spec(config).config, str(tmp_path / "lora")))
+    assert f"blocks/layers/0/mlp/gate_lora is a [2, {EXPERTS}, 64, 4]" in message
+    assert f"needs a [2, {EXPERTS}, 64, 8]" in message and not (tmp_path / "lora").exists()
+
+
+def adapted_mixtral(config):
+    """A Mixtral with trained-like adapters (nonzero B) and decisive routers: (its config,
+    params, tokens, the logits jaxscale's adapted model gives, the base's config)."""
+    from flax import nnx
+
+    from jaxscale.models.spec import create_model
+
+    config.model.vocab_multiple = 1
+    cfg = model_spec(config).config
+    graphdef, state = nnx.split(create_model(cfg, 0))
+    adapters, frozen = lora.split_adapters(nnx.to_pure_dict(state))
+    params = lora.join_adapters(with_nonzero_b(adapters), decisive_routers(frozen))
+    nnx.replace_by_pure_dict(state, params)
+    tokens = jnp.asarray(random_batch(config)["inputs"][:2])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    adapted = np.asarray(nnx.merge(graphdef, state)(tokens, positions))
+    return cfg, params, tokens, adapted, model_spec(base_of(config)).config
+
+
+def transformers_logits(torch, model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, targets", [("mixtral", ALL_TARGETS),
+                                             ("qwen3_moe", ("k", "up", "down"))])
+def test_peft_loads_the_experts_adapters_with_the_adapted_logits(tmp_path, family, targets):
+    """A mixture's base exported by hf.save_model and its adapters by peft.save_adapters give (a
+    Mixtral with adapters everywhere, a Qwen3-MoE with up's but not gate's), loaded by
+    transformers and PeftModel.from_pretrained (float32), the logits jaxscale's adapted model
+    gives (1e-5 of the largest); with the adapters off, the base's, which are far off."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft_library = pytest.importorskip("peft")
+    from flax import nnx
+
+    from jaxscale import hf
+    from jaxscale.hf import peft
+    from jaxscale.models.spec import spec_of
+    from tests.helpers import relative_error
+
     config = moe_config()
-    message = one_line_error(JaxscaleError, lambda: peft.targets(model_spec(config).config))
-    assert "['gate', 'up', 'down']" in message and "have no PEFT format" in message
-    config.model.lora.targets = ("q", "v")
-    names = [t.hf_name for t in peft.targets(model_spec(config).config)]
-    assert names == ["model.layers.{}.self_attn.q_proj.weight",
-                     "model.layers.{}.self_attn.v_proj.weight"]
+    config.model.name, config.model.lora.targets = family, targets
+    cfg, params, tokens, adapted, base_cfg = adapted_mixtral(config)
+    adapters, frozen = lora.split_adapters(params)
+    hf.save_model(nnx.merge(spec_of(base_cfg).graphdef, frozen), base_cfg, str(tmp_path / "m"),
+                  "float32")
+    peft.save_adapters(adapters, cfg, str(tmp_path / "lora"), "float32")
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "m"), dtype=torch.float32, attn_implementation="eager",
+        experts_implementation="eager")
+    model = peft_library.PeftModel.from_pretrained(base, str(tmp_path / "lora"))
+    assert relative_error(transformers_logits(torch, model, tokens), adapted) < 1e-5
+    with model.disable_adapter():
+        assert relative_error(transformers_logits(torch, model, tokens), adapted) > 1e-3
 
 
 @pytest.mark.slow
@@ -197,29 +275,17 @@ def test_merged_export_loads_in_transformers_with_the_adapted_logits(tmp_path):
     from flax import nnx
 
     from jaxscale import hf
-    from jaxscale.models.spec import create_model, spec_of
+    from jaxscale.models.spec import spec_of
     from tests.helpers import relative_error
 
-    config = moe_config()
-    config.model.vocab_multiple = 1
-    cfg = model_spec(config).config
-    graphdef, state = nnx.split(create_model(cfg, 0))
-    params = nnx.to_pure_dict(state)
-    adapters, frozen = lora.split_adapters(params)
-    params = lora.join_adapters(with_nonzero_b(adapters), decisive_routers(frozen))
-    nnx.replace_by_pure_dict(state, params)
-    tokens = jnp.asarray(random_batch(config)["inputs"][:2])
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    adapted = np.asarray(nnx.merge(graphdef, state)(tokens, positions))
-    base_cfg = model_spec(base_of(config)).config
+    cfg, params, tokens, adapted, base_cfg = adapted_mixtral(moe_config())
     merged = lora.merged(params, cfg.lora)
     hf.save_model(nnx.merge(spec_of(base_cfg).graphdef, merged), base_cfg, str(tmp_path / "m"),
                   "float32")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "m"), dtype=torch.float64, attn_implementation="eager",
         experts_implementation="eager")
-    with torch.no_grad():
-        got = model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
-    assert relative_error(got, adapted) < 1e-5
+    assert relative_error(transformers_logits(torch, model, tokens), adapted) < 1e-5
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     base = nnx.merge(spec_of(base_cfg).graphdef, lora.split_adapters(params)[1])
     assert relative_error(np.asarray(base(tokens, positions)), adapted) > 1e-3

@@ -217,3 +217,46 @@ def test_the_memory_estimate_of_a_lora_step_is_within_25_percent_of_the_compiler
     estimate = estimate_memory(config, model_spec(config), UNSPLIT | dict(fsdp=8), "xla")
     assert 0 <= memory.arguments - (estimate.params + estimate.moments + estimate.batch) < 64
     assert 0.75 <= estimate.total / memory.total <= 1.25, (estimate, memory)
+
+
+def lora_moe_config(compute_dtype: str, remat: str, targets=("q", "v", "gate", "up", "down")):
+    """configs/tiny_moe.py (4 layers of 8 experts, d_model 256, width 384) with rank-8 adapters,
+    batch 8, on data=2 x expert=4."""
+    config = load_config_file("configs/tiny_moe.py")
+    config.checkpoint.enabled = False
+    config.train.update(steps=2, batch_size=8)
+    config.mesh.update(data=2, fsdp=1, tensor=1, expert=4)
+    config.model.update(remat=remat)
+    config.model.lora.update(rank=8, alpha=16.0, targets=targets)
+    config.precision.compute_dtype = compute_dtype
+    return config
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_the_memory_model_counts_the_experts_folded_weights(remat):
+    """Against the closed form: each device holds 2 of a layer's 8 experts, whose gate, up and
+    down weights (3 x 256 x 384 each) are folded in float32 one layer at a time, and without
+    remat kept for the backward in bfloat16 for all 4 layers; adapters on attention alone fold
+    nothing."""
+    mesh = UNSPLIT | dict(data=2, expert=4)
+    config = lora_moe_config("bfloat16", remat)
+    estimate = estimate_memory(config, model_spec(config), mesh, "xla")
+    layer = 2 * 3 * 256 * 384
+    assert estimate.folded_experts == layer * 4 + (4 * layer * 2 if remat == "none" else 0)
+    config = lora_moe_config("bfloat16", remat, targets=("q", "up"))
+    assert estimate_memory(config, model_spec(config), mesh, "xla").folded_experts == (
+        estimate.folded_experts // 3)
+    config = lora_moe_config("bfloat16", remat, targets=("q", "v"))
+    assert estimate_memory(config, model_spec(config), mesh, "xla").folded_experts == 0
+
+
+@pytest.mark.slow
+def test_the_memory_estimate_of_a_lora_mixture_step_is_within_25_percent_of_the_compiler():
+    """LoRA on a mixture's experts, bfloat16, remat full, data=2 x expert=4 on the 8 CPU devices:
+    the estimate is within 25% of the compiler's (measured 0.82; 0.74 with the folded weights
+    uncounted, which this bound sees)."""
+    config = lora_moe_config("bfloat16", "full")
+    _, memory = compile_train_step(config, jax.devices()[:8])
+    estimate = estimate_memory(config, model_spec(config), UNSPLIT | dict(data=2, expert=4),
+                               "xla")
+    assert 0.75 <= estimate.total / memory.total <= 1.25, (estimate, memory)

@@ -65,8 +65,14 @@ FAMILIES = {family.name: family for family in (
 )}
 
 
+# The family of a config that names none: the schema's `model.name` is "" (jaxscale/config.py is
+# below this package and names no family), and the default config is this family's tiny model.
+DEFAULT_FAMILY = "llama"
+
+
 def family(name: str) -> Family:
-    """The family `model.name` names; ConfigError for another name."""
+    """The family `model.name` names ("": DEFAULT_FAMILY); ConfigError for another name."""
+    name = name or DEFAULT_FAMILY
     if name not in FAMILIES:
         raise ConfigError(f"model.name={name!r} is unknown; use one of {tuple(FAMILIES)}")
     return FAMILIES[name]

@@ -19,6 +19,10 @@ from typing import Any
 from jaxscale.errors import JaxscaleError
 
 LAYER = "model.layers.{}."  # the prefix of a decoder layer's tensors; "{}" is the layer
+# transformers (5.x) fuses a mixture's experts, whatever its files name them, into one module per
+# layer holding gate_up_proj [experts, 2 x mlp, d_model] (the gate's rows, then the up's) and
+# down_proj [experts, d_model, mlp] as parameters: where PEFT sits the experts' adapters.
+FUSED_EXPERTS = LAYER + "mlp.experts"
 
 
 @dataclasses.dataclass(frozen=True)
