@@ -331,11 +331,10 @@ def _folded_experts(spec: ModelSpec, param_specs, mesh_shape: Mapping[str, int],
     """Bytes per device of the expert weights that LoRA on a mixture's experts folds its adapters
     into (jaxscale/models/moe.py `weight`: W + (alpha / r) A B in float32, then cast to the
     compute dtype): one MoE layer's adapted weights in float32 at a time and, without remat,
-    every MoE layer's folded copy in the compute dtype, which the backward's matmuls take. On
-    configs/tiny_moe.py (rank 8 on q v gate up down, data=2 x expert=4) the compiled step grew
-    by about that: its other temporaries (the fold's gradient, the cast) share the peak of
-    the layer's working set (the step against the estimate: 0.82 in bfloat16 with remat full,
-    0.74 with the fold uncounted; 0.91 and 0.77 without remat; 1.08 and 0.88 in float32)."""
+    every MoE layer's folded copy in the compute dtype, which the backward's matmuls take. The
+    compiled step grew by about that; its other temporaries (the fold's gradient, the cast)
+    share the peak of the layer's working set (benchmarks/RESULTS.md, "Figures once kept in
+    docstrings")."""
     cfg = spec.config
     if cfg.lora is None or cfg.moe is None:
         return 0
