@@ -317,7 +317,7 @@ def initialize(timeout_s: float | None = None,
 # every process of the range until its deadline, so a try every few seconds is soon enough.
 LATE_RETRY_S = 2.0
 _full_count: int | None = None  # the processes of a full start (an elastic range's maximum)
-_in_range = False  # whether the run may start with fewer: an elastic range's minimum is below
+_in_range = False  # whether the run has a host range: a minimum below its full count
 
 
 def elastic() -> bool:
