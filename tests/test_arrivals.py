@@ -17,6 +17,7 @@ from jaxscale.errors import TransientError
 from jaxscale.launch.local import free_port
 from jaxscale.runtime import arrivals, distributed, rendezvous
 from jaxscale.runtime.distributed import ClusterSpec
+from tests.storage_servers import gcs, s3  # noqa: F401 (fixtures)
 
 # A one-process run whose JAX coordinator holds the port, as a run that started without the
 # process under test does.
@@ -84,15 +85,25 @@ def test_a_late_process_without_a_range_writes_nothing(started_run, monkeypatch,
     assert not (tmp_path / "elastic").exists()
 
 
-def test_markers_are_written_once_listed_and_cleared(tmp_path):
-    folder = str(tmp_path / "checkpoints")
+def markers_are_written_once_listed_and_cleared(folder: str) -> None:
     assert arrivals.arrived(folder) == [] and arrivals.cleared(folder) == []
     assert arrivals.announce(folder, "3") == f"{folder}/elastic/arrived/3"
     assert arrivals.announce(folder, "3") is None  # there already
     arrivals.announce(folder, "1")
     assert arrivals.arrived(folder) == ["1", "3"]
     assert arrivals.cleared(folder) == ["1", "3"]
+    assert arrivals.arrived(folder) == []
+
+
+def test_markers_are_written_once_listed_and_cleared(tmp_path):
+    markers_are_written_once_listed_and_cleared(str(tmp_path / "checkpoints"))
     assert os.listdir(tmp_path / "checkpoints" / "elastic" / "arrived") == []
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3"])
+def test_markers_in_a_bucket_too(server, request):
+    bucket = request.getfixturevalue(server).bucket
+    markers_are_written_once_listed_and_cleared(f"{bucket}/arrivals-{os.getpid()}/checkpoints")
 
 
 @pytest.fixture

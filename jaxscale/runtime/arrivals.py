@@ -27,7 +27,7 @@ import threading
 
 import jax
 
-from jaxscale.runtime.storage import filesystem, writing
+from jaxscale.runtime.storage import filesystem, library_errors, writing
 
 LIST_EVERY_S = 2.0  # a listing is a request on a bucket: about 43,000 a day
 FOLDER = "elastic/arrived"  # in the checkpoint folder
@@ -107,8 +107,8 @@ def _watch(checkpoint_dir: str, done: threading.Event) -> None:
     while not done.wait(LIST_EVERY_S):
         try:
             slots = arrived(checkpoint_dir)
-        except OSError:  # the storage failing for now: the next listing tries again
-            continue
+        except (OSError, *library_errors()):
+            continue  # the storage failing for now: the next listing tries again
         if slots and _stop_can_be_asked():
             print(f"jaxscale: elastic: slot(s) {slots} arrived ({shown(checkpoint_dir)}); "
                   "saving at an agreed step and exiting 42 to restart with them", flush=True)
