@@ -48,6 +48,14 @@ SMALL = ["--config=configs/tiny.py", f"--config.train.steps={STEPS}", "--config.
 # 2-core machine.
 RESUME_BOUND_S = 180
 STEP_LINE = re.compile(r"^\[0\] step (\d+) \|", re.M)
+# The returning process's line once it has written its arrival marker (runtime/arrivals.py), and
+# the launcher's once the narrower run has stopped for it.
+ARRIVED_LINE = re.compile(r"^\[returning \d+\] .*announced at ", re.M)
+WIDER_LINE = re.compile(r"^launch.local: taking back the lost process", re.M)
+# Seconds from the returning process's marker to the wider run's first step: process 0's next
+# listing (runtime/arrivals.LIST_EVERY_S), the step JAX's preemption sync picks, the save, the
+# restart on 4 and its start-up; on a loaded 2-core machine.
+TAKE_BACK_BOUND_S = 120
 
 
 class Run(NamedTuple):
@@ -56,6 +64,12 @@ class Run(NamedTuple):
     started: float
     killed: float | None
     output: str
+    arrived: float | None  # when the returning process announced itself
+    widened: float | None  # when the launcher restarted on the full count
+
+    def seconds_to_take_back(self) -> float:
+        """From the returning process's marker to the wider run's first step."""
+        return next(t for t, _ in self.steps if t >= self.widened) - self.arrived
 
     def steps_lost(self) -> int:
         """Steps trained again: those logged before the kill at or after the first step after it."""
@@ -86,6 +100,7 @@ class Watcher:
 
     def __init__(self, workdir: str):
         self.path, self.read, self.steps = f"{workdir}.log", 0, []
+        self.arrived = self.widened = None
 
     def poll(self) -> None:
         try:
@@ -95,6 +110,10 @@ class Watcher:
             return
         now, whole = time.monotonic(), text.rfind("\n") + 1  # whole lines only
         self.steps += [(now, int(m.group(1))) for m in STEP_LINE.finditer(text, self.read, whole)]
+        if self.arrived is None and ARRIVED_LINE.search(text, self.read, whole):
+            self.arrived = now
+        if self.widened is None and WIDER_LINE.search(text, self.read, whole):
+            self.widened = now
         self.read = whole
 
     def wait(self, proc: subprocess.Popen, until_step: int | None = None) -> None:
@@ -132,7 +151,8 @@ def run(workdir: str, cache: str, kill_at: int | None, elastic: bool,
         watcher.wait(proc)
     with open(f"{workdir}.log", errors="replace") as f:
         output = f.read()
-    return Run(proc.returncode, watcher.steps, started, killed, output)
+    return Run(proc.returncode, watcher.steps, started, killed, output, watcher.arrived,
+               watcher.widened)
 
 
 def metrics(workdir: str) -> dict[int, dict]:
@@ -160,8 +180,11 @@ def main() -> None:
         r = run(os.path.join(root, name), cache, kill_at, elastic, args.return_after_s)
         assert r.status == 0, r.output[-3000:]
         walls[name] = r.wall_s()
+        took_back = (f", returning host's marker to the wider run's first step "
+                     f"{r.seconds_to_take_back():.1f} s" if r.widened is not None else "")
         print(f"{name:>8}: steps lost {r.steps_lost()}, kill to next step "
-              f"{r.seconds_to_resume():.1f} s, wall to step {STEPS} {walls[name]:.1f} s")
+              f"{r.seconds_to_resume():.1f} s, wall to step {STEPS} {walls[name]:.1f} s"
+              f"{took_back}")
     print(f"ratio: {walls['waiting'] / walls['elastic']:.2f}")
 
 

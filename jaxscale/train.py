@@ -55,9 +55,10 @@ def main(argv: list[str]) -> None:
         # Import JAX only now, so that --help, flag errors and the guard stay fast.
         import jax
 
+        from jaxscale.checkpoint.manager import checkpoint_dir
         from jaxscale.checkpoint.signals import RunStopped
         from jaxscale.plan.auto import planned_config
-        from jaxscale.runtime import agreement, cuda_plugin, xla_flags
+        from jaxscale.runtime import agreement, arrivals, cuda_plugin, xla_flags
         from jaxscale.runtime.tpu_host import quiet_libtpu
         from jaxscale.trainer import Trainer
         from jaxscale.training import elastic
@@ -67,8 +68,11 @@ def main(argv: list[str]) -> None:
             xla_flags.apply(config.performance.xla_flags)
             # Before anything touches a device: every process of a multi-host run must join.
             began = time.perf_counter()
+            # The checkpoint folder holds the arrival markers of processes that come late.
+            checkpoints_at = checkpoint_dir(config, workdir)
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
-                                   heartbeat_timeout_s=config.distributed.heartbeat_timeout_s)
+                                   heartbeat_timeout_s=config.distributed.heartbeat_timeout_s,
+                                   checkpoint_dir=checkpoints_at)
             rendezvous_seconds = time.perf_counter() - began
             agreement.exit_on_announced_failure()
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
@@ -82,8 +86,11 @@ def main(argv: list[str]) -> None:
                 planned_step = None
                 if config.mesh.auto:  # the planner chooses the layout and compiles its step
                     config, planned_step = planned_config(config, devices)
-                Trainer(config, workdir, devices, planned_step=planned_step,
-                        rendezvous_seconds=rendezvous_seconds).run()
+                # A narrower run takes its lost processes back when they return.
+                with arrivals.watched(checkpoints_at, elastic=distributed.elastic(),
+                                     narrower=distributed.narrower()):
+                    Trainer(config, workdir, devices, planned_step=planned_step,
+                            rendezvous_seconds=rendezvous_seconds).run()
         except (JaxscaleError, TransientError) as e:
             # At once when the others were told and exit on their own: a clean exit would wait
             # for them at JAX's shutdown barrier.

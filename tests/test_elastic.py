@@ -110,12 +110,19 @@ STAND_IN = '''
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))  # saved; restart me
 n, i = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
-print(f"{i} of {n}, at most {os.environ['JAXSCALE_MAX_PROCESSES']}", flush=True)
+full = int(os.environ["JAXSCALE_MAX_PROCESSES"])
+print(f"{i} of {n}, at most {full}", flush=True)
+if i == 0:
+    print("jaxscale: distributed mode stand-in", flush=True)  # met: late ones may come now
 narrow_ran = os.path.join(os.environ["MARKS"], "narrow_ran")
-if n < int(os.environ["JAXSCALE_MAX_PROCESSES"]):
+arrived = os.path.join(os.environ["MARKS"], "arrived")  # runtime/arrivals.py's marker
+if n < full:
     open(narrow_ran, "w").close()
-elif os.path.exists(narrow_ran):
+elif os.path.exists(arrived):
     sys.exit(0)  # back on the full count: done
+elif os.path.exists(narrow_ran):
+    open(arrived, "w").close()  # a late process: announced, it waits to be taken back
+    time.sleep(60)
 if f"{n}:{i}" in os.environ["LOSE"].split(","):
     os.kill(os.getpid(), signal.SIGKILL)  # a lost host
 # A step line once every process has its handler, as a real step is taken by all together.
@@ -124,7 +131,10 @@ while not all(os.path.exists(os.path.join(os.environ["MARKS"], f"started_{n}_{j}
               for j in range(n)):
     time.sleep(0.05)
 print("step 1 | loss 1.0", flush=True)
-time.sleep(60)
+for _ in range(1200):
+    if n < full and os.path.exists(arrived):
+        sys.exit(42)  # process 0 saw the marker: every process saves one step, planned stop
+    time.sleep(0.05)
 '''
 
 
@@ -153,6 +163,8 @@ def test_a_lost_process_is_taken_back_by_a_planned_restart(tmp_path):
     result = launch_stand_ins(tmp_path, "3:2", "--min_processes=2", "--return_after_s=0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[1] 1 of 2, at most 3" in result.stdout and "[2] 2 of 3" in result.stdout
+    assert "[returning 2] 2 of 3, at most 3" in result.stdout  # started late, as slot 2
+    assert "launch.local: slot(s) [2] back: starting them as late processes" in result.stderr
     assert "launch.local: taking back the lost process(es): restarting on 3" in result.stderr
 
 

@@ -1,8 +1,11 @@
 """An elastic run (launch.local, 4 processes x 1 CPU device, --min_processes=3) loses process 2
 (SIGKILL, a lost host) after step 3: it goes on with 3 processes at the same global batch (in 2
-microbatches), takes the 4th back once the 3 train (--return_after_s=0: a planned stop, saved),
-and every step's loss equals an uninterrupted 4-process run's to 1e-5 relative (float32): the same
-documents in the same order, the same schedule. The runs are benchmarks/elastic.py's."""
+microbatches), takes the 4th back once the 3 have met (--return_after_s=0): the launcher starts it
+as a late process, which finds the run started without it and writes its arrival marker; the 3's
+process 0 sees it, they save one agreed step and exit 42, and the launcher restarts on 4, whose
+process 0 clears the marker. Every step's loss equals an uninterrupted 4-process run's to 1e-5
+relative (float32): the same documents in the same order, the same schedule. The runs are
+benchmarks/elastic.py's."""
 
 import pytest
 
@@ -23,9 +26,18 @@ def test_a_lost_host_is_gone_on_without_then_taken_back_and_the_losses_are_uncha
     went_on = output.index("launch.local: process(es) [2] lost (SIGKILL); going on with 3 of 4")
     narrow = output.index("[0] jaxscale: elastic: 3 of 4 devices, global batch 12 kept: "
                           "data-parallel width 4 -> 3, train.microbatches 1 -> 2", went_on)
-    wide = output.index("launch.local: taking back the lost process(es): restarting on 4", narrow)
+    marker = f"{tmp_path}/lost/checkpoints/elastic/arrived/2"
+    announced = output.index("[returning 2] jaxscale: elastic: process 2 of 4 arrived after the "
+                             "run had started without it: JAX's service, not a rendezvous, "
+                             "answered at 127.0.0.1:", narrow)
+    assert f"announced at {marker}, waiting to be taken back" in output[announced:]
+    seen = output.index("[0] jaxscale: elastic: slot(s) ['2'] arrived ", announced)
+    stopped = output.index("[0] preempted at step ", seen)  # saved for it, at an agreed step
+    wide = output.index("launch.local: taking back the lost process(es): restarting on 4", stopped)
     assert "[0] step " in output[narrow:wide]  # the 3 trained before the 4th came back
-    assert "[0] preempted at step " in output[narrow:wide]  # and saved for it
+    assert "[0] jaxscale: elastic: arrival marker(s) of slot(s) ['2'] cleared at this start (4 " \
+           "processes)" in output[wide:]
+    assert lost.seconds_to_take_back() < elastic.TAKE_BACK_BOUND_S
     assert lost.seconds_to_resume() < elastic.RESUME_BOUND_S
     expected = elastic.metrics(str(tmp_path / "whole"))
     got = elastic.metrics(str(tmp_path / "lost"))

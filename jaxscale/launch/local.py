@@ -30,12 +30,16 @@ Elastic (a host range): with `--min_processes=M` (below --processes, the range's
 process (killed by SIGKILL) does not end the run while at least M remain: the launcher kills the
 others at once (they can neither save nor go on without their peer: JAX's process count is fixed in
 a live process) and starts the run again on the survivors' count, ids 0..n-1, from the last
-checkpoint (not a crash; the trainer keeps the global batch, jaxscale/training/elastic.py); below
-M it exits 75 naming who is missing. With `--return_after_s=S` a lost slot comes back S seconds
-after the loss: once the narrower run is training, the launcher sends it SIGTERM (it saves and
-exits 42) and starts it again on the full count, a planned restart. The processes learn the range's
-maximum from JAXSCALE_MAX_PROCESSES, and each its slot from JAXSCALE_HOST_SLOT: its id at the first
-start, kept when the survivors are renumbered, so that it finds its own local checkpoints.
+checkpoint (not a crash; the trainer keeps the global batch, jaxscale/training/elastic.py); below M
+it exits 75 naming who is missing. With `--return_after_s=S` a lost slot comes back S seconds after
+the loss, once the narrower run's processes have met: the launcher starts it again as a late process
+(output prefixed `[returning SLOT]`), which goes the way a late GKE pod goes (runtime/arrivals.py):
+it finds the run started without it, writes its arrival marker in the checkpoint folder and waits;
+the narrower run's process 0 sees the marker, every process saves one agreed step and exits 42, and
+the launcher then stops the waiting process and starts the run again on the full count, a planned
+restart. The processes learn the range's maximum from JAXSCALE_MAX_PROCESSES, its minimum from
+JAXSCALE_MIN_PROCESSES, and each its slot from JAXSCALE_HOST_SLOT: its id at the first start, kept
+when the survivors are renumbered, so that it finds its own local checkpoints.
 
 Signals: the processes run in sessions of their own, so a Ctrl-C in the terminal reaches the
 launcher only. The first SIGTERM or SIGINT it gets is passed on to every process, once (a SIGTERM:
@@ -77,7 +81,7 @@ from jaxscale.launch.cli import (
     parse_launcher_args,
     positive,
 )
-from jaxscale.runtime.distributed import HOST_SLOT_VAR, MAX_PROCESSES_VAR
+from jaxscale.runtime.distributed import HOST_SLOT_VAR, MAX_PROCESSES_VAR, MIN_PROCESSES_VAR
 
 POLL_S = 0.1
 
@@ -135,12 +139,12 @@ def free_port() -> int:
 
 
 def process_env(base: dict[str, str], process_id: int, num_processes: int, devices: int,
-                port: int, max_processes: int | None = None, slot: int | None = None
-                ) -> dict[str, str]:
+                port: int, max_processes: int | None = None, slot: int | None = None,
+                min_processes: int | None = None) -> dict[str, str]:
     """The environment of process `process_id`: its simulated devices and its identity in the run
-    (jaxscale.runtime.distributed's explicit mode); `max_processes`: an elastic range's maximum;
-    `slot`: the id it had at the first start (its local checkpoints' folder), `process_id` when
-    None."""
+    (jaxscale.runtime.distributed's explicit mode); `max_processes` and `min_processes`: an
+    elastic range's; `slot`: the id it had at the first start (its local checkpoints' folder),
+    `process_id` when None."""
     # Replace, not add to, any device count the caller set (tests run under 8 simulated devices).
     xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                        base.get("XLA_FLAGS", ""))
@@ -154,6 +158,7 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
         "PYTHONUNBUFFERED": "1",  # lines reach the prefixer as they are written
         MAX_PROCESSES_VAR: str(max_processes or num_processes),
         HOST_SLOT_VAR: str(process_id if slot is None else slot),
+        **({MIN_PROCESSES_VAR: str(min_processes)} if min_processes is not None else {}),
     }
 
 
@@ -178,8 +183,10 @@ def decisiveness(status: int) -> int:
 
 # The gloo lines every process prints once its collectives are connected; shown with --verbose.
 GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
-# A trainer's step line: the run is in its training loop, where a SIGTERM saves and exits 42.
-STEP_LINE = re.compile(rb"step \d+ \|")
+# Process 0's line once JAX has started (runtime/distributed.py): the rendezvous is over, so a
+# late process finds JAX's service, never a rendezvous of the narrower count (which would refuse
+# its count and stop the run), and a stop asked from now on is a planned one.
+JOINED_LINE = re.compile(rb"jaxscale: distributed mode ")
 
 
 class Launcher:
@@ -190,15 +197,19 @@ class Launcher:
 
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], grace_s: float,
                  *, verbose: bool = False, widen_at: float = float("inf"),
+                 returning: dict[int, tuple[list[str], dict[str, str]]] | None = None,
                  min_processes: int | None = None):
-        """`widen_at`: when (time.monotonic()) to stop the run, once it trains, for a planned
-        restart on more processes; `min_processes`: the run goes on after a loss with at least
-        this many (main() restarts it; a loss is then no error)."""
+        """`widen_at`: when (time.monotonic()) to start the `returning` processes (by slot: the
+        command and environment of each), once its processes have met: late processes that announce
+        themselves, and the run stops (42) for a planned restart on more processes;
+        `min_processes`: the run goes on after a loss with at least this many (main() restarts
+        it; a loss is then no error)."""
         self.grace_s = grace_s
         self.min_processes = min_processes or len(commands)
-        self.widen_at = widen_at
-        self.widened = False  # the planned stop was sent
-        self.training = threading.Event()  # a process has logged a step
+        self.widen_at, self.returning = widen_at, returning or {}
+        self.widened = False  # the returning processes were started
+        self.late: list[subprocess.Popen] = []  # they are no part of this run: never a verdict
+        self.joined = threading.Event()  # the processes have met
         self.verbose = verbose
         self.output_lock = threading.Lock()
         self.stop = StopRequest()
@@ -209,23 +220,26 @@ class Launcher:
         self.pumps: list[threading.Thread] = []
         for cmd, env in zip(commands, envs):
             self.delivered.append(set())
-            self.procs.append(subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True))
+            self.procs.append(self._start(cmd, env, str(len(self.procs))))
             self._deliver()  # a signal that came while the processes were starting
-            pump = threading.Thread(target=self._pump, args=(len(self.pumps),
-                                                             self.procs[-1].stdout), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
 
-    def _pump(self, process_id: int, stream) -> None:
+    def _start(self, cmd: list[str], env: dict[str, str], label: str) -> subprocess.Popen:
+        """Starts one process, its output prefixed with `[label]`."""
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        pump = threading.Thread(target=self._pump, args=(label, proc.stdout), daemon=True)
+        pump.start()
+        self.pumps.append(pump)
+        return proc
+
+    def _pump(self, label: str, stream) -> None:
         for line in iter(stream.readline, b""):
             if not self.verbose and GLOO_CONNECTED.match(line):
                 continue
-            if STEP_LINE.match(line):
-                self.training.set()
+            if JOINED_LINE.match(line):
+                self.joined.set()
             with self.output_lock:
-                sys.stdout.write(f"[{process_id}] {line.decode(errors='replace')}")
+                sys.stdout.write(f"[{label}] {line.decode(errors='replace')}")
                 sys.stdout.flush()
 
     def say(self, message: str) -> None:
@@ -307,18 +321,23 @@ class Launcher:
                 # After a Ctrl-C the processes stop at the same step; one has: the others get the
                 # grace period to follow.
                 kill_at = time.monotonic() + self.grace_s
-            elif (not self.widened and self.training.is_set()
+            elif (not self.widened and self.joined.is_set()
                   and time.monotonic() > self.widen_at and self.stop.signal is None):
-                # The lost processes are back: the run saves and exits 42 (planned; the
-                # processes' own verdicts, so not `stopped`), and main() starts it wider.
+                # The lost processes are back, late: they announce themselves, the run saves and
+                # exits 42 (its own verdict), and main() starts it wider.
                 self.widened = True
-                for p in self.procs:
-                    self._send(p, signal.SIGTERM)
+                self.say(f"slot(s) {sorted(self.returning)} back: starting them as late "
+                         "processes")
+                self.late = [self._start(cmd, env, f"returning {slot}")
+                             for slot, (cmd, env) in sorted(self.returning.items())]
             elif time.monotonic() > kill_at and not self.stop.killed:
                 self.say(f"processes still running after {self.grace_s:g} s; killing them")
                 self.stop_the_others(signal.SIGKILL)
                 kill_at = float("nan")  # never again (nan compares false)
             time.sleep(POLL_S)
+        for p in self.late:  # waiting to be taken back, which the next start does
+            self._send(p, signal.SIGKILL)
+            p.wait()
         for t in self.pumps:
             t.join()
         codes = [p.returncode for p in self.procs]
@@ -386,11 +405,17 @@ def main(argv: list[str]) -> int:
     slots, widen_at = list(range(args.processes)), float("inf")
     while True:  # one pass per start of the run: more than one only for an elastic range
         port, count = args.port or free_port(), len(slots)
-        commands = [[sys.executable, "-m", args.module, *module_args]] * count
+        command = [sys.executable, "-m", args.module, *module_args]
+        in_range = minimum if minimum < args.processes else None
         envs = [process_env(dict(os.environ), i, count, args.devices_per_process, port,
-                            args.processes, slot) for i, slot in enumerate(slots)]
-        launcher = Launcher(commands, envs, args.grace_s, verbose=args.verbose,
-                            widen_at=widen_at, min_processes=minimum)
+                            args.processes, slot, in_range) for i, slot in enumerate(slots)]
+        # A lost slot comes back as a late process of the full count, with its first id.
+        returning = {slot: (command, process_env(dict(os.environ), slot, args.processes,
+                                                 args.devices_per_process, port, args.processes,
+                                                 slot, in_range))
+                     for slot in range(args.processes) if slot not in slots}
+        launcher = Launcher([command] * count, envs, args.grace_s, verbose=args.verbose,
+                            widen_at=widen_at, returning=returning, min_processes=minimum)
         for signum in pending:  # came while the processes were starting
             launcher.on_signal(signum, None)
         pending = []

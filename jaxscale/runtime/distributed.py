@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from jaxscale.cli import fail_with
 from jaxscale.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import RESTART_EXIT_CODE, JaxscaleError, TransientError
-from jaxscale.runtime.rendezvous import rendezvous
+from jaxscale.runtime.rendezvous import RunStarted, rendezvous
 from jaxscale.runtime.tpu_host import is_tpu_vm
 
 # Fixed ports where no scheduler hands one out; every process must compute the same one.
@@ -275,7 +275,8 @@ def detect_here() -> ClusterSpec:
 
 
 def initialize(timeout_s: float | None = None,
-               heartbeat_timeout_s: float | None = None) -> ClusterSpec:
+               heartbeat_timeout_s: float | None = None,
+               checkpoint_dir: str | None = None) -> ClusterSpec:
     """Joins this process to the run's other processes and returns how; call it before any JAX
     device use. Idempotent; process 0 of a multi-process run prints the mode.
 
@@ -283,8 +284,12 @@ def initialize(timeout_s: float | None = None,
     how long a silent peer is tolerated before every process stops (default 100 s); JAX counts
     both in whole seconds. Raises TransientError naming the processes that did not arrive or the
     coordinator that could not be reached, JaxscaleError when the environment is wrong.
+
+    In an elastic range, a process that arrives after the others started without it writes its
+    arrival marker in `checkpoint_dir` (runtime/arrivals.py) and tries again until the timeout:
+    the run saves, restarts and admits it at its next rendezvous.
     """
-    global _joined
+    global _joined, _full_count, _in_range
     if _joined is not None:
         return _joined
     spec = detect_here()
@@ -299,7 +304,9 @@ def initialize(timeout_s: float | None = None,
     deadline = time.monotonic() + (timeout_s or DEFAULT_INIT_TIMEOUT_S)
     if spec.coordinator_address is not None:
         # An elastic range starts with those that came (ids 0..n-1), at least the minimum.
-        process_id, num_processes = rendezvous(spec, deadline, min_processes(os.environ, spec))
+        _full_count = max_processes(os.environ, spec.num_processes)
+        _in_range = min_processes(os.environ, spec) < _full_count
+        process_id, num_processes = _admitted(spec, deadline, checkpoint_dir)
         spec = dataclasses.replace(spec, process_id=process_id, num_processes=num_processes)
     jax.distributed.initialize(
         coordinator_address=spec.coordinator_address,
@@ -317,6 +324,47 @@ def initialize(timeout_s: float | None = None,
     if spec.process_id in (0, None):
         spec.announce()
     return spec
+
+
+# Seconds between a late process's tries at the rendezvous: a restart's rendezvous waits for
+# every process of the range until its deadline, so a try every few seconds is soon enough.
+LATE_RETRY_S = 2.0
+_full_count: int | None = None  # the processes of a full start (an elastic range's maximum)
+_in_range = False  # whether the run has a host range: a minimum below its full count
+
+
+def elastic() -> bool:
+    """Whether this run has a host range (it may run on fewer processes than its full count)."""
+    return _in_range
+
+
+def narrower() -> bool:
+    """Whether this run started with fewer processes than its full count (an elastic run that
+    has lost some, and would take them back)."""
+    return _joined is not None and _full_count is not None and _joined.num_processes < _full_count
+
+
+def _admitted(spec: ClusterSpec, deadline: float, checkpoint_dir: str | None) -> tuple[int, int]:
+    """`rendezvous`, tried again by a process that arrived late in an elastic range after it has
+    announced itself (module docstring of runtime/arrivals.py)."""
+    from jaxscale.runtime import arrivals  # its storage libraries only where a process is late
+
+    minimum = min_processes(os.environ, spec)
+    while True:
+        try:
+            return rendezvous(spec, deadline, minimum)
+        except RunStarted as late:
+            if checkpoint_dir is None or minimum == spec.num_processes:
+                raise TransientError(f"{late}; stop every process and start them all again, or "
+                                     "give the run a range (JAXSCALE_MIN_PROCESSES)") from None
+            if marker := arrivals.announce(checkpoint_dir, host_slot(os.environ,
+                                                                    spec.process_id)):
+                print(f"jaxscale: elastic: {late}; announced at {marker}, waiting to be taken "
+                      "back", flush=True)
+            if time.monotonic() + LATE_RETRY_S >= deadline:
+                raise TransientError(f"{late}, and was not taken back before the timeout; start "
+                                     "it again (exit 75)") from None
+            time.sleep(LATE_RETRY_S)
 
 
 # --- the guard: a lost peer is a transient failure -----------------------------------------------

@@ -19,6 +19,12 @@ process has reported or the deadline passes, and then admits those that came whe
 least the minimum: it numbers them 0..n-1 in the order of their ids (it stays 0) and tells each
 its new id and n, with which JAX then starts. Fewer than the minimum by the deadline is a
 TransientError naming who is missing (exit 75: retry once the hosts are back).
+
+A process that arrives after the others started (a host back from a loss, a pod started late) finds
+JAX's coordination service on the port instead: a gRPC server, which answers any connection at once
+with HTTP/2's SETTINGS frame and closes it (jax 0.10.2). That answer, not a timeout, tells it the
+run started without it (`RunStarted`): within milliseconds, and never mistaken for a rendezvous,
+whose answers are lines of words.
 """
 
 from __future__ import annotations
@@ -34,9 +40,16 @@ from jaxscale.errors import JaxscaleError, TransientError
 HELLO = "jaxscale-rendezvous"  # the first word a peer sends: tells our peers from anything else
 HELLO_TIMEOUT_S = 10.0
 MAX_LINE = 256
+# HTTP/2's server preface: a SETTINGS frame (type 4) on stream 0, after its 3-byte length.
+SETTINGS_TYPE, STREAM_0 = 4, b"\0\0\0\0"
 # A peer waits this long past its own deadline for process 0's verdict, which names who is
 # missing: process 0 may have started (and so give up) a little later.
 ANSWER_GRACE_S = 5.0
+
+
+class RunStarted(TransientError):
+    """The coordinator port answered as JAX's service, not as a rendezvous: the run started
+    without this process (runtime/arrivals.py then announces it)."""
 
 
 def rendezvous(spec, deadline: float, min_processes: int | None = None) -> tuple[int, int]:
@@ -187,9 +200,14 @@ def _report(spec, deadline: float) -> tuple[int, int]:
         conn.settimeout(max(0.1, deadline - time.monotonic()) + ANSWER_GRACE_S)
         try:
             conn.sendall(f"{HELLO} {spec.process_id} {spec.num_processes}\n".encode())
-            answer = _read_line(conn)
+            reply = _read_line(conn)
         except OSError:
-            answer = ""
+            reply = b""
+    if len(reply) >= 9 and reply[3] == SETTINGS_TYPE and reply[5:9] == STREAM_0:
+        raise RunStarted(
+            f"process {spec.process_id} of {spec.num_processes} arrived after the run had started "
+            f"without it: JAX's service, not a rendezvous, answered at {where}")
+    answer = reply.decode(errors="replace").strip()
     words = answer.split()
     if len(words) == 3 and words[0] == "ok" and words[1].isdigit() and words[2].isdigit():
         return int(words[1]), int(words[2])
@@ -199,22 +217,22 @@ def _report(spec, deadline: float) -> tuple[int, int]:
             f"{spec.num_processes} never arrived; check that they were started")
     if answer.startswith("error "):
         raise JaxscaleError(answer.split(" ", 1)[1])
-    # No answer: process 0 stopped, or JAX's service holds the port already (this process started
-    # after the others had met: a restart of one process while the others run).
+    # No answer: process 0 stopped, or a service that does not answer as JAX's does (RunStarted)
+    # holds the port already (this process started after the others had met).
     raise TransientError(
         f"process {spec.process_id} reached {where} but process 0 gave no rendezvous answer "
         "before the timeout; if the other processes are already running, stop them all and "
         "start every process again")
 
 
-def _read_line(conn: socket.socket) -> str:
+def _read_line(conn: socket.socket) -> bytes:
     data = b""
     while not data.endswith(b"\n") and len(data) < MAX_LINE:
         chunk = conn.recv(MAX_LINE)
         if not chunk:
             break
         data += chunk
-    return data.decode(errors="replace").strip()
+    return data
 
 
 def _send_all(conns, message: str) -> None:
