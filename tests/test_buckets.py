@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import fsspec
 import jax
@@ -25,7 +26,14 @@ from jaxscale.export_hf import export
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.fault_proxy import FaultProxy
-from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
+from tests.helpers import (
+    REPO,
+    config_with,
+    one_line_error,
+    resumable_cli_losses,
+    resumable_cli_run,
+    small_config,
+)
 from tests.storage_servers import (  # noqa: F401 (fixtures)
     free_port,
     gcs,
@@ -424,6 +432,70 @@ def test_tiny_from_buckets_trains_and_resumes_as_from_local_disk(gcs, s3, tmp_pa
     assert resumed == on_disk
     fs, root = filesystem(f"{gcs.bucket}/resume", "test")
     assert {"2", "4"} <= {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+
+
+def test_orbax_gives_tensorstore_the_bounded_bucket_retries():
+    # Orbax builds the TensorStore context of every save and restore from the defaults that
+    # jaxscale/checkpoint/bucket_retries.py bounds: when a release stops doing so, this fails
+    # (and a save into a failing bucket waits out TensorStore's own 32 retries again).
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    from jaxscale.checkpoint.bucket_retries import GCS_REQUEST_RETRIES
+
+    bounded = ts.Context.Spec({"gcs_request_retries": GCS_REQUEST_RETRIES}).to_json()
+    for ocdbt in (True, False):
+        spec = tensorstore_utils.get_ts_context(use_ocdbt=ocdbt).spec.to_json()
+        assert spec["gcs_request_retries"] == bounded["gcs_request_retries"], spec
+
+
+# Slow: the libraries' bounded retries take about 30 s per failed save, two saves fail.
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [503, 429])
+def test_a_bucket_failing_mid_save_stops_the_run_as_transient(gcs, status, tmp_path, monkeypatch):
+    # From step 4 on, the bucket answers `status` to every write of a checkpoint: TensorStore and
+    # gcsfs retry each request (bounded: jaxscale/checkpoint/bucket_retries.py; TensorStore's
+    # default held a save over 9.5 minutes), the save of 4 fails, training goes on and the save
+    # of 6, the last, tries again (as on a local disk), fails, and the run stops: exit 75, one
+    # error line.
+    # Step 2 restores and the resumed run takes the steps the failing run took.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    run = f"{gcs.bucket}/failing-{status}-{os.getpid()}"
+    workdir = tmp_path / "run"
+    with FaultProxy(gcs.url) as proxy:
+        for name, value in gcs_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        proxy.writes_status = status
+        # An object's name without its bucket: the JSON API names the bucket elsewhere.
+        proxy.writes_matching = rf"{re.escape(run.split('/', 3)[3])}/[3-9]"
+        started = time.monotonic()
+        result = resumable_cli_run(workdir, 6, **{"checkpoint.dir": run})
+        took = time.monotonic() - started
+    assert result.returncode == 75, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint {run}/6 could not be written; the checkpoints before it are intact"
+    ), result.stderr[-3000:]
+    assert str(status) in errors[0], errors
+    # The save of 4 failed first, and training went on to try again at 6.
+    log = (workdir / "train.log").read_text(encoding="utf-8")
+    assert f"checkpoint {run}/4 could not be written" in log
+    assert "Training goes on and the next save tries again (1 failed in a row" in log
+    # Each request was tried again, and given up: 6 tries at most (the bound), and so minutes
+    # sooner than TensorStore's own default.
+    assert proxy.failed_writes and max(proxy.failed_writes.values()) in range(2, 7), \
+        proxy.failed_writes
+    assert took < 300, took
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        failing = {line["step"]: line["loss"] for line in map(json.loads, f) if "loss" in line}
+    # Step 6's line is written after its save, which failed: the steps before it are there.
+    assert {1, 2, 3, 4, 5} <= set(failing), failing
+
+    for name, value in gcs_variables(gcs.url).items():  # the server itself again
+        monkeypatch.setenv(name, value)
+    resumed, out = resumable_cli_losses(workdir, 6, **{"checkpoint.dir": run})
+    assert f"restored {run}/2" in out, out
+    assert {step: resumed[step] for step in failing} == failing and 6 in resumed
 
 
 @pytest.mark.slow
