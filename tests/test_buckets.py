@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import fsspec
 import jax
@@ -468,9 +467,7 @@ def test_a_bucket_failing_mid_save_stops_the_run_as_transient(gcs, status, tmp_p
         proxy.writes_status = status
         # An object's name without its bucket: the JSON API names the bucket elsewhere.
         proxy.writes_matching = rf"{re.escape(run.split('/', 3)[3])}/[3-9]"
-        started = time.monotonic()
         result = resumable_cli_run(workdir, 6, **{"checkpoint.dir": run})
-        took = time.monotonic() - started
     assert result.returncode == 75, result.stdout[-2000:] + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(
@@ -481,11 +478,10 @@ def test_a_bucket_failing_mid_save_stops_the_run_as_transient(gcs, status, tmp_p
     log = (workdir / "train.log").read_text(encoding="utf-8")
     assert f"checkpoint {run}/4 could not be written" in log
     assert "Training goes on and the next save tries again (1 failed in a row" in log
-    # Each request was tried again, and given up: 6 tries at most (the bound), and so minutes
-    # sooner than TensorStore's own default.
+    # The bound, in requests rather than seconds: each write was tried again and given up
+    # after 6 tries at most (TensorStore's default makes 33, over 9.5 minutes).
     assert proxy.failed_writes and max(proxy.failed_writes.values()) in range(2, 7), \
         proxy.failed_writes
-    assert took < 300, took
     with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
         failing = {line["step"]: line["loss"] for line in map(json.loads, f) if "loss" in line}
     # Step 6's line is written after its save, which failed: the steps before it are there.
