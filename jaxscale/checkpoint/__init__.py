@@ -3,7 +3,8 @@ save ends, resuming from the newest good one onto any mesh; `restore_from.py`: s
 another run or a Hugging Face folder; `tier.py`: the persistent tier and the
 local one on each host; `barrier.py`: the background barrier every process leaves when one's save
 fails; `reading.py`: what one checkpoint holds and one try at reading it; `verdict.py`: telling a
-damaged checkpoint from storage that fails for now) and stopping on a signal (`signals.py`:
+damaged checkpoint from storage that fails for now; `bucket_retries.py`: how long TensorStore
+retries a bucket that fails) and stopping on a signal (`signals.py`:
 preemption, Ctrl-C)."""
 
 from jaxscale.checkpoint.manager import LOCAL, PERSISTENT, Checkpoints

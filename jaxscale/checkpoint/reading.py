@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxscale.checkpoint.bucket_retries import bound_bucket_retries
 from jaxscale.checkpoint.verdict import Damage, Outcome, Unavailable, Verdict, agreed
 from jaxscale.errors import ConfigError, json_object
 from jaxscale.models.fp8 import fresh_meta
@@ -54,6 +55,9 @@ State = Any
 # Orbax's record of a step folder, written when the save starts and given `commit_timestamp_nsecs`
 # when it finishes (every Orbax version this package supports, local folders and buckets alike).
 _COMMIT_RECORD = "_CHECKPOINT_METADATA"
+# Every save and read of a checkpoint comes through this module: a bucket failing holds neither
+# longer than the bounded retries (bucket_retries.py).
+bound_bucket_retries()
 
 
 class ParamsOnly(NamedTuple):

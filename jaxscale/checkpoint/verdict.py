@@ -46,7 +46,13 @@ import jax
 
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.agreement import gravest
-from jaxscale.runtime.storage import access_denied, grant_or, no_space
+from jaxscale.runtime.storage import (
+    access_denied,
+    grant_or,
+    library_errors,
+    library_refused,
+    no_space,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +164,8 @@ def _cause_verdict(error: BaseException) -> Verdict | None:
     # ConnectionError are OSErrors too.
     if isinstance(error, (OSError, MemoryError, Unavailable)):
         return Verdict.UNAVAILABLE
+    if isinstance(error, library_errors()):  # gcsfs' HttpError: a bucket's 5xx once retried
+        return Verdict.USAGE if library_refused(error) else Verdict.UNAVAILABLE
     if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
         return Verdict.DAMAGED
     found = _tensorstore_error(error)
@@ -183,11 +191,17 @@ class SaveFailure(enum.IntEnum):
 def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
     """What `error` says about a failed save, with the words of the cause that says it: the first
     of its causes that says the storage refused this process (REFUSED) or failed (an OSError,
-    MemoryError, or a TensorStore error from a failed system call or an unanswered request:
-    NO_SPACE when it says so, else STORAGE); BUG for anything else."""
+    MemoryError, a bucket library's failed request, or a TensorStore error from a failed system
+    call or an unanswered request: NO_SPACE when it says so, else STORAGE); BUG for anything
+    else."""
     for cause in _causes(error):
         if access_denied(cause):
             return SaveFailure.REFUSED, one_line(cause)
+        # gcsfs writes Orbax's other files (metadata, shardings) into a bucket: its HttpError
+        # once its retries are spent (a 503 mid-save), which is no OSError.
+        if isinstance(cause, library_errors()):
+            return ((SaveFailure.REFUSED if library_refused(cause) else SaveFailure.STORAGE),
+                    one_line(cause))
         found = _tensorstore_error(cause)
         if isinstance(cause, (OSError, MemoryError)) or (
                 found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):

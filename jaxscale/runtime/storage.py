@@ -71,7 +71,7 @@ def check_bucket(path: str, key: str) -> None:
         raise storage_error(e, f"{key}={path!r}: bucket {url} cannot be reached ({reason(e)})",
                             "fix the path") from e
     except library_errors() as e:  # gcsfs' 5xx/429 once retried, 401; botocore's no answer
-        if getattr(e, "code", None) in (401, 403):
+        if library_refused(e):
             raise ConfigError(f"{key}={path!r}: bucket {url} refused {account(fs)} "
                               f"({' '.join(str(e).split())}); {_GRANT}") from e
         raise library_error(e, f"{key}={path!r}: bucket {url} cannot be reached",
@@ -105,12 +105,18 @@ def library_errors() -> tuple[type[Exception], ...]:
     return (*_http_error(), *_unreachable_errors())
 
 
+def library_refused(error: Exception) -> bool:
+    """Whether `error`, one of `library_errors()`, is the server refusing this process (HTTP 401
+    or 403): the user's to resolve; any other is the storage failing for now."""
+    return getattr(error, "code", None) in (401, 403)
+
+
 def library_error(error: Exception, what: str, fix: str) -> ConfigError | TransientError:
     """What to raise when a request for `what` failed with one of `library_errors()`: a refusal
     (HTTP 401/403) is the user's to resolve, anything else (5xx, 429 once retried, no answer)
     the storage failing for now."""
     words = " ".join(str(error).split())
-    if getattr(error, "code", None) in (401, 403):
+    if library_refused(error):
         return ConfigError(f"{what} ({words}); {grant_or(fix)}")
     return TransientError(f"{what} ({words}): the storage is failing")
 
