@@ -35,6 +35,7 @@ from tests.helpers import (
     assert_imports_back_bit_for_bit,
     exported_like_a_trained_model,
     float64_rotation,
+    jitted,
     relative_error,
     saved_with_norms_off_one,
 )
@@ -118,18 +119,11 @@ def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
     whatever the capacity), jitted with the position traced as the sampler's is: the logits of
     the first row, whose positions start at 0."""
     model, cfg = hf.load_model(hf_folder, compute_dtype="float32")
-    graphdef, params = nnx.split(model)
-
-    @jax.jit
-    def decode(params, tokens, cache, begin):
-        model = nnx.merge(graphdef, params)
-        features, cache = model.decode(tokens, cache, begin)
-        return model.logits(features), cache
-
+    decode, logits = jitted(model, "decode"), jitted(model, "logits")
     cache, got = model.init_cache(2, TOKENS.shape[1]), []
     for begin, end in [(0, 16)] + [(i, i + 1) for i in range(16, TOKENS.shape[1])]:
-        logits, cache = decode(params, jnp.asarray(TOKENS[:, begin:end]), cache, begin)
-        got.append(np.asarray(logits)[..., :VOCAB])
+        features, cache = decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
+        got.append(np.asarray(logits(features))[..., :VOCAB])
     want = transformers_logits(hf_folder)[:1]
     assert relative_error(np.concatenate(got, axis=1)[:1], want) < 1e-5
 
