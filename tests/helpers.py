@@ -114,7 +114,7 @@ def model_attention_mask(segment_ids):
 
 def jitted(model, method: str):
     """`model.method(*args)` under jit, one compile per shape (eager, the scanned layers run op
-    by op: a single-token decode step took 0.75 CPU-s); a Python int argument is traced."""
+    by op, many times slower); a Python int argument is traced."""
     import functools
 
     import jax

@@ -86,7 +86,6 @@ def test_the_comparison_sees_the_window(hf_folder):
         assert relative_error(jaxscale_logits(unwindowed, cfg), want) > 1e-3
 
 
-@pytest.mark.slow  # decodes through the KV cache against transformers (about 15 s)
 def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
     """A prefill of 3 windows, then a token at a time: each query's cache holds every earlier
     position, and the window hides all but its last WINDOW."""
