@@ -117,6 +117,19 @@ def model_attention_mask(segment_ids):
     return same_segment & np.tril(np.ones((length, length), bool))
 
 
+def jitted(model, method: str):
+    """`model.method(*args)` under jit, one compile per shape (eager, the scanned layers run op
+    by op, many times slower); a Python int argument is traced."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, *args: getattr(nnx.merge(graphdef, state), method)(*args))
+    return functools.partial(run, state)
+
+
 def mesh_devices(config):
     """The first devices, as many as `config`'s (ICI) mesh sizes multiply to."""
     import jax

@@ -434,6 +434,13 @@ CASES = [
              "--config={cfg}", names=["70000"]),
     launcher(LOCAL, "launch.local names a grace period that is not a number", "--grace_s=soon",
              "--", "--config={cfg}", names=["soon"]),
+    launcher(LOCAL, "launch.local refuses a negative grace period", "--grace_s=-1", "--",
+             "--config={cfg}", names=["--grace_s", "-1"]),
+    launcher(LOCAL, "launch.local finds a DCN factor its processes do not match",
+             "--processes=2", "--devices_per_process=1", "--", "--config={cfg}",
+             "--config.mesh.dcn.data=3", names=["mesh.dcn", "3"], workdirs=FRESH),
+    launcher(LOCAL, "launch.local names a missing config file", "--", "--config=nope.py",
+             names=["nope.py"]),
     # --- jaxscale.launch.fit --------------------------------------------------------------------
     launcher(FIT, "launch.fit needs --devices", "--", "--config={cfg}", names=["--devices"]),
     launcher(FIT, "launch.fit names a device count that is not a number", "--devices=abc", "--",
@@ -475,6 +482,8 @@ CASES = [
     launcher(CHECK, "launch.check refuses a negative interval", "--interval_s=-1",
              names=["interval_s", "-1"]),
     launcher(CHECK, "launch.check names an unknown flag", "--stepz=3", names=["stepz"]),
+    launcher(CHECK, "launch.check names an interval that is not a number", "--interval_s=soon",
+             names=["soon"]),
     # --- jaxscale.supervise ---------------------------------------------------------------------
     launcher(SUPERVISE, "supervise needs a command", names=["command", "--"]),
     launcher(SUPERVISE, "supervise names a command that does not exist", "--",

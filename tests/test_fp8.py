@@ -136,10 +136,17 @@ def train_steps(config, steps=3, devices=None, workdir=None):
     return state, losses, trainer
 
 
-def test_the_meta_is_state_beside_the_params(tmp_path):
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    """(state, losses, trainer) of fp8_config() after 3 steps on one device: the run the tests
+    below read or compare with, its step compiled once for all of them."""
+    return train_steps(fp8_config(), workdir=tmp_path_factory.mktemp("fp8"))
+
+
+def test_the_meta_is_state_beside_the_params(fp8_run, tmp_path):
     """The meta is stacked by layer, outside params and the optimizer, updated every step; the
     params are the bfloat16 model's, and evaluation runs them without meta."""
-    state, losses, trainer = train_steps(fp8_config(), workdir=tmp_path)
+    state, losses, trainer = fp8_run
     site = state.fp8["blocks"]["attn"]["q_fp8"]
     assert {k: v.shape for k, v in site.items()} == {
         f"{o}_{k}": (2, 1) if k == "scale" else (2, 4)
@@ -169,12 +176,13 @@ def test_microbatches_combine_the_meta_by_maximum(tmp_path):
 
 
 @pytest.mark.parametrize("remat", ["full", pytest.param("save_dots", marks=pytest.mark.slow)])
-def test_remat_policies_give_the_same_fp8_step(tmp_path, remat):
-    """Recomputing the forward quantizes the same way: the same loss, params and meta."""
-    want, want_losses, _ = train_steps(fp8_config(), steps=2, workdir=tmp_path / "none")
+def test_remat_policies_give_the_same_fp8_step(fp8_run, tmp_path, remat):
+    """Recomputing the forward quantizes the same way: the same losses, params and meta after
+    the 3 steps of `fp8_run`, which recomputes nothing."""
+    want, want_losses, _ = fp8_run
     config = fp8_config()
     config.model.remat = remat
-    got, got_losses, _ = train_steps(config, steps=2, workdir=tmp_path / remat)
+    got, got_losses, _ = train_steps(config, workdir=tmp_path / remat)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  (got.params, got.fp8), (want.params, want.fp8))

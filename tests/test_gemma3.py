@@ -10,7 +10,6 @@ Needs torch and transformers (the Python 3.12 CI venv skips this file, as test_m
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import jax
@@ -29,6 +28,7 @@ from tests.helpers import (
     assert_shipped_config_is_published,
     exported_like_a_trained_model,
     float64_rotation,
+    jitted,
     relative_error,
     saved_with_norms_off_one,
 )
@@ -72,13 +72,6 @@ def transformers_logits(folder: str, tokens=TOKENS, start: int = 0) -> np.ndarra
     with torch.no_grad():
         return model(input_ids=torch.tensor(tokens, dtype=torch.long),
                      position_ids=positions).logits.numpy()
-
-
-def jitted(model, method: str):
-    """`model.method(*args)` under jit (eager, the scanned layers ran op by op: minutes)."""
-    graphdef, state = nnx.split(model)
-    run = jax.jit(lambda state, *args: getattr(nnx.merge(graphdef, state), method)(*args))
-    return functools.partial(run, state)
 
 
 def jaxscale_logits(model, cfg, tokens=TOKENS, start: int = 0) -> np.ndarray:

@@ -35,6 +35,7 @@ from tests.helpers import (
     assert_imports_back_bit_for_bit,
     exported_like_a_trained_model,
     float64_rotation,
+    jitted,
     relative_error,
     saved_with_norms_off_one,
 )
@@ -115,12 +116,14 @@ def test_positions_past_4096_equal_transformers(hf_folder):
 
 def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
     """A prefill of 16 tokens, then a token at a time (the sampler's path, routed dropless
-    whatever the capacity): the logits of the first row, whose positions start at 0."""
+    whatever the capacity), jitted with the position traced as the sampler's is: the logits of
+    the first row, whose positions start at 0."""
     model, cfg = hf.load_model(hf_folder, compute_dtype="float32")
+    decode, logits = jitted(model, "decode"), jitted(model, "logits")
     cache, got = model.init_cache(2, TOKENS.shape[1]), []
     for begin, end in [(0, 16)] + [(i, i + 1) for i in range(16, TOKENS.shape[1])]:
-        features, cache = model.decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
-        got.append(np.asarray(model.logits(features))[..., :VOCAB])
+        features, cache = decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
+        got.append(np.asarray(logits(features))[..., :VOCAB])
     want = transformers_logits(hf_folder)[:1]
     assert relative_error(np.concatenate(got, axis=1)[:1], want) < 1e-5
 

@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_imports_back_bit_for_bit,
     assert_shipped_config_is_published,
     exported_like_a_trained_model,
+    jitted,
     relative_error,
     saved_with_norms_off_one,
 )
@@ -85,15 +86,15 @@ def test_the_comparison_sees_the_window(hf_folder):
         assert relative_error(jaxscale_logits(unwindowed, cfg), want) > 1e-3
 
 
-@pytest.mark.slow  # decodes through the KV cache against transformers (about 15 s)
 def test_decoding_with_the_kv_cache_gives_transformers_logits(hf_folder):
     """A prefill of 3 windows, then a token at a time: each query's cache holds every earlier
     position, and the window hides all but its last WINDOW."""
     model, cfg = hf.load_model(hf_folder, compute_dtype="float32")
+    decode, logits = jitted(model, "decode"), jitted(model, "logits")
     cache, got = model.init_cache(2, TOKENS.shape[1]), []
     for begin, end in [(0, 3 * WINDOW)] + [(i, i + 1) for i in range(3 * WINDOW, 40)]:
-        features, cache = model.decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
-        got.append(np.asarray(model.logits(features))[..., :VOCAB])
+        features, cache = decode(jnp.asarray(TOKENS[:, begin:end]), cache, begin)
+        got.append(np.asarray(logits(features))[..., :VOCAB])
     assert relative_error(np.concatenate(got, axis=1), transformers_logits(hf_folder)) < 1e-5
 
 

@@ -28,7 +28,7 @@ from jaxscale.models.spec import create_model
 from jaxscale.parallel.sharding import rules_from_config
 from jaxscale.sample import main as sample_main
 from jaxscale.trainer import Trainer
-from tests.helpers import small_config
+from tests.helpers import jitted, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 100  # padded to 128: 28 ids no tokenizer makes
@@ -46,13 +46,6 @@ def random_model(tie_embeddings=False, n_layers=2, **fields):
 
 def prompts(batch=2, length=5, seed=1):
     return np.random.default_rng(seed).integers(3, VOCAB, size=(batch, length), dtype=np.int32)
-
-
-def jitted(model, method):
-    """`model.method(*args)` under jit, its results as numpy (one compile per shape)."""
-    graphdef, state = nnx.split(model)
-    run = jax.jit(lambda state, *args: getattr(nnx.merge(graphdef, state), method)(*args))
-    return lambda *args: jax.tree.map(np.asarray, run(state, *args))
 
 
 @pytest.mark.parametrize("tie", [False, pytest.param(True, marks=pytest.mark.slow)])
