@@ -314,6 +314,8 @@ class Checkpoints:
         what = f"checkpoint {self.persistent.path(outcome.step)} could not be written"
         if failure is SaveFailure.REFUSED:
             raise save_error(failure, what, problem)
+        if failure is SaveFailure.MISSING:  # as STORAGE, unless the bucket itself is gone
+            self.persistent.raise_if_bucket_gone()
         self._failed_in_a_row += 1
         in_a_row = (f"; {self._failed_in_a_row} saves in a row failed"
                     if self._failed_in_a_row > 1 else "")

@@ -59,7 +59,7 @@ from jaxscale.checkpoint.verdict import (
 )
 from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.runtime.agreement import announced, gravest
-from jaxscale.runtime.storage import in_bucket, reason, storage_error
+from jaxscale.runtime.storage import check_bucket, in_bucket, reason, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,15 @@ class Tier:
         return (f"{self.label} {self.path(step)} could not be written; the checkpoints before it "
                 "are intact and a restart resumes from the newest")
 
+    def raise_if_bucket_gone(self) -> None:
+        """Raises what a start raises for a missing bucket (ConfigError, exit 2) when this tier is
+        in a bucket that is gone: a save that found no folder to write into (MISSING) cannot
+        succeed again, and the checkpoints before it went with the bucket, so the run does not
+        end as for a storage failing for now. Nothing for a folder on disk or a bucket there."""
+        if self.in_bucket:
+            check_bucket(str(self.directory),
+                         "checkpoint.local_dir" if self.process_local else "checkpoint.dir")
+
     @contextlib.contextmanager
     def _failures_are_sorted(self, what: str) -> Iterator[None]:
         """Raises TransientError("<what> (<the error>)") for an error that says the storage
@@ -235,6 +244,8 @@ class Tier:
             yield
         except Exception as e:  # sorted by its causes; all but storage re-raised
             own = failure_behind(e)
+            if own is not None and save_failure_kind(own)[0] is SaveFailure.MISSING:
+                self.raise_if_bucket_gone()
             failure = (TransientError(f"{what} (another process's save failed)") if own is None
                        else save_failure(own, what))
             if failure is None:

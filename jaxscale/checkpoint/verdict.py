@@ -183,17 +183,20 @@ class SaveFailure(enum.IntEnum):
     NONE = 0
     ABORTED = 1  # stopped because another process's save failed (barrier.SaveAborted)
     STORAGE = 2  # the storage failed for now (EIO, a timeout): tried again at the next save
-    NO_SPACE = 3  # ENOSPC or EDQUOT: room must be made, which may take a person
-    REFUSED = 4  # the storage refused this process (a permission): exit 2 at once
-    BUG = 5  # no storage failure: raised
+    # A file or folder written into is not there (a bucket answers 404 once the bucket itself is
+    # gone): as STORAGE, but for a bucket that is gone (`Checkpoints` asks the server).
+    MISSING = 3
+    NO_SPACE = 4  # ENOSPC or EDQUOT: room must be made, which may take a person
+    REFUSED = 5  # the storage refused this process (a permission): exit 2 at once
+    BUG = 6  # no storage failure: raised
 
 
 def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
     """What `error` says about a failed save, with the words of the cause that says it: the first
     of its causes that says the storage refused this process (REFUSED) or failed (an OSError,
     MemoryError, a bucket library's failed request, or a TensorStore error from a failed system
-    call or an unanswered request: NO_SPACE when it says so, else STORAGE); BUG for anything
-    else."""
+    call or an unanswered request: NO_SPACE when it says so, MISSING for a FileNotFoundError,
+    else STORAGE); BUG for anything else."""
     for cause in _causes(error):
         if access_denied(cause):
             return SaveFailure.REFUSED, one_line(cause)
@@ -205,6 +208,8 @@ def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
         found = _tensorstore_error(cause)
         if isinstance(cause, (OSError, MemoryError)) or (
                 found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):
+            if isinstance(cause, FileNotFoundError):
+                return SaveFailure.MISSING, one_line(cause)
             return ((SaveFailure.NO_SPACE if no_space(cause) else SaveFailure.STORAGE),
                     one_line(cause))
     return SaveFailure.BUG, one_line(error)
