@@ -28,12 +28,9 @@ from jaxscale.models import family
 from jaxscale.runtime import cuda_plugin
 from jaxscale.runtime.storage import (
     check_bucket,
+    classified,
     filesystem,
     in_bucket,
-    library_error,
-    library_errors,
-    reason,
-    storage_error,
     writing,
 )
 from jaxscale.runtime.tpu_host import quiet_libtpu
@@ -111,11 +108,9 @@ def export(workdir: str, out: str, step: int | None, dtype: str,
     with tempfile.TemporaryDirectory(prefix="export_hf-") as staged:
         written = _export(workdir, staged, step, dtype, adapters_only)
         fix = "pass --out=<a bucket folder this account can write>"
-        try:
-            with writing(out, fix):
-                fs.put(staged + "/", root.rstrip("/") + "/", recursive=True)
-        except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-            raise library_error(e, f"cannot write --out={out!r}", fix) from e
+        # An OSError names the file it failed on (`writing`); a bucket library's error does not.
+        with classified(f"cannot write --out={out!r}", fix), writing(out, fix):
+            fs.put(staged + "/", root.rstrip("/") + "/", recursive=True)
     return written.replace(staged, out)
 
 
@@ -176,7 +171,7 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
         fs, source = filesystem(os.path.expanduser(config.data.tokenizer), "data.tokenizer")
         target = "tokenizer.json" if source.endswith(".json") else "tokenizer.model"
         fix = "make data.tokenizer's folder readable"
-        try:
+        with classified(f"cannot copy the tokenizer {source!r}", fix):
             fs.get_file(source, os.path.join(out, target))
             files.append(target)
             # A chat model keeps its chat template: the files transformers reads it from.
@@ -185,11 +180,6 @@ def _export(workdir: str, out: str, step: int | None, dtype: str, adapters_only:
                 if fs.isfile(beside):
                     fs.get_file(beside, os.path.join(out, name))
                     files.append(name)
-        except OSError as e:  # refused: exit 2; EIO, a timeout, a 5xx: 75
-            raise storage_error(e, f"cannot copy the tokenizer {source!r} ({reason(e)})",
-                                fix) from e
-        except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-            raise library_error(e, f"cannot copy the tokenizer {source!r}", fix) from e
     return f"exported {what}: {', '.join(files)}{then}"
 
 

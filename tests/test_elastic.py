@@ -188,3 +188,28 @@ def test_a_range_whose_minimum_the_mesh_cannot_run_on_is_refused_before_anything
     assert len(lines) == 1 and lines[0].startswith("error: no mesh of the axes {"), lines
     assert lines[0].endswith("(checked for 3 devices, as the run would go on after losing hosts; "
                              "raise the range's minimum or change the mesh)")
+
+
+def test_a_range_leaving_a_whole_host_idle_is_refused_naming_the_nearest_batch_every_count_runs(
+        capsys):
+    """4 hosts of 8 GPUs, a 3-4 range, batch 256: on 24 GPUs no width in 17..24 divides 256, so
+    a whole host would idle. The line names 288; the launchers' own check (the oracle) takes
+    it, and refuses every batch nearer to 256."""
+    from jaxscale.launch.cli import check_train_args
+
+    def refused(batch: int) -> bool:
+        try:
+            check_train_args(["--config=configs/tiny.py", f"--config.train.batch_size={batch}"],
+                             32, 4, fewer_devices=(24,))
+        except SystemExit as e:
+            assert e.code == 2
+            return True
+        return False
+
+    assert refused(256)
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("error: on 24 devices the run would leave 8 idle (no width of them "
+                           "divides train.batch_size=256), a whole host's 8"), line
+    assert "(the nearest: 288)" in line, line
+    assert not refused(288)
+    assert all(refused(b) for b in range(225, 288) if b != 256)

@@ -98,7 +98,12 @@ def test_gradients_equal_those_of_the_merged_weights_in_plain_jax():
 
 
 def test_only_the_adapters_train_and_only_they_have_optimizer_state():
-    config = lora_config()
+    assert_only_the_adapters_train(lora_config())
+
+
+def assert_only_the_adapters_train(config) -> None:
+    """Three steps change every adapter and no base weight, and Adam keeps moments for the
+    adapters alone (tests/test_lora_moe.py asks the same of a mixture's)."""
     program = program_for(config)
     state = program.init_state(0)
     frozen_before = jax.device_get(state.frozen)

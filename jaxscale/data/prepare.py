@@ -19,15 +19,7 @@ from jaxscale.data.specs import source_specs
 from jaxscale.errors import JaxscaleError, TransientError, json_object
 from jaxscale.kinds import whole
 from jaxscale.observe.progress import StatusLine
-from jaxscale.runtime.storage import (
-    check_bucket,
-    filesystem,
-    in_bucket,
-    library_error,
-    library_errors,
-    reason,
-    storage_error,
-)
+from jaxscale.runtime.storage import check_bucket, classified, filesystem, in_bucket
 
 MANIFEST = "prepare.json"  # in the --out folder: which sources and tokenizer its files are from
 _MANIFEST_FORMAT = "jaxscale-prepare-v1"
@@ -121,15 +113,11 @@ def prepare(config, out: str, workers: int) -> list[dict]:
     sources.check_splits(config, sources.SPLITS, eval_optional=False)
     manifest = _manifest(specs, tokenizer.name)
     _check_out(fs, root, out, manifest)
-    try:
+    # Refused, a file in the way: exit 2; EIO, a 5xx: 75.
+    with classified(f"--out={out!r} cannot be written", _WRITE_FIX):
         fs.makedirs(root, exist_ok=True)
         # First: a rerun of an interrupted prepare finds the files described.
         fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
-    except OSError as e:  # refused, a file in the way: exit 2; EIO, a 5xx: 75
-        raise storage_error(e, f"--out={out!r} cannot be written ({reason(e)})",
-                            _WRITE_FIX) from e
-    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-        raise library_error(e, f"--out={out!r} cannot be written", _WRITE_FIX) from e
     prepared = []
     for i, spec in enumerate(specs):
         if spec["format"] in ("synthetic", "tokens", "chat"):
@@ -175,14 +163,12 @@ def _check_out(fs, root: str, out: str, manifest: dict) -> None:
                 "delete those files to write new ones there")
         return
     fix = f"give a new folder, or delete its {MANIFEST} and source* files"
+    with classified(f"cannot read {manifest_path!r}", fix):  # refused: 2; EIO, a 5xx: 75
+        read = fs.cat_file(manifest_path)
     try:
-        before = json.loads(fs.cat_file(manifest_path))
+        before = json.loads(read)
     except ValueError as e:  # not JSON: bytes that were read
         raise JaxscaleError(f"--out={out!r} has an unreadable {MANIFEST} ({e}); {fix}") from None
-    except OSError as e:  # refused: exit 2; EIO, a timeout, a 5xx: 75
-        raise storage_error(e, f"cannot read {manifest_path!r} ({reason(e)})", fix) from e
-    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-        raise library_error(e, f"cannot read {manifest_path!r}", fix) from e
     json_object(before, manifest_path, fix)
     if before == manifest:
         print(f"{out}: overwriting the token files prepared before from the same sources and "

@@ -27,15 +27,7 @@ from jaxscale.data import chat, formats, packing, token_files
 from jaxscale.data.specs import describe, source_specs
 from jaxscale.data.tokenizers import tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.runtime.storage import (
-    check_bucket,
-    filesystem,
-    in_bucket,
-    library_error,
-    library_errors,
-    reason,
-    storage_error,
-)
+from jaxscale.runtime.storage import check_bucket, classified, filesystem, in_bucket
 
 SPLITS = ("train", "eval")
 _LIST_FIX = "check the path and the bucket's permissions"
@@ -104,14 +96,9 @@ def _bucket_files(pattern: str, where: str) -> list[str]:
     keys were made with."""
     check_bucket(pattern, where)  # s3fs globs a bucket that is not there as no files
     fs, inner = filesystem(pattern, where)
-    try:
+    with classified(f"cannot list {where}={pattern!r}", _LIST_FIX):
         found = fs.glob(inner, detail=True) if glob.has_magic(inner) else \
             {inner: fs.info(inner)} if fs.exists(inner) else {}
-    except OSError as e:
-        raise storage_error(e, f"cannot list {where}={pattern!r} ({reason(e)})",
-                            _LIST_FIX) from e
-    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-        raise library_error(e, f"cannot list {where}={pattern!r}", _LIST_FIX) from e
     return [fs.unstrip_protocol(p) for p, info in found.items() if info["type"] == "file"]
 
 

@@ -14,13 +14,7 @@ import ml_collections
 import numpy as np
 
 from jaxscale.errors import ConfigError, json_object
-from jaxscale.runtime.storage import (
-    filesystem,
-    library_error,
-    library_errors,
-    reason,
-    storage_error,
-)
+from jaxscale.runtime.storage import classified, filesystem
 
 
 class ByteTokenizer:
@@ -164,16 +158,12 @@ _KINDS = {  # package: (what the file should be, the fix)
 def _tokenizer_file(path: str, name: str) -> bytes:
     """The bytes of the tokenizer file `path` (local or in a bucket)."""
     fs, inner = filesystem(path, "data.tokenizer")
-    try:
-        return fs.cat_file(inner)
-    except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(f"data.tokenizer={name!r}: no such file; give 'byte', a "
-                          "SentencePiece .model or a Hugging Face tokenizer.json") from None
-    except OSError as e:
-        raise storage_error(e, f"cannot read data.tokenizer={name!r} ({reason(e)})",
-                            "make it readable") from e
-    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-        raise library_error(e, f"cannot read data.tokenizer={name!r}", "make it readable") from e
+    with classified(f"cannot read data.tokenizer={name!r}", "make it readable"):
+        try:
+            return fs.cat_file(inner)
+        except (FileNotFoundError, IsADirectoryError):
+            raise ConfigError(f"data.tokenizer={name!r}: no such file; give 'byte', a "
+                              "SentencePiece .model or a Hugging Face tokenizer.json") from None
 
 
 def _load(kind, content: bytes, data: ml_collections.ConfigDict, package: str) -> Tokenizer:

@@ -13,15 +13,7 @@ import os
 import posixpath
 import tempfile
 
-from jaxscale.runtime.storage import (
-    check_bucket,
-    filesystem,
-    in_bucket,
-    library_error,
-    library_errors,
-    reason,
-    storage_error,
-)
+from jaxscale.runtime.storage import check_bucket, classified, filesystem, in_bucket
 
 # The copies made by this process, by URL; each folder removed when the process exits.
 _COPIES: dict[str, tempfile.TemporaryDirectory] = {}
@@ -39,14 +31,12 @@ def local_folder(path: str, key: str) -> str:
         copy = tempfile.TemporaryDirectory(prefix="jaxscale-hf-")
         fix = "point it at a Hugging Face model folder this account can read"
         try:
-            files = [entry["name"] for entry in fs.ls(root, detail=True)
-                     if entry["type"] == "file"]
-            fs.get(files, [os.path.join(copy.name, posixpath.basename(f)) for f in files])
-        except OSError as e:
+            with classified(f"cannot copy {key}={path!r}", fix):
+                files = [entry["name"] for entry in fs.ls(root, detail=True)
+                         if entry["type"] == "file"]
+                fs.get(files, [os.path.join(copy.name, posixpath.basename(f)) for f in files])
+        except BaseException:
             copy.cleanup()
-            raise storage_error(e, f"cannot copy {key}={path!r} ({reason(e)})", fix) from e
-        except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-            copy.cleanup()
-            raise library_error(e, f"cannot copy {key}={path!r}", fix) from e
+            raise
         _COPIES[path] = copy
     return _COPIES[path].name

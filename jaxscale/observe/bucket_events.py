@@ -10,13 +10,7 @@ import threading
 
 from tensorboardX import record_writer
 
-from jaxscale.runtime.storage import (
-    filesystem,
-    library_error,
-    library_errors,
-    reason,
-    storage_error,
-)
+from jaxscale.runtime.storage import classified, filesystem
 
 _FIX = "set metrics.tensorboard_dir to a bucket folder this account can write"
 
@@ -38,12 +32,8 @@ class _EventObject:
 
     def flush(self) -> None:
         with self._lock:
-            try:
+            with classified(f"cannot write {self._url!r}", _FIX):
                 self._fs.pipe_file(self._path, self._buffer.getvalue())
-            except OSError as e:
-                raise storage_error(e, f"cannot write {self._url!r} ({reason(e)})", _FIX) from e
-            except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-                raise library_error(e, f"cannot write {self._url!r}", _FIX) from e
 
     def close(self) -> None:
         self.flush()

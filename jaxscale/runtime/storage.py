@@ -205,3 +205,17 @@ def writing(path: str, fix: str):
         yield
     except OSError as e:
         raise storage_error(e, f"cannot write {e.filename or path!r} ({reason(e)})", fix) from e
+
+
+@contextlib.contextmanager
+def classified(what: str, fix: str):
+    """Raises what the storage failing in the block means for the run: an OSError as
+    `storage_error` makes it, a bucket library's own error (gcsfs' 5xx once retried, which is
+    no OSError) as `library_error` does. `what` says what the block did: "cannot read 'gs://...'".
+    """
+    try:
+        yield
+    except OSError as e:
+        raise storage_error(e, f"{what} ({reason(e)})", fix) from e
+    except library_errors() as e:
+        raise library_error(e, what, fix) from e

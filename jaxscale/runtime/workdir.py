@@ -23,10 +23,9 @@ from jaxscale.config import default_config
 from jaxscale.errors import ConfigError, json_object
 from jaxscale.runtime.storage import (
     check_bucket,
+    classified,
     filesystem,
     in_bucket,
-    library_error,
-    library_errors,
     reason,
     storage_error,
     writing,
@@ -106,15 +105,14 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     if in_bucket(workdir):  # a workdir copied into a bucket is read there
         check_bucket(workdir, "--workdir")
     fs, inner = filesystem(path, "--workdir")
+    with classified(f"cannot read {path!r}", _READ_FIX):
+        try:
+            read = fs.cat_file(inner)
+        except (FileNotFoundError, IsADirectoryError):
+            raise ConfigError(f"workdir {workdir!r} has no {CONFIG_FILE}; pass the workdir of a "
+                              "run that python -m jaxscale.train has started") from None
     try:
-        saved = json.loads(fs.cat_file(inner))
-    except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(f"workdir {workdir!r} has no {CONFIG_FILE}; pass the workdir of a run "
-                          "that python -m jaxscale.train has started") from None
-    except OSError as e:
-        raise storage_error(e, f"cannot read {path!r} ({reason(e)})", _READ_FIX) from e
-    except library_errors() as e:  # gcsfs' 5xx once retried: no OSError
-        raise library_error(e, f"cannot read {path!r}", _READ_FIX) from e
+        saved = json.loads(read)
     except ValueError as e:
         raise ConfigError(f"{path} is not JSON ({e}); {_CONFIG_FIX}") from None
     json_object(saved, path, _CONFIG_FIX, ConfigError)
