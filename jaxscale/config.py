@@ -272,6 +272,10 @@ SCHEMA = {
                                           -1: "chosen by the tokenizer"})),
         "prefetch": Key(2, "batches prepared ahead of the step",
                         whole("[0, inf)", {0: "no prefetching"})),
+        # Batches are the same for any value.
+        "read_ahead": Key(4, "documents each row stream reads ahead of its rows from a bucket, "
+                             "on a thread of its own",
+                          whole("[0, inf)", {0: "each read when its row needs it"})),
     },
     # A jax.profiler trace in <workdir>/profile/ (docs/performance.md).
     "profile": {

@@ -16,8 +16,8 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.checkpoint import Checkpoints
-from jaxscale.data import prepare, sources
-from jaxscale.data.row_streams import resolved_workers
+from jaxscale.data import make_input, prepare, sources
+from jaxscale.data.row_streams import reads_a_bucket
 from jaxscale.data.sources import source_specs
 from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import ConfigError, JaxscaleError, TransientError
@@ -177,16 +177,30 @@ def test_prepare_writes_token_files_into_a_bucket(server, request, tmp_path):
 
 
 def test_reads_in_flight_keep_the_order_of_local_disk(s3, tmp_path):
-    # A bucket source reads with several streams' ranged GETs in flight (data.workers=-1): the
-    # batches, and so an exact resume, are those of local disk read one document at a time.
+    # A bucket source reads each stream's next documents ahead, on threads: the batches are those
+    # of local disk read one document at a time, and the position it saves, with documents read
+    # ahead and not yet returned, resumes a local-disk run exactly where it stopped.
     local = write_fixture(tmp_path, "tokens")
     bucket = f"{s3.bucket}/in-flight-{os.getpid()}"
     put(f"{tmp_path}/", f"{bucket}/")
     in_bucket = dict(local, path=local["path"].replace(str(tmp_path), bucket))
     ahead, one_at_a_time = config_with(in_bucket), config_with(local, workers=0)
-    assert resolved_workers(ahead, ByteTokenizer()) > 1
+    assert reads_a_bucket(ahead) and not reads_a_bucket(one_at_a_time)
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
-    assert_same(take(ahead, "train", sharding, 6), take(one_at_a_time, "train", sharding, 6))
+    expected = take(one_at_a_time, "train", sharding, 6)
+    assert_same(take(ahead, "train", sharding, 6), expected)
+    read_ahead = make_input(ahead, "train", sharding)
+    try:
+        assert_same([jax.device_get(next(read_ahead)) for _ in range(3)], expected[:3])
+        state = read_ahead.get_state()
+    finally:
+        read_ahead.close()
+    resumed = make_input(one_at_a_time, "train", sharding)
+    try:
+        resumed.set_state(state)
+        assert_same([jax.device_get(next(resumed)) for _ in range(3)], expected[3:])
+    finally:
+        resumed.close()
 
 
 @pytest.mark.parametrize("server", ["gcs", "s3"])
@@ -309,19 +323,24 @@ def test_a_server_failing_mid_run_stops_the_read_as_transient(server, request, t
 @pytest.mark.slow
 def test_a_slow_server_slows_training_and_shows_as_input_wait(s3, tmp_path, monkeypatch):
     # Every answer of the server half a second late: training goes on and takes the steps of
-    # local disk, and the time shows as waiting on input (data_wait_fraction), not lost.
+    # local disk, and the time shows as waiting on input (data_wait_fraction), not lost. Read
+    # when its row needs it (data.read_ahead=0; 8 streams at once): reading ahead hides the wait
+    # of some steps, by as much as the run's compilation took, which moves with the load.
     monkeypatch.setenv("XLA_FLAGS", "")
     local = write_fixture(tmp_path, "tokens")
     url = uploaded(str(tmp_path), s3)
     source = dict(local, path=local["path"].replace(str(tmp_path), url))
-    on_disk, _ = resumable_cli_losses(tmp_path / "disk", 3, **{"data.sources": repr((local,))})
+    reads = {"data.read_ahead": "0", "data.workers": "8"}
+    on_disk, _ = resumable_cli_losses(tmp_path / "disk", 3, **{"data.sources": repr((local,)),
+                                                               **reads})
     with FaultProxy(s3.url) as proxy:
         for name, value in s3_variables(proxy.url).items():
             monkeypatch.setenv(name, value)
         proxy.delay = 0.5
-        slow, _ = resumable_cli_losses(tmp_path / "slow", 3, **{"data.sources": repr((source,))})
+        slow, _ = resumable_cli_losses(tmp_path / "slow", 3, **{"data.sources": repr((source,)),
+                                                                **reads})
     assert slow == on_disk
-    # Seconds each timed step waited for its batch (prefetch hides part of the delay): 0.3-0.5 s
+    # Seconds each timed step waited for its batch (prefetch hides part of the delay): about 2 s
     # here, against a millisecond from local disk.
     slow_waits, disk_waits = input_waits(tmp_path / "slow"), input_waits(tmp_path / "disk")
     assert slow_waits and min(slow_waits) > max(0.2, 10 * max(disk_waits)), (slow_waits,

@@ -25,8 +25,9 @@ from jaxscale.data.tokenizers import ByteTokenizer, tokenizer_from_config
 from jaxscale.errors import JaxscaleError
 from jaxscale.runtime.storage import in_bucket
 
-# Each stream reads synchronously: hundreds of streams with reader threads each would be thousands
-# of threads. Parallelism comes from reading different streams at once (`data.workers`).
+# From a local disk each stream reads synchronously (a read is microseconds): hundreds of streams
+# with reader threads each would be thousands of threads. Parallelism comes from reading different
+# streams at once (`data.workers`).
 _SYNCHRONOUS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 # With data.workers=-1: reader threads for tokenizers that cost real CPU (they release the GIL).
 _AUTO_WORKERS_LEARNED_TOKENIZER = 4
@@ -34,18 +35,26 @@ _AUTO_WORKERS_LEARNED_TOKENIZER = 4
 FIRST_FIT_ROWS = 8
 
 
-# With data.workers=-1 and a source in a bucket: reader threads, so that this many streams' ranged
-# GETs are in flight at once, hiding each request's round trip (milliseconds, against
-# microseconds for a read of a local disk). Each stream is still read by one thread at a time.
-_AUTO_WORKERS_BUCKET = 8
+def _read_options(config: ml_collections.ConfigDict) -> grain.ReadOptions:
+    """With a source in a bucket, each stream reads `data.read_ahead` documents ahead of its rows,
+    on a thread of its own: a ranged GET's round trip (a millisecond alone, ten and more while
+    packing threads hold the GIL, which Python hands over every 5 ms) then overlaps the packing of
+    the rows before it, where read on demand it stalled every batch that needed a new document.
+    grain's state is the next document returned either way, so the batches and a resume are
+    those of local disk."""
+    if config.data.read_ahead and reads_a_bucket(config):
+        return grain.ReadOptions(num_threads=1, prefetch_buffer_size=config.data.read_ahead)
+    return _SYNCHRONOUS
+
+
+def reads_a_bucket(config: ml_collections.ConfigDict) -> bool:
+    return any(in_bucket(spec.get(key) or "") for spec in source_specs(config)
+               for key in ("path", "eval_path"))
 
 
 def resolved_workers(config: ml_collections.ConfigDict, tokenizer) -> int:
     if config.data.workers >= 0:
         return config.data.workers
-    if any(in_bucket(spec.get(key) or "") for spec in source_specs(config)
-           for key in ("path", "eval_path")):
-        return _AUTO_WORKERS_BUCKET
     return 0 if isinstance(tokenizer, ByteTokenizer) else _AUTO_WORKERS_LEARNED_TOKENIZER
 
 
@@ -143,7 +152,7 @@ def row_stream(config: ml_collections.ConfigDict, split: str, stream: int, token
     """The endless rows of stream `stream`: row `stream` of every global batch, from every
     source's `documents` of `split`."""
     pairs = mixture(config, split, stream, tokenizer, documents).to_iter_dataset(
-        _SYNCHRONOUS, allow_nones=True)
+        _read_options(config), allow_nones=True)
     pairs = pairs.filter(_NothingInARow(_pass_length(config, stream, documents),
                                         f"{split} row stream {stream}"))
     chat = has_chat(source_specs(config))
