@@ -153,13 +153,22 @@ class Tier:
             keep.append(ocp.checkpoint_managers.EveryNSteps(self._keep_every_steps))
         options = dict(enable_async_checkpointing=self._async_save, cleanup_tmp_directories=True,
                        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep))
+        # In a bucket a folder exists once any object is under it, and Orbax (0.12), making a
+        # save's item folders while the arrays are written, removes one it finds existing as
+        # unfinished: with the writes of the arrays in it (chunks of a committed checkpoint went
+        # missing, seen with two processes in test_bucket_faults.py). Made before any write.
+        folders_first = self.in_bucket
         if self.process_local:  # the folder is made already: Orbax makes none for one process
             logging.getLogger("absl").addFilter(_without_local_notice)
             options.update(multiprocessing_options=process_local_options(), create=False,
                            enable_per_process_directory_creation=True)
         elif jax.process_count() > 1:
             self._barrier = SaveBarrier()
-            options.update(async_options=ocp.AsyncOptions(barrier_sync_fn=self._barrier))
+            options.update(async_options=ocp.AsyncOptions(
+                barrier_sync_fn=self._barrier,
+                create_directories_asynchronously=not folders_first))
+        elif folders_first:
+            options.update(async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         return _Manager(self.directory, handler_registry=handler_registry(self.process_local),
                         options=ocp.CheckpointManagerOptions(**options))
 
