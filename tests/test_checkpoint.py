@@ -539,6 +539,22 @@ def test_a_storage_failure_is_transient_in_reads_saves_and_the_workdir(error):
                           TransientError)
 
 
+# What a save into a deleted bucket raises (fake-gcs-server, test_bucket_faults.py): gcsfs for
+# Orbax's metadata, TensorStore for the arrays' files; either may come first.
+MISSING = [FileNotFoundError("http://127.0.0.1:1/upload/storage/v1/b/gone/o?name=run%2F8%2Fmeta"),
+           ValueError("NOT_FOUND: Error writing gs://gone/run/8/train/_sharding: Not Found "
+                      "[http_response_body='{}'] [http_response_code='404']")]
+
+
+@pytest.mark.parametrize("error", MISSING, ids=lambda e: type(e).__name__)
+def test_a_save_into_a_folder_that_is_gone_is_missing_whichever_library_says_it(error):
+    from jaxscale.checkpoint.verdict import SaveFailure, save_failure_kind
+
+    wrapped = Exception("save failed")
+    wrapped.__cause__ = error
+    assert save_failure_kind(wrapped)[0] is SaveFailure.MISSING
+
+
 def test_a_checkpoint_folder_the_bucket_refuses_is_exit_2_before_anything_is_saved(
         tmp_path, monkeypatch):
     from etils import epath

@@ -195,8 +195,8 @@ def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
     """What `error` says about a failed save, with the words of the cause that says it: the first
     of its causes that says the storage refused this process (REFUSED) or failed (an OSError,
     MemoryError, a bucket library's failed request, or a TensorStore error from a failed system
-    call or an unanswered request: NO_SPACE when it says so, MISSING for a FileNotFoundError,
-    else STORAGE); BUG for anything else."""
+    call or an unanswered request: NO_SPACE when it says so, MISSING for a FileNotFoundError or
+    TensorStore's NOT_FOUND, else STORAGE); BUG for anything else."""
     for cause in _causes(error):
         if access_denied(cause):
             return SaveFailure.REFUSED, one_line(cause)
@@ -206,10 +206,15 @@ def save_failure_kind(error: BaseException) -> tuple[SaveFailure, str]:
             return ((SaveFailure.REFUSED if library_refused(cause) else SaveFailure.STORAGE),
                     one_line(cause))
         found = _tensorstore_error(cause)
+        # TensorStore's NOT_FOUND while writing: what it writes into is gone (a bucket answers
+        # 404 once the bucket is deleted), as gcsfs' FileNotFoundError says for Orbax's other
+        # files in the same save; which of the two a save raises first is the threads' race.
+        written_into_is_gone = isinstance(cause, FileNotFoundError) or (
+            found is not None and found.code == "NOT_FOUND")
+        if written_into_is_gone:
+            return SaveFailure.MISSING, one_line(cause)
         if isinstance(cause, (OSError, MemoryError)) or (
                 found is not None and (found.os_error or found.code in _UNAVAILABLE_STATUSES)):
-            if isinstance(cause, FileNotFoundError):
-                return SaveFailure.MISSING, one_line(cause)
             return ((SaveFailure.NO_SPACE if no_space(cause) else SaveFailure.STORAGE),
                     one_line(cause))
     return SaveFailure.BUG, one_line(error)
