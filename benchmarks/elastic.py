@@ -84,13 +84,14 @@ class Run(NamedTuple):
         return next(t for t, s in self.steps if s == STEPS) - self.started
 
 
-def launcher(workdir: str, cache: str, *flags: str) -> subprocess.Popen:
-    """launch.local on PROCESSES processes of 1 device in `workdir`; its output (process ids
-    prefixed) is appended to `<workdir>.log`."""
+def launcher(workdir: str, cache: str, *flags: str, train_flags: tuple[str, ...] = ()
+             ) -> subprocess.Popen:
+    """launch.local on PROCESSES processes of 1 device in `workdir`, `train_flags` after SMALL;
+    its output (process ids prefixed) is appended to `<workdir>.log`."""
     with open(f"{workdir}.log", "a") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "jaxscale.launch.local", f"--processes={PROCESSES}",
-             "--devices_per_process=1", "--grace_s=30", *flags, "--", *SMALL,
+             "--devices_per_process=1", "--grace_s=30", *flags, "--", *SMALL, *train_flags,
              f"--config.checkpoint.compilation_cache_dir={cache}", f"--workdir={workdir}"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -131,23 +132,24 @@ def kill_host(proc: subprocess.Popen, process_id: int) -> float:
 
 
 def run(workdir: str, cache: str, kill_at: int | None, elastic: bool,
-        return_after_s: float) -> Run:
+        return_after_s: float, min_processes: int = PROCESSES - 1,
+        train_flags: tuple[str, ...] = ()) -> Run:
     """One run to STEPS in `workdir`: uninterrupted (`kill_at` None), or losing VICTIM once
-    process 0 has logged step `kill_at`, elastic or waiting."""
+    process 0 has logged step `kill_at`, elastic (a range from `min_processes`) or waiting."""
     shutil.rmtree(workdir, ignore_errors=True)  # afresh: a workdir left holds checkpoints
     if os.path.exists(f"{workdir}.log"):
         os.remove(f"{workdir}.log")
     watcher, started, killed = Watcher(workdir), time.monotonic(), None
-    flags = ([f"--min_processes={PROCESSES - 1}", f"--return_after_s={return_after_s}"]
+    flags = ([f"--min_processes={min_processes}", f"--return_after_s={return_after_s}"]
              if elastic else [])
-    proc = launcher(workdir, cache, *flags)
+    proc = launcher(workdir, cache, *flags, train_flags=train_flags)
     if kill_at is not None:
         watcher.wait(proc, until_step=kill_at)
         killed = kill_host(proc, VICTIM)
     watcher.wait(proc)
     if kill_at is not None and not elastic and proc.returncode == 75:
         time.sleep(max(0.0, killed + return_after_s - time.monotonic()))  # the host comes back
-        proc = launcher(workdir, cache)
+        proc = launcher(workdir, cache, train_flags=train_flags)
         watcher.wait(proc)
     with open(f"{workdir}.log", errors="replace") as f:
         output = f.read()

@@ -14,6 +14,7 @@ planner chooses the layout first (jaxscale/plan/auto.py) and the trainer runs th
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -72,7 +73,8 @@ def main(argv: list[str]) -> None:
             checkpoints_at = checkpoint_dir(config, workdir)
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s,
-                                   checkpoint_dir=checkpoints_at)
+                                   checkpoint_dir=checkpoints_at,
+                                   runs_on=functools.partial(elastic.runs_on, config))
             rendezvous_seconds = time.perf_counter() - began
             agreement.exit_on_announced_failure()
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.
@@ -88,7 +90,7 @@ def main(argv: list[str]) -> None:
                     config, planned_step = planned_config(config, devices)
                 # A narrower run takes its lost processes back when they return.
                 with arrivals.watched(checkpoints_at, elastic=distributed.elastic(),
-                                     narrower=distributed.narrower()):
+                                     narrower=distributed.narrower(), widens=distributed.widens):
                     Trainer(config, workdir, devices, planned_step=planned_step,
                             rendezvous_seconds=rendezvous_seconds).run()
         except (JaxscaleError, TransientError) as e:

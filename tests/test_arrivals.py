@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jaxscale.errors import TransientError
+from jaxscale.errors import JaxscaleError, TransientError
 from jaxscale.launch.local import free_port
 from jaxscale.runtime import arrivals, distributed, rendezvous
 from jaxscale.runtime.distributed import ClusterSpec
@@ -131,6 +131,56 @@ def test_process_0_clears_old_markers_then_asks_for_the_stop_on_an_arrival(tmp_p
     assert sigterms.is_set()
     assert f"slot(s) ['2'] arrived ({tmp_path}/elastic/arrived); saving at an agreed step and " \
            "exiting 42" in capsys.readouterr().out
+
+
+def test_arrivals_that_make_no_count_that_runs_wait_as_spares_until_more_come(tmp_path, sigterms,
+                                                                             capsys):
+    """A run on 2 of 4 whose 3 would leave a host all idle: one marker is said to wait, once;
+    with a second, 4 run, and the stop is asked."""
+    folder = str(tmp_path)
+    with arrivals.watched(folder, elastic=True, narrower=True, widens=lambda arrived: arrived >= 2):
+        arrivals.announce(folder, "3")
+        time.sleep(2.5 * arrivals.LIST_EVERY_S)  # two listings or more
+        assert not sigterms.is_set()
+        assert capsys.readouterr().out.count("slot(s) ['3'] waiting as spares: with them the run "
+                                             "would leave a whole host's devices idle") == 1
+        arrivals.announce(folder, "2")
+        deadline = time.monotonic() + 10
+        while not sigterms.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert sigterms.is_set()
+    assert "slot(s) ['2', '3'] arrived" in capsys.readouterr().out
+
+
+def test_a_spare_announces_itself_and_waits_as_a_late_process_does(monkeypatch, tmp_path, capsys):
+    """Process 0 of 2 (a range 1-2) on which 2 would not run starts alone; process 1 is told it
+    is a spare, writes its marker and says so, and tries again until its timeout."""
+    monkeypatch.setattr(distributed, "LATE_RETRY_S", 0.2)
+    monkeypatch.setattr(distributed, "_runs_on", lambda count: count == 1)
+    monkeypatch.setenv(distributed.MIN_PROCESSES_VAR, "1")
+    monkeypatch.setenv(distributed.HOST_SLOT_VAR, "host-b")
+    port = free_port()
+    first = threading.Thread(target=rendezvous.rendezvous, args=(
+        ClusterSpec("explicit", f"127.0.0.1:{port}", 2, 0), time.monotonic() + 30, 1,
+        distributed._runs_on))
+    first.start()
+    with pytest.raises(TransientError):  # process 0 has gone on: nobody answers any more
+        distributed._admitted(ClusterSpec("explicit", f"127.0.0.1:{port}", 2, 1),
+                              time.monotonic() + 3, str(tmp_path))
+    first.join()
+    marker = tmp_path / "elastic" / "arrived" / "host-b"
+    assert marker.exists()
+    assert "jaxscale: elastic: process 1 of 2 is a spare: process 0 started the run on 1 of the " \
+           f"processes that came, since on more a whole host's devices would be idle; announced " \
+           f"at {marker}, waiting to be taken back" in capsys.readouterr().out
+
+
+def test_a_range_on_no_count_of_which_the_run_runs_is_a_usage_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(distributed, "_runs_on", lambda count: False)
+    monkeypatch.setenv(distributed.MIN_PROCESSES_VAR, "1")
+    with pytest.raises(JaxscaleError, match="on no count of processes from 1 to 2 does the run"):
+        distributed._admitted(ClusterSpec("explicit", f"127.0.0.1:{free_port()}", 2, 1),
+                              time.monotonic() + 3, str(tmp_path))
 
 
 def test_a_run_at_its_full_count_clears_markers_and_watches_for_none(tmp_path, sigterms):

@@ -181,7 +181,7 @@ def test_every_tpu_that_jax_knows_is_known_here():
 
 
 def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
-                   claimed_count=None, min_processes=None) -> dict:
+                   claimed_count=None, min_processes=None, runs_on=lambda count: True) -> dict:
     """Runs the rendezvous of processes `ids` in threads; returns id -> (new id, count) or the
     error."""
     results = {}
@@ -191,7 +191,7 @@ def _run_processes(num_processes: int, ids, timeout_s: float, port: int,
         spec = ClusterSpec("explicit", f"localhost:{port}", count, process_id)
         try:
             results[process_id] = rendezvous.rendezvous(spec, time.monotonic() + timeout_s,
-                                                        min_processes)
+                                                        min_processes, runs_on)
         except (JaxscaleError, TransientError) as e:
             results[process_id] = e
 
@@ -214,6 +214,22 @@ def test_an_elastic_rendezvous_admits_those_that_came_when_they_reach_the_minimu
     results = _run_processes(4, [0, 1, 3], 1.5, free_port(), min_processes=2)
     assert results == {0: (0, 3), 1: (1, 3), 3: (2, 3)}
     assert 1.5 <= time.monotonic() - start < 10  # it waited for process 2 until the deadline
+
+
+def test_a_rendezvous_starts_the_largest_count_that_runs_and_the_others_are_spares():
+    """4 at most, 1 at least, only 1 and 2 run (3 would leave a host all idle): 0, 1, 2 come and
+    start as 0 and 1 of 2, at once; 2 is told it is a spare. All 4 come: all 4 start."""
+    runs = {1, 2, 4}.__contains__
+    start = time.monotonic()
+    results = _run_processes(4, [0, 1, 2], 1.5, free_port(), min_processes=1, runs_on=runs)
+    assert results[0] == (0, 2) and results[1] == (1, 2), results
+    assert isinstance(results[2], rendezvous.Spare)
+    assert str(results[2]) == ("process 2 of 4 is a spare: process 0 started the run on 2 of the "
+                               "processes that came, since on more a whole host's devices would "
+                               "be idle")
+    assert time.monotonic() - start < 10
+    assert _run_processes(4, [0, 1, 2, 3], 10, free_port(), min_processes=1, runs_on=runs) == {
+        0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}
 
 
 def test_an_elastic_rendezvous_below_its_minimum_names_who_is_missing():

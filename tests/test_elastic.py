@@ -13,7 +13,7 @@ import pytest
 from jaxscale.checks import validate
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
-from jaxscale.training.elastic import fitted
+from jaxscale.training.elastic import fitted, runs_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,17 +190,19 @@ def test_a_range_whose_minimum_the_mesh_cannot_run_on_is_refused_before_anything
                              "raise the range's minimum or change the mesh)")
 
 
-def test_a_range_leaving_a_whole_host_idle_is_refused_naming_the_nearest_batch_every_count_runs(
+def test_a_range_whose_minimum_leaves_a_whole_host_idle_is_refused_naming_the_nearest_batch(
         capsys):
     """4 hosts of 8 GPUs, a 3-4 range, batch 256: on 24 GPUs no width in 17..24 divides 256, so
-    a whole host would idle. The line names 288; the launchers' own check (the oracle) takes
-    it, and refuses every batch nearer to 256."""
+    a whole host would idle at the minimum. The line names 288; the launchers' own check (the
+    oracle) takes it, and refuses every batch nearer to 256. launch.local and launch.gke check
+    only a 2-4 range's minimum, which takes 256: 3 hosts run on 2 and keep the third as a spare
+    (runtime/rendezvous.py)."""
     from jaxscale.launch.cli import check_train_args
 
-    def refused(batch: int) -> bool:
+    def refused(batch: int, minimum: int = 24) -> bool:
         try:
             check_train_args(["--config=configs/tiny.py", f"--config.train.batch_size={batch}"],
-                             32, 4, fewer_devices=(24,))
+                             32, 4, fewer_devices=(minimum,))
         except SystemExit as e:
             assert e.code == 2
             return True
@@ -213,3 +215,19 @@ def test_a_range_leaving_a_whole_host_idle_is_refused_naming_the_nearest_batch_e
     assert "(the nearest: 288)" in line, line
     assert not refused(288)
     assert all(refused(b) for b in range(225, 288) if b != 256)
+    assert not refused(256, minimum=16)
+
+
+@pytest.mark.parametrize("batch, per_host, counts", [
+    (8, 1, [1, 2, 4]),  # 3 devices: a width of 2, the third host all idle
+    (12, 1, [1, 2, 3, 4]),
+    (8, 2, [1, 2, 4]),  # 6 devices: a width of 4, the third host's 2 idle
+    (24, 2, [1, 2, 3, 4]),  # 6 devices: a width of 6
+])
+def test_the_host_counts_a_run_runs_on_leave_no_host_all_idle(batch, per_host, counts):
+    """Closed form: a count runs when the widest width of its devices that divides the batch
+    leaves fewer than one host's devices idle."""
+    c = config(batch)
+    assert [n for n in range(1, 5) if runs_on(c, n, per_host, 4)] == counts
+    widths = {n: max(w for w in range(1, n * per_host + 1) if batch % w == 0) for n in range(1, 5)}
+    assert counts == [n for n, w in widths.items() if n * per_host - w < per_host]

@@ -290,13 +290,17 @@ def test_every_pod_has_a_slot_of_its_own_that_outlives_it_and_the_jobsets_count(
 
 @pytest.mark.slow  # two launch.gke renders, each checking the config's fit (about 11 s)
 def test_an_elastic_jobset_tells_every_pod_the_minimum_it_starts_with():
-    """Every pod reads the minimum (runtime.distributed); without --min_processes, none does."""
-    jobset = render([*GPU_ARGS, "--nodes=4", "--min_processes=3", "--config.train.batch_size=32"])
+    """Every pod reads the minimum (runtime.distributed); without --min_processes, none does. On 3
+    of the 4 pods batch 32 would leave one pod's 8 GPUs idle: a start with 3 runs on 2, one
+    spare, which the pods work out from the GPUs each has."""
+    jobset = render([*GPU_ARGS, "--nodes=4", "--min_processes=2", "--config.train.batch_size=32"])
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    assert env["JAXSCALE_MIN_PROCESSES"] == "3" and env["PROCESSES_IN_JOB"] == "4"
+    assert env["JAXSCALE_MIN_PROCESSES"] == "2" and env["PROCESSES_IN_JOB"] == "4"
+    assert env["JAXSCALE_DEVICES_PER_PROCESS"] == "8"  # a start leaves no pod all idle
     plain = render(GPU_ARGS)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    assert "JAXSCALE_MIN_PROCESSES" not in {e["name"] for e in plain["containers"][0]["env"]}
+    assert not {"JAXSCALE_MIN_PROCESSES", "JAXSCALE_DEVICES_PER_PROCESS"} & {
+        e["name"] for e in plain["containers"][0]["env"]}
 
 
 def test_kueue_setup_defines_the_default_queue_and_priority_classes():

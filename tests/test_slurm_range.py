@@ -112,9 +112,9 @@ def test_a_range_that_would_leave_a_whole_host_idle_is_refused(sbatch, tmp_path)
     assert job.returncode == 2 and logged == [] and not (tmp_path / "run").exists()
     assert job.stderr.splitlines() == [
         "error: on 3 devices the run would leave 1 idle (no width of them divides "
-        "train.batch_size=8), a whole host's 1, which the trainer cannot run yet; pass a "
-        "train.batch_size that every count of the range runs (the nearest: 12), or raise the "
-        "range's minimum"]
+        "train.batch_size=8), a whole host's 1, which the trainer cannot run; pass a "
+        "train.batch_size that the range runs on (the nearest: 12), or raise the range's "
+        "minimum"]
 
 
 @pytest.mark.slow

@@ -70,11 +70,14 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
     is started for a run that would fail at once. With `gpu` (h100, h200, a100: the granules are
     nodes of those GPUs) the train step is also compiled for them (`check_compiled_fit`).
-    `fewer_devices`: the counts an elastic range may go on with (one granule), each checked as the
-    run refits the config for it (jaxscale/training/elastic.py)."""
+    `fewer_devices`: the counts an elastic range may run on (one granule), each checked as the run
+    refits the config for it (jaxscale/training/elastic.py). Where the processes know their
+    devices (JAXSCALE_DEVICES_PER_PROCESS), a count that cannot run starts on fewer hosts and keeps
+    the rest as spares (runtime/rendezvous.py): the range's minimum is the only one to check."""
     # Imported here: they import JAX, which supervise's start does not need.
     from jaxscale.checks import validate
     from jaxscale.parallel.mesh import asks_for_dcn
+    from jaxscale.training.elastic import idle_devices
 
     config, _ = parse_train_flags([sys.argv[0], *train_args])  # a bad flag exits here
     # Granules count only when the config asks for DCN factors, as in parallel.mesh.dcn_granules.
@@ -86,38 +89,29 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
     per_granule = num_devices // num_granules
     for fewer in fewer_devices:
         try:
-            idle = _idle_devices(config, fewer, num_devices)
+            idle = idle_devices(config, fewer, per_granule, num_devices)
         except JaxscaleError as e:
             fail(f"{e} (checked for {fewer} devices, as the run would go on after losing hosts; "
                  "raise the range's minimum or change the mesh)")
         # A process whose devices are all idle holds no shard of the state, and the trainer
-        # reads it (int(state.step)): it would crash at its first step, the job requeued forever.
+        # reads it (int(state.step)): it would crash at its first step.
         if idle >= per_granule:
             nearest = _nearest_batch(config, fewer_devices, num_devices, per_granule)
             fail(f"on {fewer} devices the run would leave {idle} idle (no width of them divides "
                  f"train.batch_size={config.train.batch_size}), a whole host's {per_granule}, "
-                 "which the trainer cannot run yet; pass a train.batch_size that every count "
-                 "of the range runs"
+                 "which the trainer cannot run; pass a train.batch_size that the range runs on"
                  + (f" (the nearest: {nearest})" if nearest else "")
                  + ", or raise the range's minimum")
     if gpu:
         check_compiled_fit(config, f"{gpu}:{num_granules}x{num_devices // num_granules}")
 
 
-def _idle_devices(config, devices: int, full_devices: int) -> int:
-    """How many of `devices` the run, refitted for them from `full_devices`, leaves idle."""
-    from jaxscale.checks import validate
-    from jaxscale.training.elastic import fitted
-
-    fit, used, _ = fitted(config, list(range(devices)), full_devices)
-    validate(fit, len(used))
-    return devices - len(used)
-
-
 def _nearest_batch(config, fewer_devices: tuple[int, ...], full_devices: int,
                    per_granule: int) -> int | None:
-    """The train.batch_size nearest to the config's (the larger on a tie; within a factor of 2)
-    on which every count of the range leaves no whole host idle; None if there is none."""
+    """The train.batch_size nearest to the config's (the larger on a tie) on which every count
+    checked leaves no whole host idle; None if there is none."""
+    from jaxscale.training.elastic import idle_devices
+
     batch = config.train.batch_size
     for offset in range(1, batch + 1):
         for candidate in (batch + offset, batch - offset):
@@ -126,7 +120,7 @@ def _nearest_batch(config, fewer_devices: tuple[int, ...], full_devices: int,
             trial = config.copy_and_resolve_references()
             trial.train.batch_size = candidate
             try:
-                if all(_idle_devices(trial, n, full_devices) < per_granule
+                if all(idle_devices(trial, n, per_granule, full_devices) < per_granule
                        for n in (*fewer_devices, full_devices)):
                     return candidate
             except JaxscaleError:  # a batch the mesh or the config cannot take

@@ -29,8 +29,10 @@ How the manifest maps jaxscale's contract onto Kubernetes:
   Pending at the rendezvous deadline (distributed.init_timeout_s) fail nothing: the pods that came
   start without them when they are at least the minimum (pod 0, the coordinator, among them), with
   the global batch kept (jaxscale/training/elastic.py); fewer exit 75, and the pod is replaced in
-  place. A pod that arrives after the others started finds no rendezvous, exits 75 and is started
-  again until the run restarts (a lost pod's 75 or a preemption), which then takes it in.
+  place. A pod that arrives after the others started writes its arrival marker in the checkpoint
+  folder and waits; the run saves, restarts and takes it in (runtime/arrivals.py). Pods
+  get JAXSCALE_DEVICES_PER_PROCESS: on a count of pods that would leave one pod's GPUs all idle,
+  the run starts on the largest count below it that runs, and the other pods wait as spares.
 - SIGTERM on preemption gets `--grace_period_s` to save a checkpoint before SIGKILL.
 - Checkpoints on a bucket (--bucket) go to gs://BUCKET/NAME/checkpoints through Orbax's own GCS
   path, which commits a checkpoint with a marker file; GCS FUSE, which cannot rename a folder
@@ -60,6 +62,7 @@ from jaxscale.errors import (
 )
 from jaxscale.launch.cli import check_train_args, nonnegative, positive
 from jaxscale.runtime.distributed import (
+    DEVICES_PER_PROCESS_VAR,
     GKE_COORDINATOR_PORT,
     HOST_SLOT_VAR,
     MAX_PROCESSES_VAR,
@@ -270,6 +273,9 @@ def render(args, shape: Shape, overrides: list[str]) -> dict:
         MAX_PROCESSES_VAR: str(shape.replicas * shape.pods),
         **({} if args.min_processes is None
            else {MIN_PROCESSES_VAR: str(args.min_processes)}),
+        # A range's start leaves no pod all idle (runtime/rendezvous.py's spares).
+        **({} if args.min_processes is None
+           else {DEVICES_PER_PROCESS_VAR: str(shape.devices_per_pod)}),
     }
     container = {
         "name": CONTAINER,
@@ -422,7 +428,10 @@ def main(argv: list[str]) -> None:
              "--shm_gib or a larger --memory_gib")
     gpu = "" if args.tpu_accelerator or args.no_compile else GKE_GPUS[args.gpu_type][1]
     check_train_args([f"--config={args.config}", *training_overrides(args, overrides)],
-                     shape.devices, shape.granules, gpu)
+                     shape.devices, shape.granules, gpu,
+                     # The pods know their devices: a count below that is a spare's.
+                     fewer_devices=() if args.min_processes is None
+                     else (args.min_processes * shape.devices_per_pod,))
     json.dump(render(args, shape, overrides), sys.stdout, indent=2)
     print()
 

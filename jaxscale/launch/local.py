@@ -39,7 +39,11 @@ the narrower run's process 0 sees the marker, every process saves one agreed ste
 the launcher then stops the waiting process and starts the run again on the full count, a planned
 restart. The processes learn the range's maximum from JAXSCALE_MAX_PROCESSES, its minimum from
 JAXSCALE_MIN_PROCESSES, and each its slot from JAXSCALE_HOST_SLOT: its id at the first start, kept
-when the survivors are renumbered, so that it finds its own local checkpoints.
+when the survivors are renumbered, so that it finds its own local checkpoints. A count of survivors
+on which the run would leave one process's devices all idle (JAXSCALE_DEVICES_PER_PROCESS tells
+the processes how many each has) starts on the largest count below it that runs; the others are
+spares (`is a spare` in their output), which wait as late processes do and are no part of the
+run's verdict, until enough return for a count that runs.
 
 Signals: the processes run in sessions of their own, so a Ctrl-C in the terminal reaches the
 launcher only. The first SIGTERM or SIGINT it gets is passed on to every process, once (a SIGTERM:
@@ -81,7 +85,12 @@ from jaxscale.launch.cli import (
     parse_launcher_args,
     positive,
 )
-from jaxscale.runtime.distributed import HOST_SLOT_VAR, MAX_PROCESSES_VAR, MIN_PROCESSES_VAR
+from jaxscale.runtime.distributed import (
+    DEVICES_PER_PROCESS_VAR,
+    HOST_SLOT_VAR,
+    MAX_PROCESSES_VAR,
+    MIN_PROCESSES_VAR,
+)
 
 POLL_S = 0.1
 
@@ -158,6 +167,7 @@ def process_env(base: dict[str, str], process_id: int, num_processes: int, devic
         "PYTHONUNBUFFERED": "1",  # lines reach the prefixer as they are written
         MAX_PROCESSES_VAR: str(max_processes or num_processes),
         HOST_SLOT_VAR: str(process_id if slot is None else slot),
+        DEVICES_PER_PROCESS_VAR: str(devices),
         **({MIN_PROCESSES_VAR: str(min_processes)} if min_processes is not None else {}),
     }
 
@@ -187,6 +197,9 @@ GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
 # late process finds JAX's service, never a rendezvous of the narrower count (which would refuse
 # its count and stop the run), and a stop asked from now on is a planned one.
 JOINED_LINE = re.compile(rb"jaxscale: distributed mode ")
+# A process the rendezvous left out (runtime/rendezvous.py's spares): from then on it waits as a
+# late process does, no part of the run or its verdict.
+SPARE_LINE = re.compile(rb"jaxscale: elastic: process \d+ of \d+ is a spare")
 
 
 class Launcher:
@@ -209,6 +222,7 @@ class Launcher:
         self.widen_at, self.returning = widen_at, returning or {}
         self.widened = False  # the returning processes were started
         self.late: list[subprocess.Popen] = []  # they are no part of this run: never a verdict
+        self.spares: set[int] = set()  # the processes the rendezvous left out: neither
         self.joined = threading.Event()  # the processes have met
         self.verbose = verbose
         self.output_lock = threading.Lock()
@@ -220,24 +234,28 @@ class Launcher:
         self.pumps: list[threading.Thread] = []
         for cmd, env in zip(commands, envs):
             self.delivered.append(set())
-            self.procs.append(self._start(cmd, env, str(len(self.procs))))
+            self.procs.append(self._start(cmd, env, str(len(self.procs)), len(self.procs)))
             self._deliver()  # a signal that came while the processes were starting
 
-    def _start(self, cmd: list[str], env: dict[str, str], label: str) -> subprocess.Popen:
-        """Starts one process, its output prefixed with `[label]`."""
+    def _start(self, cmd: list[str], env: dict[str, str], label: str,
+               index: int | None = None) -> subprocess.Popen:
+        """Starts one process, its output prefixed with `[label]`; `index`: its place in the
+        run's processes (None: a late one)."""
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        pump = threading.Thread(target=self._pump, args=(label, proc.stdout), daemon=True)
+        pump = threading.Thread(target=self._pump, args=(label, proc.stdout, index), daemon=True)
         pump.start()
         self.pumps.append(pump)
         return proc
 
-    def _pump(self, label: str, stream) -> None:
+    def _pump(self, label: str, stream, index: int | None) -> None:
         for line in iter(stream.readline, b""):
             if not self.verbose and GLOO_CONNECTED.match(line):
                 continue
             if JOINED_LINE.match(line):
                 self.joined.set()
+            if index is not None and SPARE_LINE.match(line):
+                self.spares.add(index)
             with self.output_lock:
                 sys.stdout.write(f"[{label}] {line.decode(errors='replace')}")
                 sys.stdout.flush()
@@ -275,15 +293,19 @@ class Launcher:
                 self.stopped.add(i)
                 self._send(p, signum)
 
+    def members(self) -> list[int]:
+        """The processes the run started with: all but its spares."""
+        return [i for i in range(len(self.procs)) if i not in self.spares]
+
     def running(self) -> bool:
         statuses = [p.poll() for p in self.procs]  # poll each one; any() would stop at the first
         self.ended += [i for i, s in enumerate(statuses) if s is not None and i not in self.ended]
-        return None in statuses
+        return any(statuses[i] is None for i in self.members())
 
     def lost(self) -> list[int]:
         """The processes killed by SIGKILL not by the launcher: lost hosts."""
-        return [i for i, p in enumerate(self.procs)
-                if p.returncode == -signal.SIGKILL and i not in self.stopped]
+        return [i for i in self.members()
+                if self.procs[i].returncode == -signal.SIGKILL and i not in self.stopped]
 
     def _expected(self, code: int) -> bool:
         """Whether a process ending with `code` is doing what it was asked: finishing, or stopping
@@ -292,8 +314,9 @@ class Launcher:
 
     def first_failure(self) -> tuple[int, int] | None:
         """(process id, status) of the first process that failed, if any has."""
-        return next(((i, p.returncode) for i, p in enumerate(self.procs)
-                     if p.returncode is not None and not self._expected(p.returncode)), None)
+        return next(((i, self.procs[i].returncode) for i in self.members()
+                     if self.procs[i].returncode is not None
+                     and not self._expected(self.procs[i].returncode)), None)
 
     def wait(self) -> int:
         """Supervises until every process has exited; returns the launcher's exit status."""
@@ -335,7 +358,8 @@ class Launcher:
                 self.stop_the_others(signal.SIGKILL)
                 kill_at = float("nan")  # never again (nan compares false)
             time.sleep(POLL_S)
-        for p in self.late:  # waiting to be taken back, which the next start does
+        # Waiting to be taken back, which the next start does.
+        for p in [*self.late, *(self.procs[i] for i in self.spares)]:
             self._send(p, signal.SIGKILL)
             p.wait()
         for t in self.pumps:
@@ -346,7 +370,7 @@ class Launcher:
                      "run the same command again to resume from the last checkpoint")
             return INTERRUPTED_EXIT_CODE
         # Never empty: the launcher stops processes only after one has ended on its own.
-        own = [i for i in self.ended if i not in self.stopped]
+        own = [i for i in self.ended if i not in self.stopped and i not in self.spares]
         i = max(own, key=lambda i: decisiveness(codes[i]))  # the first of the most decisive
         code = verdict(codes[i])
         if code == 0:
@@ -394,8 +418,9 @@ def main(argv: list[str]) -> int:
         return USAGE_EXIT_CODE
     if args.module == "jaxscale.train":
         check_train_args(module_args, args.processes * args.devices_per_process, args.processes,
-                         fewer_devices=tuple(n * args.devices_per_process
-                                             for n in range(minimum, args.processes)))
+                         # The processes know their devices: a count below that is a spare's.
+                         fewer_devices=(minimum * args.devices_per_process,)
+                         if minimum < args.processes else ())
     if pending:  # told to stop before anything started: start nothing
         name = signal.Signals(pending[0]).name
         print(f"launch.local: got {name} before any process started; not starting them; run the "

@@ -24,6 +24,7 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 import jax
 
@@ -80,10 +81,12 @@ def cleared(checkpoint_dir: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def watched(checkpoint_dir: str, *, elastic: bool, narrower: bool):
+def watched(checkpoint_dir: str, *, elastic: bool, narrower: bool,
+            widens: Callable[[int], bool] = lambda arrived: True):
     """Process 0 of a run with a host range (`elastic`) clears the markers at its start; on fewer
     processes than its maximum (`narrower`) it watches for arrivals while the block runs, and
-    asks for the planned stop on the first."""
+    asks for the planned stop once those arrived make a count that `widens` the run (not every
+    count runs: runtime/rendezvous.py's spares)."""
     if not elastic or jax.process_index() != 0:
         yield
         return
@@ -94,7 +97,7 @@ def watched(checkpoint_dir: str, *, elastic: bool, narrower: bool):
         yield
         return
     done = threading.Event()
-    watch = threading.Thread(target=_watch, args=(checkpoint_dir, done), daemon=True)
+    watch = threading.Thread(target=_watch, args=(checkpoint_dir, done, widens), daemon=True)
     watch.start()
     try:
         yield
@@ -103,12 +106,20 @@ def watched(checkpoint_dir: str, *, elastic: bool, narrower: bool):
         watch.join()
 
 
-def _watch(checkpoint_dir: str, done: threading.Event) -> None:
+def _watch(checkpoint_dir: str, done: threading.Event, widens: Callable[[int], bool]) -> None:
+    waiting: list[str] = []  # the slots said to wait, said once
     while not done.wait(LIST_EVERY_S):
         try:
             slots = arrived(checkpoint_dir)
         except (OSError, *library_errors()):
             continue  # the storage failing for now: the next listing tries again
+        if slots and not widens(len(slots)):
+            if slots != waiting:
+                print(f"jaxscale: elastic: slot(s) {slots} waiting as spares: with them the run "
+                      "would leave a whole host's devices idle; it goes on until more come",
+                      flush=True)
+                waiting = slots
+            continue
         if slots and _stop_can_be_asked():
             print(f"jaxscale: elastic: slot(s) {slots} arrived ({shown(checkpoint_dir)}); "
                   "saving at an agreed step and exiting 42 to restart with them", flush=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -35,12 +36,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from jaxscale.cli import fail_with
 from jaxscale.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S
 from jaxscale.errors import RESTART_EXIT_CODE, JaxscaleError, TransientError
-from jaxscale.runtime.rendezvous import RunStarted, rendezvous
+from jaxscale.runtime.rendezvous import RunStarted, Spare, rendezvous
 from jaxscale.runtime.tpu_host import is_tpu_vm
 
 # Fixed ports where no scheduler hands one out; every process must compute the same one.
@@ -128,6 +129,9 @@ MAX_PROCESSES_VAR = "JAXSCALE_MAX_PROCESSES"
 # each must find the local checkpoints it saved under its old id (checkpoint/manager.py). Set by
 # the launcher to the slot's first id; the process id when unset (ids that never change).
 HOST_SLOT_VAR = "JAXSCALE_HOST_SLOT"
+# The devices each process drives, known to the launcher before JAX starts: with it, an elastic
+# start leaves no host all idle (its processes beyond the largest count that runs are spares).
+DEVICES_PER_PROCESS_VAR = "JAXSCALE_DEVICES_PER_PROCESS"
 
 
 def host_slot(environ: Mapping[str, str], process_id: int) -> str:
@@ -276,7 +280,8 @@ def detect_here() -> ClusterSpec:
 
 def initialize(timeout_s: float | None = None,
                heartbeat_timeout_s: float | None = None,
-               checkpoint_dir: str | None = None) -> ClusterSpec:
+               checkpoint_dir: str | None = None,
+               runs_on: Callable[[int, int, int], bool] | None = None) -> ClusterSpec:
     """Joins this process to the run's other processes and returns how; call it before any JAX
     device use. Idempotent; process 0 of a multi-process run prints the mode.
 
@@ -287,9 +292,12 @@ def initialize(timeout_s: float | None = None,
 
     In an elastic range, a process that arrives after the others started without it writes its
     arrival marker in `checkpoint_dir` (runtime/arrivals.py) and tries again until the timeout:
-    the run saves, restarts and admits it at its next rendezvous.
+    the run saves, restarts and admits it at its next rendezvous. `runs_on(processes, devices per
+    process, full processes)` (training/elastic.py's, given DEVICES_PER_PROCESS_VAR): whether the
+    run runs on that count; the rendezvous starts the largest that does, and a process left out
+    waits as a late one does.
     """
-    global _joined, _full_count, _in_range
+    global _joined, _full_count, _in_range, _runs_on
     if _joined is not None:
         return _joined
     spec = detect_here()
@@ -306,6 +314,9 @@ def initialize(timeout_s: float | None = None,
         # An elastic range starts with those that came (ids 0..n-1), at least the minimum.
         _full_count = max_processes(os.environ, spec.num_processes)
         _in_range = min_processes(os.environ, spec) < _full_count
+        if _in_range and runs_on is not None and DEVICES_PER_PROCESS_VAR in os.environ:
+            per, full = _int(os.environ, DEVICES_PER_PROCESS_VAR), _full_count
+            _runs_on = functools.cache(lambda count: runs_on(count, per, full))
         process_id, num_processes = _admitted(spec, deadline, checkpoint_dir)
         spec = dataclasses.replace(spec, process_id=process_id, num_processes=num_processes)
     jax.distributed.initialize(
@@ -333,6 +344,13 @@ _full_count: int | None = None  # the processes of a full start (an elastic rang
 _in_range = False  # whether the run has a host range: a minimum below its full count
 
 
+def _every_count(count: int) -> bool:
+    return True
+
+
+_runs_on: Callable[[int], bool] = _every_count  # whether the run runs on `count` processes
+
+
 def elastic() -> bool:
     """Whether this run has a host range (it may run on fewer processes than its full count)."""
     return _in_range
@@ -344,23 +362,39 @@ def narrower() -> bool:
     return _joined is not None and _full_count is not None and _joined.num_processes < _full_count
 
 
+def widens(arrived: int) -> bool:
+    """Whether `arrived` more processes would let the run restart wider than it runs: a count
+    above this one, up to the full count, runs (not every count does: spares)."""
+    now = _joined.num_processes
+    return any(_runs_on(count) for count in range(now + 1, min(now + arrived, _full_count) + 1))
+
+
 def _admitted(spec: ClusterSpec, deadline: float, checkpoint_dir: str | None) -> tuple[int, int]:
     """`rendezvous`, tried again by a process that arrived late in an elastic range after it has
     announced itself (module docstring of runtime/arrivals.py)."""
     from jaxscale.runtime import arrivals  # its storage libraries only where a process is late
 
     minimum = min_processes(os.environ, spec)
+    # The fewest that come is a count that runs: below it, wait on as below the range's minimum.
+    runnable = [count for count in range(minimum, spec.num_processes + 1) if _runs_on(count)]
+    if not runnable:
+        raise JaxscaleError(
+            f"on no count of processes from {minimum} to {spec.num_processes} does the run leave "
+            "every host a device to run on; pass a train.batch_size that the range's minimum "
+            "runs (python -m jaxscale.launch.fit names one), or change the minimum")
+    told = False  # a spare says so once, whether its marker is new or not
     while True:
         try:
-            return rendezvous(spec, deadline, minimum)
+            return rendezvous(spec, deadline, runnable[0], _runs_on)
         except RunStarted as late:
             if checkpoint_dir is None or minimum == spec.num_processes:
                 raise TransientError(f"{late}; stop every process and start them all again, or "
                                      "give the run a range (JAXSCALE_MIN_PROCESSES)") from None
-            if marker := arrivals.announce(checkpoint_dir, host_slot(os.environ,
-                                                                    spec.process_id)):
-                print(f"jaxscale: elastic: {late}; announced at {marker}, waiting to be taken "
-                      "back", flush=True)
+            marker = arrivals.announce(checkpoint_dir, host_slot(os.environ, spec.process_id))
+            if marker or (isinstance(late, Spare) and not told):
+                where = f"announced at {marker}" if marker else "its arrival marker is there"
+                print(f"jaxscale: elastic: {late}; {where}, waiting to be taken back", flush=True)
+                told = True
             if time.monotonic() + LATE_RETRY_S >= deadline:
                 raise TransientError(f"{late}, and was not taken back before the timeout; start "
                                      "it again (exit 75)") from None

@@ -20,6 +20,12 @@ least the minimum: it numbers them 0..n-1 in the order of their ids (it stays 0)
 its new id and n, with which JAX then starts. Fewer than the minimum by the deadline is a
 TransientError naming who is missing (exit 75: retry once the hosts are back).
 
+Spares: a count on which the run would leave a whole host's devices idle cannot start (that
+process would hold no shard: training/elastic.py). Given `runs_on`, process 0 admits the largest
+count of those that came on which the run runs, the lowest ids, and answers the others "spare":
+they wait as a late process does, and a narrower run takes them back once enough have come for a
+count that runs (runtime/arrivals.py).
+
 A process that arrives after the others started (a host back from a loss, a pod started late) finds
 JAX's coordination service on the port instead: a gRPC server, which answers any connection at once
 with HTTP/2's SETTINGS frame and closes it (jax 0.10.2). That answer, not a timeout, tells it the
@@ -34,6 +40,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Callable
 
 from jaxscale.errors import JaxscaleError, TransientError
 
@@ -52,17 +59,25 @@ class RunStarted(TransientError):
     without this process (runtime/arrivals.py then announces it)."""
 
 
-def rendezvous(spec, deadline: float, min_processes: int | None = None) -> tuple[int, int]:
+class Spare(RunStarted):
+    """Process 0 started the run without this process, which came in time: with it, the run
+    would leave a whole host's devices idle. It waits as a late process does."""
+
+
+def rendezvous(spec, deadline: float, min_processes: int | None = None,
+               runs_on: Callable[[int], bool] = lambda count: True) -> tuple[int, int]:
     """Returns (this process's id, the process count) JAX starts with, once all
     `spec.num_processes` processes have reported in, or at `deadline` (a time.monotonic() value)
-    once at least `min_processes` have (default: all). Raises TransientError naming who did not
-    arrive by then, or the coordinator when it cannot be reached; JaxscaleError when the processes
-    disagree (counts, ids). `spec` is a distributed.ClusterSpec."""
+    once at least `min_processes` have (default: all): the largest count of those that came on
+    which the run runs (`runs_on`, which `min_processes` must satisfy). Raises TransientError
+    naming who did not arrive by then, or the coordinator when it cannot be reached; Spare when
+    this process is left out; JaxscaleError when the processes disagree (counts, ids). `spec` is
+    a distributed.ClusterSpec."""
     if spec.process_id == 0:
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS",
                               "[::]:" + spec.coordinator_address.rsplit(":", 1)[1])
         admitted = _gather(spec.num_processes, min_processes or spec.num_processes, bind,
-                           deadline)
+                           deadline, runs_on)
         return 0, admitted
     return _report(spec, deadline)
 
@@ -72,7 +87,8 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _gather(num_processes: int, min_processes: int, bind: str, deadline: float) -> int:
+def _gather(num_processes: int, min_processes: int, bind: str, deadline: float,
+            runs_on: Callable[[int], bool]) -> int:
     """Gathers the peers; returns how many processes were admitted (process 0 among them)."""
     server = _listen(bind)
     hellos: dict[socket.socket, tuple[bytes, float]] = {}  # not yet identified: (read, drop at)
@@ -108,9 +124,11 @@ def _gather(num_processes: int, min_processes: int, bind: str, deadline: float) 
                     for gone in [i for i, conn in peers.items() if conn is sock]:
                         del peers[gone]
                     sock.close()
+        admitted = max(n for n in range(min_processes, len(peers) + 2) if runs_on(n))
         for new_id, peer_id in enumerate(sorted(peers), start=1):
-            _send_all([peers[peer_id]], f"ok {new_id} {len(peers) + 1}")
-        return len(peers) + 1
+            _send_all([peers[peer_id]], f"ok {new_id} {admitted}" if new_id < admitted
+                      else f"spare {admitted}")
+        return admitted
     finally:
         for conn in [*hellos, *peers.values()]:
             conn.close()
@@ -211,6 +229,11 @@ def _report(spec, deadline: float) -> tuple[int, int]:
     words = answer.split()
     if len(words) == 3 and words[0] == "ok" and words[1].isdigit() and words[2].isdigit():
         return int(words[1]), int(words[2])
+    if len(words) == 2 and words[0] == "spare" and words[1].isdigit():
+        raise Spare(
+            f"process {spec.process_id} of {spec.num_processes} is a spare: process 0 started the "
+            f"run on {words[1]} of the processes that came, since on more a whole host's devices "
+            "would be idle")
     if answer.startswith("missing "):
         raise TransientError(
             f"process 0 gave up waiting: process(es) [{answer.split(' ', 1)[1]}] of "

@@ -10,6 +10,10 @@ device holds per microbatch must not grow (its memory was sized for the full cou
 data-parallel width falls. When no width the devices give divides the batch, the fewest devices
 are left idle that let one; `note` says what was chosen, for the start-up line.
 
+On a count whose refit would leave a whole host's devices idle, the run cannot start (a process
+holding no shard still takes part in every step): such a count starts on the largest count below
+it that runs, and the other hosts wait as spares (`runs_on`, used by runtime/rendezvous.py).
+
 A config with a DCN factor across hosts (GPU nodes: `mesh.dcn.data=8` for 8 of them) keeps each
 host's ICI layout, and the one DCN factor the batch is split over is set to the hosts present
 (8 -> 6): hosts are never left idle, since a process holding no device of the mesh would still
@@ -20,6 +24,7 @@ without one of its hosts, so a run of several loses a whole slice or nothing.
 from __future__ import annotations
 
 import math
+import types
 
 import ml_collections
 
@@ -120,3 +125,25 @@ def _fitted_over_hosts(config: ml_collections.ConfigDict, devices: list, full_de
         f"{split[0]} {dcn[split[0]]} -> {hosts // others}, data-parallel width {full_width} -> "
         f"{width}, train.microbatches {t.microbatches} -> {k}")
 
+
+
+def idle_devices(config: ml_collections.ConfigDict, devices: int, per_host: int,
+                 full_devices: int) -> int:
+    """How many of `devices` (`per_host` on each host) the run, refitted for them from
+    `full_devices`, leaves idle. Raises ConfigError when the refitted config cannot run on them."""
+    from jaxscale.checks import validate  # it imports every module with a check: only here
+
+    hosts = [types.SimpleNamespace(platform="host", process_index=i // per_host)
+             for i in range(devices)]
+    fit, used, _ = fitted(config, hosts, full_devices)
+    validate(fit, len(used))
+    return devices - len(used)
+
+
+def runs_on(config: ml_collections.ConfigDict, hosts: int, per_host: int, full_hosts: int) -> bool:
+    """Whether the run, written for `full_hosts` hosts of `per_host` devices, runs on `hosts` of
+    them with none of their devices all idle."""
+    try:
+        return idle_devices(config, hosts * per_host, per_host, full_hosts * per_host) < per_host
+    except ConfigError:
+        return False
