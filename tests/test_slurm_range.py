@@ -1,6 +1,7 @@
 """The Slurm script's host range (`sbatch --nodes=MIN-MAX` with JAXSCALE_NODES=MIN-MAX): the
-script derives the range's processes for the run, checks the config for every count of the range,
-refuses a range it cannot honour, and a job given 3 nodes of a 2-4 range trains to its end. The
+script derives the range's processes for the run, checks the config for the range's minimum,
+refuses a range it cannot honour, starts on fewer of the nodes given where more would leave one
+idle, and a job given 3 nodes of a 2-4 range trains to its end. The
 stand-in srun starts one real local process (1 CPU device) per "node" as Slurm would."""
 
 import os
@@ -24,22 +25,28 @@ SMALL = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.l
 @pytest.fixture
 def sbatch(tmp_path):
     """Runs the script as the batch step of a job given `nodes` nodes of 1 device each, with
-    stand-ins for scontrol (logs) and srun, which logs the range it was given and runs its command
-    once per node in the background, as tasks SLURM_PROCID=0..nodes-1 on this host (nodes
-    node0, node1, ... in SLURMD_NODENAME, as slurmd names them), each output
-    in task<i>.out, and exits with the highest of their statuses as srun does."""
+    stand-ins for scontrol (logs) and srun, which logs the range it was given (and `--nodes`) and
+    runs its command once per node (of those `--nodes` names) in the background, as tasks
+    SLURM_PROCID=0..nodes-1 on this host (nodes node0, node1, ... in SLURMD_NODENAME, as slurmd
+    names them), each output in task<i>.out, and exits with the highest of their statuses as
+    srun does."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "log"
     (bin_dir / "srun").write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
-        echo "srun min=${{JAXSCALE_MIN_PROCESSES:-}} max=${{JAXSCALE_MAX_PROCESSES:-}}" >> {log}
-        while [[ $1 == --* ]]; do shift; done
+        nodes=$SLURM_JOB_NUM_NODES given=""
+        while [[ $1 == --* ]]; do
+          if [[ $1 == --nodes=* ]]; then nodes=${{1#--nodes=}} given=" nodes=$nodes"; fi
+          shift
+        done
+        echo "srun min=${{JAXSCALE_MIN_PROCESSES:-}} max=${{JAXSCALE_MAX_PROCESSES:-}}$given" \\
+          >> {log}
         pids=()
-        for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
+        for ((i = 0; i < nodes; i++)); do
           SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=node$i \\
-            SLURM_NTASKS=$SLURM_JOB_NUM_NODES \\
-            SLURM_STEP_NUM_NODES=$SLURM_JOB_NUM_NODES SLURM_STEP_NODELIST=localhost \\
+            SLURM_NTASKS=$nodes \\
+            SLURM_STEP_NUM_NODES=$nodes SLURM_STEP_NODELIST=localhost \\
             "$@" > {tmp_path}/task$i.out 2>&1 &
           pids+=($!)
         done
@@ -103,11 +110,12 @@ def test_a_range_whose_minimum_the_mesh_cannot_run_on_is_refused(sbatch, tmp_pat
     assert "(checked for 3 devices, as the run would go on after losing hosts" in lines[0]
 
 
-def test_a_range_that_would_leave_a_whole_host_idle_is_refused(sbatch, tmp_path):
+def test_a_range_whose_minimum_would_leave_a_whole_host_idle_is_refused(sbatch, tmp_path):
     """Batch 8 on 3 nodes of 1 device: width 2, the third node's device idle, a whole process
     with no shard of the state, which crashed at its first step (int(state.step)) and had the
-    job requeued forever. Refused before anything starts."""
-    job, logged = sbatch(3, "2-4", *SMALL, "--config.train.batch_size=8",
+    job requeued forever. At a 3-4 range's minimum there are no fewer nodes to run on: refused
+    before anything starts."""
+    job, logged = sbatch(3, "3-4", *SMALL, "--config.train.batch_size=8",
                          f"--workdir={tmp_path / 'run'}")
     assert job.returncode == 2 and logged == [] and not (tmp_path / "run").exists()
     assert job.stderr.splitlines() == [
@@ -115,6 +123,34 @@ def test_a_range_that_would_leave_a_whole_host_idle_is_refused(sbatch, tmp_path)
         "train.batch_size=8), a whole host's 1, which the trainer cannot run; pass a "
         "train.batch_size that the range runs on (the nearest: 12), or raise the range's "
         "minimum"]
+
+
+def stand_in_python(tmp_path) -> None:
+    """A python on the stand-ins' PATH that records each task (its slot, its id of how many)
+    instead of training, and runs the script's config check for real."""
+    (tmp_path / "bin" / "python").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        if [[ $2 == jaxscale.train ]]; then
+          echo "$JAXSCALE_HOST_SLOT $SLURM_PROCID of $SLURM_NTASKS" > {tmp_path}/task$SLURM_PROCID
+          exit 0
+        fi
+        exec {sys.executable} "$@"
+        """))
+    (tmp_path / "bin" / "python").chmod(0o755)
+
+
+def test_a_job_given_a_count_that_would_leave_a_node_idle_runs_on_fewer(sbatch, tmp_path):
+    """Batch 8, a 2-4 range, 3 nodes given: on 3 a node would be all idle, so the run starts on
+    2 (srun --nodes=2) and the third node idles; the line says so."""
+    stand_in_python(tmp_path)
+    job, logged = sbatch(3, "2-4", *SMALL, "--config.train.batch_size=8",
+                         f"--workdir={tmp_path / 'run'}", timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert logged == ["srun min=2 max=4 nodes=2"]
+    assert sorted(p.name for p in tmp_path.glob("task?")) == ["task0", "task1"]
+    assert (tmp_path / "task1").read_text() == "node1-0 1 of 2\n"
+    assert "jaxscale: job 7, attempt 1, 3 nodes, running on 2 (on more, a node's GPUs would all " \
+           "be idle) (range 2-4)" in job.stdout
 
 
 @pytest.mark.slow
@@ -134,16 +170,8 @@ def test_each_task_runs_with_its_nodes_slot(sbatch, tmp_path):
     """Each task's JAXSCALE_HOST_SLOT is its node and local id (the folder of its local
     checkpoints, which a requeue on fewer nodes must find again); a stand-in python records it
     instead of training, and runs the script's config check for real."""
-    (tmp_path / "bin" / "python").write_text(textwrap.dedent(f"""\
-        #!/usr/bin/env bash
-        if [[ $2 == jaxscale.train ]]; then
-          echo "$JAXSCALE_HOST_SLOT" > {tmp_path}/slot$SLURM_PROCID
-          exit 0
-        fi
-        exec {sys.executable} "$@"
-        """))
-    (tmp_path / "bin" / "python").chmod(0o755)
+    stand_in_python(tmp_path)
     job, _ = sbatch(2, "2-2", *SMALL, f"--workdir={tmp_path / 'run'}", timeout=120)
     assert job.returncode == 0, job.stderr
-    slots = [(tmp_path / f"slot{i}").read_text().strip() for i in range(2)]
+    slots = [(tmp_path / f"task{i}").read_text().split()[0] for i in range(2)]
     assert slots == ["node0-0", "node1-0"]

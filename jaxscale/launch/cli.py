@@ -64,7 +64,7 @@ def parse_launcher_args(parser: argparse.ArgumentParser, argv: list[str], passed
 
 
 def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
-                     gpu: str = "", fewer_devices: tuple[int, ...] = ()) -> None:
+                     gpu: str = "", fewer_devices: tuple[int, ...] = ()):
     """Loads the config named by `train_args` (as `jaxscale.train` would, overrides included) and
     validates it for `num_devices` devices in `num_granules` DCN-connected granules (TPU slices, or
     hosts where there are no slices); exits with `error: ...` if it does not fit, so that nothing
@@ -73,7 +73,8 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
     `fewer_devices`: the counts an elastic range may run on (one granule), each checked as the run
     refits the config for it (jaxscale/training/elastic.py). Where the processes know their
     devices (JAXSCALE_DEVICES_PER_PROCESS), a count that cannot run starts on fewer hosts and keeps
-    the rest as spares (runtime/rendezvous.py): the range's minimum is the only one to check."""
+    the rest as spares (runtime/rendezvous.py): the range's minimum is the only one to check.
+    Returns the config."""
     # Imported here: they import JAX, which supervise's start does not need.
     from jaxscale.checks import validate
     from jaxscale.parallel.mesh import asks_for_dcn
@@ -104,6 +105,7 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
                  + ", or raise the range's minimum")
     if gpu:
         check_compiled_fit(config, f"{gpu}:{num_granules}x{num_devices // num_granules}")
+    return config
 
 
 def _nearest_batch(config, fewer_devices: tuple[int, ...], full_devices: int,

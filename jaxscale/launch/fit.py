@@ -4,7 +4,10 @@
         --config.mesh.dcn.data=2
 
 Prints `ok: ...` and exits 0, or prints `error: ...` and exits 2. Used by deploy/tpu/tpu.sh and
-deploy/slurm/jaxscale.sbatch; the Python launchers run the same check themselves. With
+deploy/slurm/jaxscale.sbatch; the Python launchers run the same check themselves. With an elastic
+range (`--min_granules`) only its minimum must run: a count on which the run would leave a whole
+host's devices idle runs on fewer. `--given_granules=N` (the hosts a Slurm job was given) prints,
+last, `start: K`: the most of them the run starts on, the others idle. With
 `--gpu=h100` (h200, a100; the granules are nodes of such GPUs) the train step is also compiled
 for them, on this host without a GPU (the `jaxscale[gpu-compile]` extra), and a step that needs
 more than JAX's allocator will have on each GPU is refused the same way.
@@ -35,8 +38,13 @@ def make_parser() -> ArgumentParser:
                              "jaxscale[gpu-compile] extra; without it, a note says so).")
     parser.add_argument("--min_granules", type=positive, default=None,
                         help="An elastic range's minimum (hosts): the run may go on with any "
-                             "count from it up to --granules, each checked as the run refits the "
-                             "config for it (default: --granules, not elastic).")
+                             "count from it up to --granules; the minimum is checked as the run "
+                             "refits the config for it, and a count above it that would leave a "
+                             "host all idle runs on fewer (default: --granules, not elastic).")
+    parser.add_argument("--given_granules", type=positive, default=None,
+                        help="The hosts a job of the range was given: print, last, `start: K`, "
+                             "the most of them (from --min_granules) on which the run leaves no "
+                             "host's devices all idle (default: print nothing more).")
     return parser
 
 
@@ -50,10 +58,21 @@ def main(argv: list[str]) -> None:
     if minimum > args.granules:
         fail(f"--min_granules={minimum} is above --granules={args.granules}: the range's minimum "
              "is at most its maximum; pass a smaller --min_granules")
+    given = args.given_granules or args.granules
+    if not minimum <= given <= args.granules:
+        fail(f"--given_granules={given} is outside the range {minimum}-{args.granules}; pass the "
+             "hosts the job was given, within the range")
     per_granule = args.devices // args.granules
-    check_train_args(train_args, args.devices, args.granules, args.gpu,
-                     fewer_devices=tuple(n * per_granule for n in range(minimum, args.granules)))
+    config = check_train_args(train_args, args.devices, args.granules, args.gpu,
+                              fewer_devices=(minimum * per_granule,)
+                              if minimum < args.granules else ())
     print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
+    if args.given_granules is not None:
+        from jaxscale.training.elastic import runs_on  # imports JAX, as the check did
+
+        start = max(n for n in range(minimum, given + 1)
+                    if runs_on(config, n, per_granule, args.granules))
+        print(f"start: {start}")
 
 
 if __name__ == "__main__":

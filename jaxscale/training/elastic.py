@@ -136,7 +136,8 @@ def idle_devices(config: ml_collections.ConfigDict, devices: int, per_host: int,
     hosts = [types.SimpleNamespace(platform="host", process_index=i // per_host)
              for i in range(devices)]
     fit, used, _ = fitted(config, hosts, full_devices)
-    validate(fit, len(used))
+    granules = len({d.process_index for d in used}) if asks_for_dcn(config.mesh) else 1
+    validate(fit, len(used), granules)
     return devices - len(used)
 
 
