@@ -13,6 +13,8 @@ names, so that config.py imports none of them.
 
 from __future__ import annotations
 
+import types
+
 import ml_collections
 from jax.sharding import Mesh
 
@@ -30,11 +32,12 @@ from jaxscale.observe.trackers import check_trackers
 from jaxscale.parallel.attention import IMPLEMENTATIONS, check_attention
 from jaxscale.parallel.context import check_context
 from jaxscale.parallel.experts import check_experts
-from jaxscale.parallel.mesh import build_mesh, dcn_granules, resolve_mesh_shape
+from jaxscale.parallel.mesh import asks_for_dcn, build_mesh, dcn_granules, resolve_mesh_shape
 from jaxscale.parallel.pipeline import check_pipeline
 from jaxscale.parallel.sharding import check_rules
 from jaxscale.runtime.xla_flags import check_setting
 from jaxscale.training import offload
+from jaxscale.training.elastic import fitted
 from jaxscale.training.layout import check_optimizer_layout
 from jaxscale.training.optim import check_memory_options
 from jaxscale.training.state import logical_axis_sizes
@@ -82,3 +85,27 @@ def checked_mesh(config: ml_collections.ConfigDict, devices: list) -> Mesh:
     if config.optim.offload_state:
         offload.check_supported(devices)
     return build_mesh(ici, dcn, devices)
+
+
+# --- an elastic range's counts: the refit (training/elastic.py) checked ---------------------------
+
+
+def idle_devices(config: ml_collections.ConfigDict, devices: int, per_host: int,
+                 full_devices: int) -> int:
+    """How many of `devices` (`per_host` on each host) the run, refitted for them from
+    `full_devices`, leaves idle. Raises ConfigError when the refitted config cannot run on them."""
+    hosts = [types.SimpleNamespace(platform="host", process_index=i // per_host)
+             for i in range(devices)]
+    fit, used, _ = fitted(config, hosts, full_devices)
+    granules = len({d.process_index for d in used}) if asks_for_dcn(config.mesh) else 1
+    validate(fit, len(used), granules)
+    return devices - len(used)
+
+
+def runs_on(config: ml_collections.ConfigDict, hosts: int, per_host: int, full_hosts: int) -> bool:
+    """Whether the run, written for `full_hosts` hosts of `per_host` devices, runs on `hosts` of
+    them with none of their devices all idle."""
+    try:
+        return idle_devices(config, hosts * per_host, per_host, full_hosts * per_host) < per_host
+    except ConfigError:
+        return False

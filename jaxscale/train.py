@@ -58,6 +58,7 @@ def main(argv: list[str]) -> None:
 
         from jaxscale.checkpoint.manager import checkpoint_dir
         from jaxscale.checkpoint.signals import RunStopped
+        from jaxscale.checks import runs_on
         from jaxscale.plan.auto import planned_config
         from jaxscale.runtime import agreement, arrivals, cuda_plugin, xla_flags
         from jaxscale.runtime.tpu_host import quiet_libtpu
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> None:
             distributed.initialize(timeout_s=config.distributed.init_timeout_s,
                                    heartbeat_timeout_s=config.distributed.heartbeat_timeout_s,
                                    checkpoint_dir=checkpoints_at,
-                                   runs_on=functools.partial(elastic.runs_on, config))
+                                   runs_on=functools.partial(runs_on, config))
             rendezvous_seconds = time.perf_counter() - began
             agreement.exit_on_announced_failure()
             # After `initialize`, which reads TPU pods' own TPU_* variables to find its peers.

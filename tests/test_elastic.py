@@ -10,10 +10,10 @@ import types
 
 import pytest
 
-from jaxscale.checks import validate
+from jaxscale.checks import runs_on, validate
 from jaxscale.config import default_config
 from jaxscale.errors import ConfigError
-from jaxscale.training.elastic import fitted, runs_on
+from jaxscale.training.elastic import fitted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

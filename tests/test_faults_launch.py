@@ -188,6 +188,9 @@ def slurm(tmp_path):
           kill -TERM $$
         fi
         echo "ok: the config fits (stand-in)"
+        for arg; do
+          if [[ $arg == --given_granules=* ]]; then echo "start: ${{arg#*=}}"; fi
+        done
         """))
     for tool in (bin_dir / "srun", bin_dir / "scontrol", stub_dir / "python"):
         tool.chmod(0o755)

@@ -76,9 +76,8 @@ def check_train_args(train_args: list[str], num_devices: int, num_granules: int,
     the rest as spares (runtime/rendezvous.py): the range's minimum is the only one to check.
     Returns the config."""
     # Imported here: they import JAX, which supervise's start does not need.
-    from jaxscale.checks import validate
+    from jaxscale.checks import idle_devices, validate
     from jaxscale.parallel.mesh import asks_for_dcn
-    from jaxscale.training.elastic import idle_devices
 
     config, _ = parse_train_flags([sys.argv[0], *train_args])  # a bad flag exits here
     # Granules count only when the config asks for DCN factors, as in parallel.mesh.dcn_granules.
@@ -112,7 +111,7 @@ def _nearest_batch(config, fewer_devices: tuple[int, ...], full_devices: int,
                    per_granule: int) -> int | None:
     """The train.batch_size nearest to the config's (the larger on a tie) on which every count
     checked leaves no whole host idle; None if there is none."""
-    from jaxscale.training.elastic import idle_devices
+    from jaxscale.checks import idle_devices
 
     batch = config.train.batch_size
     for offset in range(1, batch + 1):

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
                               if minimum < args.granules else ())
     print(f"ok: the config fits {args.devices} devices in {args.granules} hosts/slices")
     if args.given_granules is not None:
-        from jaxscale.training.elastic import runs_on  # imports JAX, as the check did
+        from jaxscale.checks import runs_on  # imports JAX, as the check did
 
         start = max(n for n in range(minimum, given + 1)
                     if runs_on(config, n, per_granule, args.granules))

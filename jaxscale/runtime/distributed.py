@@ -293,7 +293,7 @@ def initialize(timeout_s: float | None = None,
     In an elastic range, a process that arrives after the others started without it writes its
     arrival marker in `checkpoint_dir` (runtime/arrivals.py) and tries again until the timeout:
     the run saves, restarts and admits it at its next rendezvous. `runs_on(processes, devices per
-    process, full processes)` (training/elastic.py's, given DEVICES_PER_PROCESS_VAR): whether the
+    process, full processes)` (checks.runs_on, given DEVICES_PER_PROCESS_VAR): whether the
     run runs on that count; the rendezvous starts the largest that does, and a process left out
     waits as a late one does.
     """

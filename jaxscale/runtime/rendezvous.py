@@ -21,10 +21,10 @@ its new id and n, with which JAX then starts. Fewer than the minimum by the dead
 TransientError naming who is missing (exit 75: retry once the hosts are back).
 
 Spares: a count on which the run would leave a whole host's devices idle cannot start (that
-process would hold no shard: training/elastic.py). Given `runs_on`, process 0 admits the largest
-count of those that came on which the run runs, the lowest ids, and answers the others "spare":
-they wait as a late process does, and a narrower run takes them back once enough have come for a
-count that runs (runtime/arrivals.py).
+process would hold no shard: training/elastic.py). Given `runs_on` (checks.py), process 0 admits
+the largest count of those that came on which the run runs, the lowest ids, and answers the others
+"spare": they wait as a late process does, and a narrower run takes them back once enough have
+come for a count that runs (runtime/arrivals.py).
 
 A process that arrives after the others started (a host back from a loss, a pod started late) finds
 JAX's coordination service on the port instead: a gRPC server, which answers any connection at once

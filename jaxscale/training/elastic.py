@@ -12,7 +12,7 @@ are left idle that let one; `note` says what was chosen, for the start-up line.
 
 On a count whose refit would leave a whole host's devices idle, the run cannot start (a process
 holding no shard still takes part in every step): such a count starts on the largest count below
-it that runs, and the other hosts wait as spares (`runs_on`, used by runtime/rendezvous.py).
+it that runs, and the other hosts wait as spares (checks.runs_on, used by runtime/rendezvous.py).
 
 A config with a DCN factor across hosts (GPU nodes: `mesh.dcn.data=8` for 8 of them) keeps each
 host's ICI layout, and the one DCN factor the batch is split over is set to the hosts present
@@ -24,7 +24,6 @@ without one of its hosts, so a run of several loses a whole slice or nothing.
 from __future__ import annotations
 
 import math
-import types
 
 import ml_collections
 
@@ -126,25 +125,3 @@ def _fitted_over_hosts(config: ml_collections.ConfigDict, devices: list, full_de
         f"{width}, train.microbatches {t.microbatches} -> {k}")
 
 
-
-def idle_devices(config: ml_collections.ConfigDict, devices: int, per_host: int,
-                 full_devices: int) -> int:
-    """How many of `devices` (`per_host` on each host) the run, refitted for them from
-    `full_devices`, leaves idle. Raises ConfigError when the refitted config cannot run on them."""
-    from jaxscale.checks import validate  # it imports every module with a check: only here
-
-    hosts = [types.SimpleNamespace(platform="host", process_index=i // per_host)
-             for i in range(devices)]
-    fit, used, _ = fitted(config, hosts, full_devices)
-    granules = len({d.process_index for d in used}) if asks_for_dcn(config.mesh) else 1
-    validate(fit, len(used), granules)
-    return devices - len(used)
-
-
-def runs_on(config: ml_collections.ConfigDict, hosts: int, per_host: int, full_hosts: int) -> bool:
-    """Whether the run, written for `full_hosts` hosts of `per_host` devices, runs on `hosts` of
-    them with none of their devices all idle."""
-    try:
-        return idle_devices(config, hosts * per_host, per_host, full_hosts * per_host) < per_host
-    except ConfigError:
-        return False
