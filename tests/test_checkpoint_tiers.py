@@ -186,3 +186,21 @@ def test_local_tier_keys_are_checked(key, value, words):
     with pytest.raises(ConfigError, match=rf"^checkpoint\.{key}={value!r}.*" + words.replace(
             "[", r"\[").replace("]", r"\]")):
         check_settings(config)
+
+
+@pytest.mark.parametrize("process_local", [False, True])
+def test_every_tier_makes_a_saves_folders_before_any_array_is_written(tmp_path, process_local):
+    """Orbax's default makes them on a thread while the arrays are written, and a write that
+    makes a folder first failed a two-process save on a local disk (FileExistsError) and lost
+    chunks in a bucket (jaxscale/checkpoint/tier.py)."""
+    from etils import epath
+
+    from jaxscale.checkpoint.tier import Tier
+
+    directory = epath.Path(tmp_path / "tier")
+    directory.mkdir()
+    manager = Tier(directory, process_local=process_local, keep=1)._make_manager()
+    try:
+        assert manager._options.async_options.create_directories_asynchronously is False
+    finally:
+        manager.close()

@@ -153,22 +153,21 @@ class Tier:
             keep.append(ocp.checkpoint_managers.EveryNSteps(self._keep_every_steps))
         options = dict(enable_async_checkpointing=self._async_save, cleanup_tmp_directories=True,
                        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep))
-        # In a bucket a folder exists once any object is under it, and Orbax (0.12), making a
-        # save's item folders while the arrays are written, removes one it finds existing as
-        # unfinished: with the writes of the arrays in it (chunks of a committed checkpoint went
-        # missing, seen with two processes in test_bucket_faults.py). Made before any write.
-        folders_first = self.in_bucket
+        # Orbax (0.12) makes a save's item folders on a thread while the arrays are written, and an
+        # array write may make a folder first. On a local disk the save then fails (FileExistsError
+        # on two processes in test_stops_processes.py, and the other waited 600 s for the folder's
+        # signal); in a bucket, where a folder exists once any object is under it, Orbax removes
+        # the folder as unfinished, with the writes in it (chunks of a committed checkpoint went
+        # missing in test_bucket_faults.py). So the folders are made before any write.
+        async_options = dict(create_directories_asynchronously=False)
         if self.process_local:  # the folder is made already: Orbax makes none for one process
             logging.getLogger("absl").addFilter(_without_local_notice)
             options.update(multiprocessing_options=process_local_options(), create=False,
                            enable_per_process_directory_creation=True)
         elif jax.process_count() > 1:
             self._barrier = SaveBarrier()
-            options.update(async_options=ocp.AsyncOptions(
-                barrier_sync_fn=self._barrier,
-                create_directories_asynchronously=not folders_first))
-        elif folders_first:
-            options.update(async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+            async_options.update(barrier_sync_fn=self._barrier)
+        options.update(async_options=ocp.AsyncOptions(**async_options))
         return _Manager(self.directory, handler_registry=handler_registry(self.process_local),
                         options=ocp.CheckpointManagerOptions(**options))
 
